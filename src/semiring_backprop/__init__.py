@@ -1,0 +1,58 @@
+"""Semiring backpropagation on unmodified PyTorch models.
+
+>>> import semiring_backprop as sbp
+>>> res = sbp.backprop(model, args=(x,), output=lambda y: y[0, 1],
+...                    semirings=[sbp.Real(), sbp.MaxProduct(), sbp.Entropy()])
+>>> res.at(0, sbp.Real())          # the gradient
+>>> res.at(0, sbp.MaxProduct()).hi  # the most positive path product
+"""
+
+from .api import backprop
+from .errors import (
+    InputError,
+    NonFiniteError,
+    NotFoundError,
+    SemiringBackpropError,
+    TracingError,
+    TrainingModeError,
+    UnsupportedOpError,
+)
+from .result import Result
+from .rules import register, supported_ops
+from .semirings import (
+    Entropy,
+    LogAbs,
+    MaxAbs,
+    MaxProduct,
+    PathCount,
+    Real,
+    Semiring,
+    TopK,
+)
+from .tracing import Graph, trace
+
+__all__ = [
+    "Entropy",
+    "Graph",
+    "InputError",
+    "LogAbs",
+    "MaxAbs",
+    "MaxProduct",
+    "NonFiniteError",
+    "NotFoundError",
+    "PathCount",
+    "Real",
+    "Result",
+    "Semiring",
+    "SemiringBackpropError",
+    "TopK",
+    "TracingError",
+    "TrainingModeError",
+    "UnsupportedOpError",
+    "backprop",
+    "register",
+    "supported_ops",
+    "trace",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,192 @@
+"""How composite ops are broken into primitives before the pass (DESIGN §1).
+
+Everything goes to core ATen through torch's own decompositions, except these
+composites, which we decompose ourselves so that (a) the softmax stability shift is
+the edge-free ``softmax_shift`` op and (b) the primitives are the paper's: softmax as
+exp / sum / div, layer norm as mean / sub / pow / rsqrt / mul, GELU through erf or tanh,
+SDPA as matmul / softmax / matmul. Any of them can be kept whole by name.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _ops  # noqa: F401
+
+aten = torch.ops.aten
+shift = torch.ops.semiring_backprop.softmax_shift
+
+KEEPABLE = ("softmax", "log_softmax", "layer_norm", "gelu")
+
+
+def _dims(x, dim):
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return [d % max(x.dim(), 1) for d in dims]
+
+
+def softmax(x, dim, dtype=None):
+    if dtype is not None:
+        x = x.to(dtype)
+    e = torch.exp(x - shift(x, _dims(x, dim)))
+    return e / e.sum(dim, keepdim=True)
+
+
+def _softmax(x, dim, half_to_float=False):
+    return softmax(x, dim)
+
+
+def log_softmax(x, dim, dtype=None):
+    if dtype is not None:
+        x = x.to(dtype)
+    z = x - shift(x, _dims(x, dim))
+    return z - torch.log(torch.exp(z).sum(dim, keepdim=True))
+
+
+def _log_softmax(x, dim, half_to_float=False):
+    return log_softmax(x, dim)
+
+
+def logsumexp(x, dim, keepdim=False):
+    dims = _dims(x, dim)
+    s = shift(x, dims)
+    out = torch.log(torch.exp(x - s).sum(dims, keepdim=True)) + s
+    return out if keepdim else out.squeeze(dims)
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    d = x - x.mean(dims, keepdim=True)
+    y = d * torch.rsqrt(d.pow(2).mean(dims, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=None):
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    y = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+    return y * weight if weight is not None else y
+
+
+def gelu(x, approximate="none"):
+    if approximate == "tanh":
+        inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x.pow(3))
+        return 0.5 * x * (1 + torch.tanh(inner))
+    return 0.5 * x * (1 + torch.erf(x * (1 / math.sqrt(2))))
+
+
+def scaled_dot_product_attention(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
+    if dropout_p > 0:
+        raise ValueError(
+            f"scaled_dot_product_attention with dropout_p={dropout_p}: call model.eval()"
+        )
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        rep = q.shape[-3] // k.shape[-3]
+
+        def widen(t):
+            return t.unsqueeze(-3).expand(*t.shape[:-2], rep, *t.shape[-2:]).flatten(-4, -3)
+
+        k, v = widen(k), widen(v)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if is_causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask
+    return torch.matmul(torch.softmax(scores, -1), v)
+
+
+def var_correction(x, dim=None, *, correction=None, keepdim=False):
+    dims = list(range(x.dim())) if dim is None else _dims(x, dim)
+    n = math.prod(x.shape[d] for d in dims)
+    c = 1 if correction is None else correction
+    d = x - x.mean(dims, keepdim=True)
+    return d.pow(2).sum(dims, keepdim=keepdim) / max(n - c, 0)
+
+
+def var_mean_correction(x, dim=None, *, correction=None, keepdim=False):
+    dims = list(range(x.dim())) if dim is None else _dims(x, dim)
+    return var_correction(x, dims, correction=correction, keepdim=keepdim), x.mean(
+        dims, keepdim=keepdim
+    )
+
+
+def _extreme(reduce_idx):
+    def fn(x, dim, keepdim=False):
+        idx = reduce_idx(x, dim, keepdim=True)
+        vals = torch.gather(x, dim, idx)
+        if not keepdim:
+            vals, idx = vals.squeeze(dim), idx.squeeze(dim)
+        return vals, idx
+
+    return fn
+
+
+def split(x, split_size, dim=0):
+    n = x.shape[dim]
+    sizes = [min(split_size, n - s) for s in range(0, n, split_size)] if n else [0]
+    return split_with_sizes(x, sizes, dim)
+
+
+def split_with_sizes(x, sizes, dim=0):
+    out, start = [], 0
+    for s in sizes:
+        out.append(aten.slice(x, dim, start, start + s))
+        start += s
+    return out
+
+
+def unbind(x, dim=0):
+    return [aten.select(x, dim, i) for i in range(x.shape[dim])]
+
+
+_OURS = {
+    "softmax": {aten.softmax.int: softmax, aten._softmax.default: _softmax},
+    "log_softmax": {aten.log_softmax.int: log_softmax, aten._log_softmax.default: _log_softmax},
+    "layer_norm": {aten.layer_norm.default: layer_norm},
+    "gelu": {aten.gelu.default: gelu},
+    None: {
+        aten.logsumexp.default: logsumexp,
+        aten.rms_norm.default: rms_norm,
+        aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
+        aten.var.correction: var_correction,
+        aten.var_mean.correction: var_mean_correction,
+        aten.max.dim: _extreme(lambda x, d, keepdim: x.argmax(d, keepdim=keepdim)),
+        aten.min.dim: _extreme(lambda x, d, keepdim: x.argmin(d, keepdim=keepdim)),
+        aten.split.Tensor: split,
+        aten.split_with_sizes.default: split_with_sizes,
+        aten.unbind.int: unbind,
+    },
+}
+
+# composites torch would otherwise lower to ops we keep whole or that lose structure
+_KEEP_FROM_TORCH = (aten.native_layer_norm.default,)
+
+
+def table(keep: tuple[str, ...] = ()) -> dict:
+    """The decomposition table for ``ExportedProgram.run_decompositions``."""
+    unknown = set(keep) - set(KEEPABLE)
+    if unknown:
+        raise ValueError(
+            f"keep={sorted(unknown)}: only these composite ops can be kept whole: "
+            f"{', '.join(KEEPABLE)}"
+        )
+    t = torch.export.default_decompositions()
+    for name, ops in _OURS.items():
+        for op, fn in ops.items():
+            if name in keep:
+                t.pop(op, None)
+            else:
+                t[op] = fn
+    return t

@@ -1,0 +1,113 @@
+"""The reverse pass (Algorithm 2 of the paper): micrograd's loop with ⊕ for +=.
+
+Walk the graph backwards from the output; at each node apply its op's rule under every
+semiring and ⊕ the results into the node's inputs. Several argument slots of one op
+that read the same tensor are aggregated inside the op (``sr.sum``); several ops that
+read it are combined by ``sr.plus``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.node import map_arg
+
+from . import rules
+from .errors import InputError, UnsupportedOpError, where
+from .semirings.base import stack
+
+
+def needed_nodes(graph, start) -> frozenset:
+    """Float nodes on a path to ``start`` that depend on a user input (not on weights only)."""
+    from_input = set(graph.user_inputs.values())
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in from_input for a in node.all_input_nodes):
+            from_input.add(node)
+    reach, todo = set(), [start]
+    while todo:
+        n = todo.pop()
+        if n not in reach:
+            reach.add(n)
+            todo.extend(n.all_input_nodes)
+    return frozenset(n for n in reach & from_input if _is_float(n))
+
+
+def _is_float(node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def reverse(graph, values: dict, semirings: list, seed_node) -> dict:
+    """D(v) for every needed node v, as ``{node: [value per semiring]}``."""
+    needed = needed_nodes(graph, seed_node)
+    if seed_node not in needed:
+        raise InputError(
+            "the output does not depend on any float input of the model: nothing to explain"
+        )
+    out = values[seed_node]
+    acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
+    store = {}
+    for node_id in range(len(graph.nodes) - 1, -1, -1):
+        node = graph.nodes[node_id]
+        d = acc.pop(node, None)
+        if d is None:
+            continue
+        store[node] = d
+        inputs = [n for n in node.all_input_nodes if n in needed]
+        if node.op != "call_function" or not inputs:
+            continue
+        rule = rules.lookup(node.target)
+        if rule is None:
+            raise _unsupported(graph, node)
+        op = rules.Op(
+            node,
+            map_arg(node.args, values.__getitem__),
+            map_arg(node.kwargs, values.__getitem__),
+            values[node],
+            needed,
+        )
+        for s, (sr, g) in enumerate(zip(semirings, d)):
+            contributions: dict = {}
+            res = rule.fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
+            for inp, c in _pair(node.args, res):
+                if inp in needed and c is not None:
+                    contributions.setdefault(inp, []).append(c)
+            for inp, cs in contributions.items():
+                c = cs[0] if len(cs) == 1 else sr.sum(stack(cs), 0)
+                _check_shape(graph, node, inp, c)
+                slot = acc.setdefault(inp, [None] * len(semirings))
+                prev = slot[s]
+                if prev is None:
+                    prev = sr.zero(c[0].shape, c[0])
+                slot[s] = sr.plus(prev, c)
+    return store
+
+
+def _pair(args, res):
+    """Pair each fx Node among ``args`` (lists included) with the rule's value for it."""
+    if isinstance(args, torch.fx.Node):
+        yield args, res
+    elif isinstance(args, list | tuple) and isinstance(res, list | tuple) and not _is_value(res):
+        for a, r in zip(args, res):
+            yield from _pair(a, r)
+
+
+def _is_value(res) -> bool:
+    return isinstance(res, tuple) and len(res) > 0 and isinstance(res[0], torch.Tensor)
+
+
+def _check_shape(graph, node, inp, c):
+    want = tuple(inp.meta["val"].shape)
+    if tuple(c[0].shape) != want:
+        raise RuntimeError(
+            f"internal error: the rule of {node.target} at {where(node, graph.module_of(node))} "
+            f"returned shape {tuple(c[0].shape)} for input `{inp.name}` of shape {want}"
+        )
+
+
+def _unsupported(graph, node) -> UnsupportedOpError:
+    return UnsupportedOpError(
+        f"no semiring rule for {node.target} at {where(node, graph.module_of(node))}. "
+        "Register one with semiring_backprop.rules.register(<op>, kind) (kinds: pointwise, "
+        "routing, contraction, reduction, nondifferentiable), keep the module out of the "
+        "explained function, or report the op; sbp.supported_ops() lists the rules."
+    )

@@ -1,0 +1,40 @@
+"""One exception family. Every message names the input, the place and the fix."""
+
+from __future__ import annotations
+
+
+class SemiringBackpropError(Exception):
+    """Base class of every error this library raises on purpose."""
+
+
+class UnsupportedOpError(SemiringBackpropError, NotImplementedError):
+    """An op in the traced graph has no rule."""
+
+
+class TracingError(SemiringBackpropError):
+    """The model could not be traced to an ATen graph."""
+
+
+class InputError(SemiringBackpropError, ValueError):
+    """Bad arguments: an output that is not a scalar, an unknown input, and so on."""
+
+
+class NonFiniteError(SemiringBackpropError, FloatingPointError):
+    """The forward pass produced NaN or inf."""
+
+
+class TrainingModeError(SemiringBackpropError):
+    """The model is in training mode, which makes edges random (dropout)."""
+
+
+class NotFoundError(SemiringBackpropError, KeyError):
+    """``Result.at`` was asked for a place the graph does not have."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; we want it plain
+        return str(self.args[0]) if self.args else ""
+
+
+def where(node, module: str | None) -> str:
+    """``while running node `addmm_3` (`bert.encoder.layer.0.attention.self.key`)``."""
+    place = f" (`{module}`)" if module else ""
+    return f"node `{node.name}`{place}"

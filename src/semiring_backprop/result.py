@@ -1,0 +1,101 @@
+"""Result: semiring values per node, looked up by input, module path or node name."""
+
+from __future__ import annotations
+
+import difflib
+
+import torch
+
+from .errors import InputError, NotFoundError
+from .semirings.base import Semiring
+
+
+class Result:
+    """What one reverse pass computed.
+
+    >>> res.at(0, Real())                               # gradient w.r.t. args[0]
+    >>> res.at("encoder.layer.0.attention", Entropy())  # at that module's output
+    >>> res.at("encoder.layer.0.attention:input", MaxProduct())
+    >>> res.aggregate("embeddings", MaxProduct(), dims=(-1,))  # ⊕ over hidden units
+    """
+
+    def __init__(self, graph, values: dict, store: dict, semirings: list):
+        self.graph = graph
+        self.values = values
+        self.semirings = list(semirings)
+        self._store = store
+
+    # -- lookup -----------------------------------------------------------------
+    def node(self, where) -> torch.fx.Node:
+        """The graph node for an input position/keyword, a module path or a node name."""
+        g = self.graph
+        if isinstance(where, torch.fx.Node):
+            return where
+        if where in g.user_inputs:
+            return g.user_inputs[where]
+        if isinstance(where, int):
+            raise NotFoundError(
+                f"args[{where}] is not a tensor input of the traced call "
+                f"(tensor inputs: {_keys(g.user_inputs)})"
+            )
+        if not isinstance(where, str):
+            raise InputError(f"at() takes an int, an input name or a module path, got {where!r}")
+        if where in g.tags:
+            return g.tags[where]
+        suffix = [t for t in g.tags if t.endswith("." + where)]
+        if len(suffix) == 1:
+            return g.tags[suffix[0]]
+        if len(suffix) > 1:
+            raise NotFoundError(f"{where!r} matches several modules: {suffix[:8]}; give the full path")
+        by_name = {n.name: n for n in g.nodes}
+        if where in by_name:
+            return by_name[where]
+        near = difflib.get_close_matches(where, list(g.tags) + list(map(str, g.user_inputs)), n=5)
+        hint = f" Did you mean: {', '.join(near)}?" if near else ""
+        raise NotFoundError(
+            f"no input, module or node named {where!r} in the traced graph.{hint} Module paths "
+            "are those of model.named_modules(); add ':input' for a module's first input."
+        )
+
+    def value(self, where, semiring: Semiring):
+        """The raw semiring value (tuple of fields) at ``where``."""
+        node = self.node(where)
+        try:
+            k = self.semirings.index(semiring)
+        except ValueError:
+            raise InputError(
+                f"{semiring} was not computed in this pass; computed: {self.semirings}"
+            ) from None
+        if node not in self._store:
+            raise InputError(self._why_missing(where, node))
+        return self._store[node][k]
+
+    def at(self, where, semiring: Semiring):
+        """The readout of ``semiring`` at ``where`` (see each semiring's readout)."""
+        return semiring.finalize(self.value(where, semiring))
+
+    def aggregate(self, where, semiring: Semiring, dims=(-1,)):
+        """⊕ of the values over ``dims`` (the paper's aggregated derivative, Eq. 3)."""
+        v = self.value(where, semiring)
+        return semiring.finalize(semiring.sum(v, dims))
+
+    def _why_missing(self, where, node) -> str:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            return (
+                f"{where!r} is a {val.dtype} tensor (e.g. token ids): it has no edges. Ask for "
+                "the embeddings instead, e.g. res.at('embeddings', ...) or the word "
+                "embedding module's output."
+            )
+        return (
+            f"the output does not depend on {where!r} through the model's inputs (it is not "
+            "on any path to the output, or depends on weights only), so it has no value."
+        )
+
+    def __repr__(self) -> str:
+        names = ", ".join(sr.name for sr in self.semirings)
+        return f"Result({len(self._store)} nodes; {names})"
+
+
+def _keys(d):
+    return ", ".join(repr(k) for k in d) or "none"

@@ -1,0 +1,41 @@
+"""Contractions: the semiring matmul of the output value with the other operand.
+
+For ``c = a @ b``: ``D(a) = D(c) ⊗ bᵀ`` and ``D(b) = (D(c)ᵀ ⊗ a)ᵀ``, where
+``sr.matmul(x, w)[i, k] = ⊕_j x[i, j] ⊗ lift(w[j, k])``. Every (i, k, j) is an edge,
+whatever the weight's value (dense).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..semirings.base import fmap
+from .pointwise import _unbroadcast
+from .registry import register
+
+aten = torch.ops.aten
+
+
+def _mT(value):
+    return fmap(lambda f: f.transpose(-2, -1), value)
+
+
+def _matmul_grads(sr, g, op, a, b, i_a, i_b, scale=1):
+    da = sr.matmul(g, b.transpose(-2, -1) * scale) if op.needs(i_a) else None
+    db = _mT(sr.matmul(_mT(g), a * scale)) if op.needs(i_b) else None
+    return da, db
+
+
+@register([aten.mm.default, aten.bmm.default], "contraction")
+def _mm(sr, g, op, a, b):
+    return list(_matmul_grads(sr, g, op, a, b, 0, 1))
+
+
+@register([aten.addmm.default, aten.baddbmm.default], "contraction")
+def _addmm(sr, g, op, bias, a, b, *, beta=1, alpha=1):
+    da, db = _matmul_grads(sr, g, op, a, b, 1, 2, alpha)
+    dbias = None
+    if isinstance(bias, torch.Tensor) and op.needs(0):
+        scaled = g if beta == 1 else sr.times(g, torch.full_like(op.out, beta))
+        dbias = _unbroadcast(sr, scaled, bias.shape)
+    return [dbias, da, db]

@@ -1,0 +1,37 @@
+"""Ops declared to carry no edges: their output does not depend differentiably on
+their inputs (rounding, signs, shapes of ``*_like``) or, like the stability shift of
+softmax, must not (DESIGN §1)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ops  # noqa: F401  (defines softmax_shift)
+from .registry import register
+
+aten = torch.ops.aten
+
+
+@register(
+    [
+        torch.ops.semiring_backprop.softmax_shift.default,
+        aten.detach.default,
+        aten.sign.default,
+        aten.floor.default,
+        aten.ceil.default,
+        aten.round.default,
+        aten.trunc.default,
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.full_like.default,
+        aten.empty_like.default,
+        aten.rand_like.default,
+        aten.randn_like.default,
+        aten.bernoulli.default,
+        aten.argmax.default,
+        aten.argmin.default,
+    ],
+    "nondifferentiable",
+)
+def _no_edges(sr, g, op, *args, **kwargs):
+    return [None] * len(args)

@@ -1,0 +1,110 @@
+"""Pointwise ops: one edge per output element per argument slot, weight ∂out/∂arg.
+
+Derivatives come from a formula table for common ops and from forward-mode autograd
+for every other op tagged ``torch.Tag.pointwise``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .registry import register
+
+aten = torch.ops.aten
+
+
+def _unbroadcast(sr, value, shape):
+    """⊕-reduce a value of a broadcast shape back to ``shape``."""
+    vshape = value[0].shape
+    if tuple(vshape) == tuple(shape):
+        return value
+    lead = len(vshape) - len(shape)
+    dims = list(range(lead)) + [
+        lead + i for i, s in enumerate(shape) if s == 1 and vshape[lead + i] != 1
+    ]
+    value = sr.sum(value, dims, keepdim=True)
+    return tuple(f.reshape(shape) for f in value)
+
+
+def _jvp_derivative(target, args, kwargs, i):
+    def f(x):
+        a = list(args)
+        a[i] = x
+        return target(*a, **kwargs)
+
+    x = args[i]
+    return torch.func.jvp(f, (x,), (torch.ones_like(x),))[1]
+
+
+def _float_tensor(a) -> bool:
+    return isinstance(a, torch.Tensor) and a.is_floating_point()
+
+
+def _pointwise_rule(derivs):
+    """Build a rule from one derivative function per argument slot (None: no edge)."""
+
+    def rule(sr, g, op, *args, **kwargs):
+        out = []
+        for i, a in enumerate(args):
+            d_fn = derivs(i) if callable(derivs) else (derivs[i] if i < len(derivs) else None)
+            if d_fn is None or not _float_tensor(a) or not op.needs(i):
+                out.append(None)
+                continue
+            d = op.cached(("d", i), lambda: _as_tensor(d_fn(op, *args, **kwargs), op.out))
+            out.append(_unbroadcast(sr, sr.times(g, d), a.shape))
+        return out
+
+    return rule
+
+
+def _as_tensor(d, like):
+    if isinstance(d, torch.Tensor):
+        return d.to(like.dtype)
+    return torch.tensor(d, dtype=like.dtype, device=like.device)
+
+
+def generic_pointwise(sr, g, op, *args, **kwargs):
+    """Fallback for any pointwise op: derivatives by torch.func.jvp, one slot at a time."""
+    target = op.node.target
+    return _pointwise_rule(lambda i: lambda op, *a, **k: _jvp_derivative(target, a, k, i))(
+        sr, g, op, *args, **kwargs
+    )
+
+
+def pointwise(ops, *derivs):
+    """Register a pointwise op by its per-slot derivative formulas (JAX's ``defjvp``)."""
+    register(ops, "pointwise")(_pointwise_rule(derivs))
+
+
+def _alpha(kw):
+    return kw.get("alpha", 1)
+
+
+# fmt: off
+pointwise(aten.add.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: _alpha(k))
+pointwise(aten.add.Scalar, lambda op, a, b, **k: 1.0)
+pointwise(aten.sub.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: -_alpha(k))
+pointwise(aten.sub.Scalar, lambda op, a, b, **k: 1.0)
+pointwise(aten.rsub.Scalar, lambda op, a, b, **k: -_alpha(k))
+pointwise(aten.mul.Tensor, lambda op, a, b: b, lambda op, a, b: a)
+pointwise(aten.mul.Scalar, lambda op, a, b: b)
+pointwise(aten.div.Tensor, lambda op, a, b: 1.0 / b, lambda op, a, b: -op.out / b)
+pointwise(aten.div.Scalar, lambda op, a, b: 1.0 / b)
+pointwise(aten.neg.default, lambda op, a: -1.0)
+pointwise(aten.exp.default, lambda op, a: op.out)
+pointwise(aten.log.default, lambda op, a: 1.0 / a)
+pointwise(aten.tanh.default, lambda op, a: 1.0 - op.out * op.out)
+pointwise(aten.sigmoid.default, lambda op, a: op.out * (1.0 - op.out))
+pointwise(aten.relu.default, lambda op, a: (a > 0).to(a.dtype))
+pointwise(aten.rsqrt.default, lambda op, a: -0.5 * op.out ** 3)
+pointwise(aten.sqrt.default, lambda op, a: 0.5 / op.out)
+pointwise(aten.erf.default, lambda op, a: (2.0 / math.sqrt(math.pi)) * torch.exp(-a * a))
+pointwise(aten.sin.default, lambda op, a: torch.cos(a))
+pointwise(aten.cos.default, lambda op, a: -torch.sin(a))
+pointwise(aten.reciprocal.default, lambda op, a: -op.out * op.out)
+pointwise(aten.pow.Tensor_Scalar, lambda op, a, e: e * a ** (e - 1) if e != 0 else 0.0 * a)
+pointwise(aten.leaky_relu.default, lambda op, a, slope=0.01: torch.where(a > 0, 1.0, slope).to(a.dtype))
+pointwise(aten.abs.default, lambda op, a: torch.sign(a))
+# fmt: on

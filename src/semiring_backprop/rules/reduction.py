@@ -1,0 +1,61 @@
+"""Reductions: sum (weight 1), mean (1/n), amax/amin (edges to the selected elements)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..semirings.base import _dims
+from .registry import register
+
+aten = torch.ops.aten
+
+
+def _reduced_dims(x, dims):
+    if dims is None or (isinstance(dims, list | tuple) and len(dims) == 0):
+        return tuple(range(x.dim()))
+    return _dims(dims, max(x.dim(), 1))
+
+
+def _spread(g, x, dims, keepdim):
+    """Broadcast an output value back over the reduced dims (each input feeds one output)."""
+    if not keepdim:
+        for d in dims:
+            g = tuple(f.unsqueeze(d) for f in g)
+    return tuple(f.expand(x.shape) for f in g)
+
+
+@register([aten.sum.dim_IntList, aten.sum.default], "reduction")
+def _sum(sr, g, op, x, dims=None, keepdim=False, **kwargs):
+    return [_spread(g, x, _reduced_dims(x, dims), keepdim)]
+
+
+@register([aten.mean.dim, aten.mean.default], "reduction")
+def _mean(sr, g, op, x, dims=None, keepdim=False, **kwargs):
+    dims = _reduced_dims(x, dims)
+    n = math.prod(x.shape[d] for d in dims)
+    return [sr.times(_spread(g, x, dims, keepdim), torch.full_like(x, 1.0 / n))]
+
+
+def _select_extreme(sr, g, op, x, dims, keepdim):
+    """Edges to the selected elements only; ties share the weight, as autograd does."""
+    dims = _reduced_dims(x, dims)
+    out = op.out if keepdim else op.out.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
+    hit = x == out
+    count = hit.sum(dims, keepdim=True)
+    w = hit.to(x.dtype) / count
+    spread = sr.times(_spread(g, x, dims, keepdim), w)
+    zero = sr.zero(x.shape, x)
+    return [tuple(torch.where(hit, s, z) for s, z in zip(spread, zero))]
+
+
+@register([aten.amax.default, aten.amin.default], "reduction")
+def _amax(sr, g, op, x, dims=(), keepdim=False):
+    return _select_extreme(sr, g, op, x, dims, keepdim)
+
+
+@register([aten.max.default, aten.min.default], "reduction")
+def _max_all(sr, g, op, x):
+    return _select_extreme(sr, g, op, x, None, False)
+

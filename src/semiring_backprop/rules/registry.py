@@ -1,0 +1,98 @@
+"""The rule table, keyed by ATen overload (torch._decomp style).
+
+A rule has the signature ``rule(sr, g, op, *args, **kwargs) -> per-argument values``:
+``g`` is the semiring value at the op's output, ``args``/``kwargs`` the op's forward
+arguments, and the return value mirrors ``args`` (a value for each tensor argument that
+carries edges, ``None`` for the others, a list for a list argument).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SemiringBackpropError
+
+KINDS = ("pointwise", "routing", "contraction", "reduction", "nondifferentiable", "composite")
+
+
+@dataclass(frozen=True)
+class Rule:
+    fn: Callable
+    kind: str
+    op: object
+
+
+_RULES: dict[object, Rule] = {}
+
+
+def _overloads(ops):
+    if not isinstance(ops, list | tuple):
+        ops = [ops]
+    for op in ops:
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            yield from (getattr(op, name) for name in op.overloads())
+        else:
+            yield op
+
+
+def register(ops, kind: str):
+    """Register ``fn`` as the rule of ``ops`` (an overload, a packet or a list)."""
+    if kind not in KINDS:
+        raise ValueError(f"rule kind {kind!r} is not one of {KINDS}")
+
+    def deco(fn):
+        for op in _overloads(ops):
+            if op in _RULES:
+                raise SemiringBackpropError(f"a rule for {op} is already registered")
+            _RULES[op] = Rule(fn, kind, op)
+        return fn
+
+    return deco
+
+
+def lookup(target) -> Rule | None:
+    """The registered rule, else the generic pointwise rule for pointwise-tagged ops."""
+    rule = _RULES.get(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.pointwise in target.tags:
+            from .pointwise import generic_pointwise
+
+            return Rule(generic_pointwise, "pointwise", target)
+    return rule
+
+
+def supported_ops() -> dict[str, str]:
+    """Every registered overload and its rule kind; any other op tagged pointwise is
+    handled by the generic pointwise rule (derivatives by forward-mode autograd)."""
+    return {str(op): r.kind for op, r in sorted(_RULES.items(), key=lambda kv: str(kv[0]))}
+
+
+def registered() -> dict[object, Rule]:
+    return dict(_RULES)
+
+
+@dataclass
+class Op:
+    """What a rule sees of one graph node: forward values and a per-pass memo shared by
+    every semiring (so local derivatives are computed once per node)."""
+
+    node: torch.fx.Node
+    args: tuple
+    kwargs: dict
+    out: object
+    needed: frozenset
+    memo: dict = field(default_factory=dict)
+
+    def needs(self, i: int) -> bool:
+        a = self.node.args[i] if i < len(self.node.args) else None
+        if isinstance(a, list | tuple):
+            return any(x in self.needed for x in a)
+        return a in self.needed
+
+    def cached(self, key, fn):
+        if key not in self.memo:
+            self.memo[key] = fn()
+        return self.memo[key]

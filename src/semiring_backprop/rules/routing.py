@@ -1,0 +1,181 @@
+"""Routing ops move data only: weight-1 edges, backward is a ⊕-scatter.
+
+Shape-only ops have direct inverses. Every other routing op is handled by one generic
+rule: the op is run once on integer tensors holding the flat index of each input
+element, which yields, for every output element, the input element it was copied from
+(-1 for none); the backward pass ⊕-scatters along that map, so an element read at
+several places ⊕-accumulates (never overwrites).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _ops  # noqa: F401  (defines the mark op)
+from ..semirings.base import fmap, fmap2
+from .pointwise import _unbroadcast
+from .registry import register
+
+aten = torch.ops.aten
+
+
+def _reshape_back(sr, g, op, x, *args, **kwargs):
+    return [tuple(f.reshape(x.shape) for f in g)]
+
+
+register(
+    [
+        aten.view.default,
+        aten._unsafe_view.default,
+        aten.reshape.default,
+        aten.unsqueeze.default,
+        aten.squeeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.alias.default,
+        aten.clone.default,
+        aten.lift_fresh_copy.default,
+        aten.contiguous.default,
+        aten.flatten.using_ints,
+        torch.ops.semiring_backprop.mark.default,
+    ],
+    "routing",
+)(_reshape_back)
+
+
+@register([aten._to_copy.default, aten.to.dtype], "routing")
+def _to_copy(sr, g, op, x, *args, **kwargs):
+    if not x.is_floating_point():
+        return [None]  # int -> float (ids, masks): no edges
+    return [fmap(lambda f: f.to(x.dtype) if f.is_floating_point() else f, g)]
+
+
+@register(aten.permute.default, "routing")
+def _permute(sr, g, op, x, dims):
+    inv = [0] * len(dims)
+    for i, d in enumerate(dims):
+        inv[d % len(dims)] = i
+    return [fmap(lambda f: f.permute(inv), g)]
+
+
+@register([aten.transpose.int, aten.t.default], "routing")
+def _transpose(sr, g, op, x, d0=0, d1=1):
+    return [fmap(lambda f: f.transpose(d0, d1), g)]
+
+
+@register(aten.expand.default, "routing")
+def _expand(sr, g, op, x, size, **kwargs):
+    return [_unbroadcast(sr, g, x.shape)]
+
+
+@register(aten.slice.Tensor, "routing")
+def _slice(sr, g, op, x, dim=0, start=None, end=None, step=1):
+    z = sr.zero(x.shape, op.out)
+    return [fmap2(lambda zf, gf: torch.slice_scatter(zf, gf, dim, start, end, step), z, g)]
+
+
+@register(aten.select.int, "routing")
+def _select(sr, g, op, x, dim, index):
+    z = sr.zero(x.shape, op.out)
+    return [fmap2(lambda zf, gf: torch.select_scatter(zf, gf, dim, index), z, g)]
+
+
+@register(aten.cat.default, "routing")
+def _cat(sr, g, op, tensors, dim=0):
+    sizes = [t.shape[dim] if t.dim() else 0 for t in tensors]
+    dim = dim % op.out.dim()
+    parts = [f.split(sizes, dim) for f in g]
+    out = []
+    for i, t in enumerate(tensors):
+        if t.dim() == 1 and t.numel() == 0:  # legacy empty tensors are skipped by cat
+            out.append(None)
+        else:
+            out.append(tuple(p[i] for p in parts))
+    return [out]
+
+
+# -- generic routing through a source map ---------------------------------------------
+
+
+def _scatter_plus(sr, value, dest, n, like):
+    """⊕ of flat ``value`` elements into ``n`` slots given by ``dest`` (a flat index)."""
+    out = sr.zero((n,), like)
+    if dest.numel() == 0:
+        return out
+    order = torch.argsort(dest, stable=True)
+    d = dest[order]
+    uniq, counts = torch.unique_consecutive(d, return_counts=True)
+    width = int(counts.max())
+    if width == 1:
+        grouped = fmap(lambda f: f[order], value)
+    else:
+        starts = torch.cumsum(counts, 0) - counts
+        group = torch.repeat_interleave(torch.arange(len(uniq), device=d.device), counts)
+        pos = torch.arange(len(d), device=d.device) - starts[group]
+        table = torch.full((len(uniq), width), len(d), dtype=torch.long, device=d.device)
+        table[group, pos] = order
+        pad = sr.zero((1,), like)
+        padded = fmap2(lambda f, p: torch.cat([f, p]), value, pad)
+        grouped = sr.sum(fmap(lambda f: f[table], padded), 1)
+    return fmap2(lambda o, v: o.index_put((uniq,), v), out, grouped)
+
+
+def _source_map(op, data_slots, index_fn):
+    """Run ``index_fn`` on index tensors: the flat source (offset per slot) of each output."""
+    args = list(op.args)
+    offsets, off = {}, 0
+    for i in data_slots:
+        a = args[i]
+        if isinstance(a, torch.Tensor):
+            args[i] = torch.arange(off, off + a.numel(), device=a.device).view(a.shape)
+            offsets[i] = (off, a.numel(), a.shape)
+            off += a.numel()
+    src = index_fn(*args, **op.kwargs)
+    return src, offsets
+
+
+def routing(ops, data_slots=(0,), index_fn=None):
+    """Register a routing op by the function that runs it on integer index tensors."""
+
+    def rule(sr, g, op, *args, **kwargs):
+        fn = index_fn or op.node.target
+        src, offsets = op.cached("src", lambda: _source_map(op, data_slots, fn))
+        flat = tuple(f.reshape(-1) for f in g)
+        s = src.reshape(-1)
+        out = [None] * len(args)
+        for i, (off, n, shape) in offsets.items():
+            if not (op.needs(i) and args[i].is_floating_point()):
+                continue
+            sel = (s >= off) & (s < off + n)
+            v = _scatter_plus(sr, fmap(lambda f: f[sel], flat), s[sel] - off, n, op.out)
+            out[i] = tuple(f.reshape(shape) for f in v)
+        return out
+
+    register(ops, "routing")(rule)
+
+
+
+
+routing(aten.index.Tensor)
+routing(aten.gather.default)
+routing(aten.index_select.default)
+routing(aten.flip.default)
+routing(aten.roll.default)
+routing(aten.diagonal.default)
+routing(aten.embedding.default, index_fn=lambda w, ids, *a, **k: aten.embedding(w, ids))
+routing(aten.where.self, data_slots=(1, 2))
+routing(
+    aten.masked_fill.Scalar, index_fn=lambda x, mask, value: aten.masked_fill(x, mask, -1)
+)
+routing(aten.masked_fill.Tensor, data_slots=(0, 2))
+routing(
+    aten.constant_pad_nd.default,
+    index_fn=lambda x, pad, value=0: aten.constant_pad_nd(x, pad, -1),
+)
+routing(aten.index_put.default, data_slots=(0, 2))
+routing(aten.slice_scatter.default, data_slots=(0, 1))
+routing(aten.select_scatter.default, data_slots=(0, 1))
+routing(aten.scatter.src, data_slots=(0, 3))
+routing(aten.scatter.value, index_fn=lambda x, dim, index, value: aten.scatter(x, dim, index, -1))
+routing(aten.repeat.default)
+routing(aten.unfold.default)

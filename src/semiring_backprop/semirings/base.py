@@ -1,0 +1,125 @@
+"""The semiring interface shared by every rule and by the engine.
+
+A semiring value is a plain tuple of tensors ("fields"), every field of the node's
+shape. Rules never look inside a value: they move it with :func:`fmap` (routing) or
+combine it through the semiring's own operations.
+
+The operations (pytorch-struct style):
+
+- ``zero(shape, like)`` / ``one(shape, like)``: identities of ⊕ and ⊗.
+- ``lift(w)``: the value of a single edge of real weight ``w``.
+- ``plus(a, b)``: ⊕, used by the engine where a node has several consumers.
+- ``times(a, w)``: ``a ⊗ lift(w)`` for a real tensor ``w`` (broadcasts).
+- ``mul(a, b)``: ``a ⊗ b`` for two values.
+- ``sum(a, dims)``: ⊕-reduce over ``dims`` inside one op.
+- ``matmul(a, w)``: ``out[..., i, k] = ⊕_j a[..., i, j] ⊗ lift(w[..., j, k])``.
+- ``finalize(a)``: the readout users see.
+- ``tag(a, node_id)``: stamp back-pointers (selective semirings only).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+Value = tuple[torch.Tensor, ...]
+
+INF = math.inf
+
+
+def fmap(fn: Callable[[torch.Tensor], torch.Tensor], value: Value) -> Value:
+    """Apply a data-movement function to every field (routing ops)."""
+    return tuple(fn(f) for f in value)
+
+
+def fmap2(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: Value, b: Value) -> Value:
+    return tuple(fn(x, y) for x, y in zip(a, b, strict=True))
+
+
+def stack(values: Sequence[Value], dim: int = 0) -> Value:
+    return tuple(torch.stack(fs, dim) for fs in zip(*values, strict=True))
+
+
+def _dims(dims, ndim: int) -> tuple[int, ...]:
+    if isinstance(dims, int):
+        dims = (dims,)
+    return tuple(sorted(d % ndim for d in dims))
+
+
+def move_to_end(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Move ``dims`` to the end and flatten them into one trailing dim."""
+    rest = [d for d in range(t.dim()) if d not in dims]
+    t = t.permute(*rest, *dims)
+    return t.reshape(*t.shape[: len(rest)], -1)
+
+
+def reduced_shape(shape, dims, keepdim):
+    if keepdim:
+        return tuple(1 if d in dims else s for d, s in enumerate(shape))
+    return tuple(s for d, s in enumerate(shape) if d not in dims)
+
+
+def log_abs(w: torch.Tensor) -> torch.Tensor:
+    return torch.log(torch.abs(w))
+
+
+def chunk_rows(n: int, per_row: int, budget: int = 2**24) -> int:
+    """How many rows of a contraction to expand at once under an element budget."""
+    return max(1, min(n, budget // max(per_row, 1)))
+
+
+def node_index(shape, like: torch.Tensor) -> torch.Tensor:
+    """Flat element index of every position of a tensor of ``shape``."""
+    n = math.prod(shape)
+    return torch.arange(n, device=like.device).view(shape)
+
+
+def full_int(shape, fill: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.full(tuple(shape), fill, dtype=torch.long, device=like.device)
+
+
+@dataclass(frozen=True)
+class Semiring:
+    """Base class; subclasses are frozen dataclasses so equal parameters hash equal."""
+
+    #: names of the fields of a value, in order
+    fields = ("g",)
+    #: True where ⊕ selects one argument (max, top-k): such semirings keep back-pointers
+    selective = False
+
+    def zero(self, shape, like: torch.Tensor) -> Value:
+        raise NotImplementedError
+
+    def one(self, shape, like: torch.Tensor) -> Value:
+        raise NotImplementedError
+
+    def lift(self, w: torch.Tensor) -> Value:
+        return self.times(self.one(w.shape, w), w)
+
+    def plus(self, a: Value, b: Value) -> Value:
+        raise NotImplementedError
+
+    def times(self, a: Value, w: torch.Tensor) -> Value:
+        raise NotImplementedError
+
+    def mul(self, a: Value, b: Value) -> Value:
+        raise NotImplementedError
+
+    def sum(self, a: Value, dims, keepdim: bool = False) -> Value:
+        raise NotImplementedError
+
+    def matmul(self, a: Value, w: torch.Tensor) -> Value:
+        raise NotImplementedError
+
+    def finalize(self, a: Value):
+        raise NotImplementedError
+
+    def tag(self, a: Value, node_id: int) -> Value:
+        return a
+
+    @property
+    def name(self) -> str:
+        return type(self).__name__

@@ -1,0 +1,156 @@
+"""Log-space semirings over |path product|: MaxAbs, LogAbs and PathCount."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import (
+    INF,
+    Semiring,
+    Value,
+    _dims,
+    chunk_rows,
+    full_int,
+    log_abs,
+    move_to_end,
+    node_index,
+    reduced_shape,
+)
+from .maxproduct import _batch_broadcast
+
+
+def shifted_logmatmul(la: torch.Tensor, w_abs: torch.Tensor) -> torch.Tensor:
+    """``log Σ_j exp(la[i, j]) · w_abs[j, k]`` with ordinary (BLAS) matmuls.
+
+    Rows of ``la`` are shifted by their max and columns of ``w_abs`` scaled by theirs,
+    so neither overflows nor underflows; an all ``-inf`` row gives ``-inf``.
+    """
+    s = la.amax(-1, keepdim=True)
+    s = torch.where(torch.isfinite(s), s, torch.zeros_like(s))
+    c = w_abs.amax(-2, keepdim=True)
+    c = torch.where(c > 0, c, torch.ones_like(c))
+    out = torch.matmul(torch.exp(la - s), w_abs / c)
+    return torch.log(out) + s + torch.log(c)
+
+
+@dataclass(frozen=True)
+class MaxAbsReadout:
+    value: torch.Tensor  #: max over paths of |path product| (0 where no path)
+    log: torch.Tensor  #: its logarithm (-inf where no path)
+
+
+@dataclass(frozen=True)
+class MaxAbs(Semiring):
+    """Largest |path product|, kept as a logarithm: safe from underflow in deep nets."""
+
+    fields = ("m", "node", "idx")
+    selective = True
+
+    def zero(self, shape, like):
+        m = torch.full(tuple(shape), -INF, dtype=like.dtype, device=like.device)
+        return (m, full_int(shape, -1, m), full_int(shape, -1, m))
+
+    def one(self, shape, like):
+        m = torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
+        return (m, full_int(shape, -1, m), full_int(shape, -1, m))
+
+    def tag(self, a, node_id):
+        return (a[0], full_int(a[0].shape, node_id, a[0]), node_index(a[0].shape, a[0]))
+
+    def plus(self, a, b):
+        t = a[0] >= b[0]
+        return tuple(torch.where(t, x, y) for x, y in zip(a, b))
+
+    def times(self, a, w):
+        m = a[0] + log_abs(w)
+        return (m, a[1].expand(m.shape), a[2].expand(m.shape))
+
+    def mul(self, a, b):
+        return (a[0] + b[0], a[1], a[2])
+
+    def sum(self, a, dims, keepdim=False):
+        dims = _dims(dims, a[0].dim())
+        if not dims:
+            return a
+        shape = reduced_shape(a[0].shape, dims, keepdim)
+        m, j = move_to_end(a[0], dims).max(-1)
+        ptrs = (move_to_end(p, dims).gather(-1, j[..., None])[..., 0] for p in a[1:])
+        return tuple(f.reshape(shape) for f in (m, *ptrs))
+
+    def matmul(self, a, w):
+        a, w = _batch_broadcast(a, w)
+        lw = log_abs(w)[..., None, :, :]
+        n, m, p = a[0].shape[-2], a[0].shape[-1], w.shape[-1]
+        step = chunk_rows(n, m * p * max(1, w[..., 0, 0].numel()))
+        outs = []
+        for r in range(0, n, step):
+            rows = tuple(f[..., r : r + step, :] for f in a)
+            best, j = (rows[0][..., :, :, None] + lw).max(-2)
+            outs.append((best, *(ptr.gather(-1, j) for ptr in rows[1:])))
+        return tuple(torch.cat(fs, -2) for fs in zip(*outs))
+
+    def finalize(self, a) -> MaxAbsReadout:
+        return MaxAbsReadout(value=torch.exp(a[0]), log=a[0])
+
+
+@dataclass(frozen=True)
+class LogAbsReadout:
+    log: torch.Tensor  #: log Σ over paths of |path product|
+
+
+@dataclass(frozen=True)
+class LogAbs(Semiring):
+    """``log Σ_π |w(π)|``: the total absolute gradient flow, in log space."""
+
+    fields = ("l",)
+
+    def zero(self, shape, like):
+        return (torch.full(tuple(shape), -INF, dtype=like.dtype, device=like.device),)
+
+    def one(self, shape, like):
+        return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)
+
+    def plus(self, a, b):
+        return (torch.logaddexp(a[0], b[0]),)
+
+    def _edge(self, w):
+        return log_abs(w)
+
+    def times(self, a, w):
+        return (a[0] + self._edge(w),)
+
+    def mul(self, a, b):
+        return (a[0] + b[0],)
+
+    def sum(self, a, dims, keepdim=False):
+        dims = _dims(dims, a[0].dim())
+        return (torch.logsumexp(a[0], dims, keepdim=keepdim) if dims else a[0],)
+
+    def matmul(self, a, w):
+        return (shifted_logmatmul(a[0], torch.abs(w)),)
+
+    def finalize(self, a) -> LogAbsReadout:
+        return LogAbsReadout(log=a[0])
+
+
+@dataclass(frozen=True)
+class PathCountReadout:
+    log_count: torch.Tensor  #: log of the number of paths to the output
+
+
+@dataclass(frozen=True)
+class PathCount(LogAbs):
+    """``log`` of the number of paths: every structurally present edge counts 1."""
+
+    def _edge(self, w):
+        return torch.zeros_like(w)
+
+    def matmul(self, a, w):
+        a0, w = _batch_broadcast(a, w)
+        lse = torch.logsumexp(a0[0], -1, keepdim=True)
+        return (lse.expand(*lse.shape[:-1], w.shape[-1]),)
+
+    def finalize(self, a) -> PathCountReadout:
+        return PathCountReadout(log_count=a[0])

@@ -1,0 +1,226 @@
+"""Max-product: the most positive and most negative path product (top gradient path)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import (
+    INF,
+    Semiring,
+    Value,
+    _dims,
+    chunk_rows,
+    full_int,
+    move_to_end,
+    node_index,
+    reduced_shape,
+)
+
+
+@dataclass(frozen=True)
+class MaxProductReadout:
+    hi: torch.Tensor  #: the most positive path product (-inf where no path)
+    lo: torch.Tensor  #: the most negative path product (+inf where no path)
+
+
+def _nan_to(t: torch.Tensor, fill: float) -> torch.Tensor:
+    # 0 · ±inf arises only from a zero-weight edge times the semiring zero: still zero
+    return torch.where(torch.isnan(t), torch.full_like(t, fill), t)
+
+
+def _batch_broadcast(fields, w):
+    batch = torch.broadcast_shapes(fields[0].shape[:-2], w.shape[:-2])
+    fields = tuple(f.expand(*batch, *f.shape[-2:]) for f in fields)
+    return fields, w.expand(*batch, *w.shape[-2:])
+
+
+@dataclass(frozen=True)
+class MaxProduct(Semiring):
+    """Fields ``(hi, lo)``: the largest and the smallest product over paths.
+
+    ``granularity="neuron"`` (default) is the exact max over paths of the scalar graph;
+    ``granularity="tensor"`` reproduces the paper's code: inside one op, hi and lo are
+    aggregated by the real sum and swapped where the sign flips; max/min only where a
+    tensor feeds several ops. Back-pointers: for every element, the winning consumer op
+    (and, at neuron granularity, the element of that op's output) for hi and for lo.
+    """
+
+    granularity: str = "neuron"
+    selective = True
+
+    def __post_init__(self):
+        if self.granularity not in ("neuron", "tensor"):
+            raise ValueError(
+                f"MaxProduct(granularity={self.granularity!r}): use 'neuron' or 'tensor'"
+            )
+
+    @property
+    def neuron(self) -> bool:
+        return self.granularity == "neuron"
+
+    @property
+    def fields(self):
+        if self.neuron:
+            return ("hi", "lo", "hi_node", "hi_idx", "lo_node", "lo_idx")
+        return ("hi", "lo", "hi_node", "lo_node")
+
+    @property
+    def name(self) -> str:
+        return f"MaxProduct({self.granularity})"
+
+    # -- values -------------------------------------------------------------------
+    def _make(self, hi, lo, ptr_fill=-1):
+        ptrs = tuple(full_int(hi.shape, ptr_fill, hi) for _ in self.fields[2:])
+        return (hi, lo, *ptrs)
+
+    def zero(self, shape, like):
+        shape = tuple(shape)
+        hi = torch.full(shape, -INF, dtype=like.dtype, device=like.device)
+        return self._make(hi, torch.full_like(hi, INF))
+
+    def one(self, shape, like):
+        hi = torch.ones(tuple(shape), dtype=like.dtype, device=like.device)
+        return self._make(hi, hi.clone())
+
+    def tag(self, a: Value, node_id: int) -> Value:
+        hi, lo = a[0], a[1]
+        node = full_int(hi.shape, node_id, hi)
+        if self.neuron:
+            idx = node_index(hi.shape, hi)
+            return (hi, lo, node, idx, node, idx)
+        return (hi, lo, node, node)
+
+    @staticmethod
+    def _is_zero(a: Value) -> torch.Tensor:
+        return (a[0] == -INF) & (a[1] == INF)
+
+    def _split(self, a: Value):
+        n = (len(a) - 2) // 2
+        return a[0], a[1], a[2 : 2 + n], a[2 + n :]
+
+    def _normalize(self, a: Value) -> Value:
+        """Tensor granularity keeps hi and lo unswapped inside an op; swap at its end."""
+        if self.neuron:
+            return a
+        hi, lo, ph, pl = self._split(a)
+        swap = (hi < lo) & ~self._is_zero(a)
+        return (
+            torch.where(swap, lo, hi),
+            torch.where(swap, hi, lo),
+            *(torch.where(swap, y, x) for x, y in zip(ph, pl)),
+            *(torch.where(swap, x, y) for x, y in zip(ph, pl)),
+        )
+
+    def plus(self, a: Value, b: Value) -> Value:
+        a, b = self._normalize(a), self._normalize(b)
+        ahi, alo, aph, apl = self._split(a)
+        bhi, blo, bph, bpl = self._split(b)
+        th = ahi >= bhi
+        tl = alo <= blo
+        return (
+            torch.where(th, ahi, bhi),
+            torch.where(tl, alo, blo),
+            *(torch.where(th, x, y) for x, y in zip(aph, bph)),
+            *(torch.where(tl, x, y) for x, y in zip(apl, bpl)),
+        )
+
+    def times(self, a: Value, w: torch.Tensor) -> Value:
+        hi, lo, ph, pl = self._split(a)
+        if not self.neuron:
+            zero = self._is_zero(a)
+            shape = torch.broadcast_shapes(hi.shape, w.shape)
+            return (
+                torch.where(zero, -INF, hi * w),
+                torch.where(zero, INF, lo * w),
+                *(p.expand(shape) for p in (*ph, *pl)),
+            )
+        pos = w >= 0
+        return (
+            _nan_to(torch.where(pos, hi * w, lo * w), -INF),
+            _nan_to(torch.where(pos, lo * w, hi * w), INF),
+            *(torch.where(pos, x, y) for x, y in zip(ph, pl)),
+            *(torch.where(pos, y, x) for x, y in zip(ph, pl)),
+        )
+
+    def mul(self, a: Value, b: Value) -> Value:
+        a, b = self._normalize(a), self._normalize(b)
+        ahi, alo, aph, apl = self._split(a)
+        zero = self._is_zero(a) | self._is_zero(b)
+        cands = torch.stack([ahi * b[0], ahi * b[1], alo * b[0], alo * b[1]])
+        hi, ih = _nan_to(cands, -INF).max(0)
+        lo, il = _nan_to(cands, INF).min(0)
+        ptr_hi = tuple(torch.where(ih < 2, x, y) for x, y in zip(aph, apl))
+        ptr_lo = tuple(torch.where(il < 2, x, y) for x, y in zip(aph, apl))
+        return (
+            torch.where(zero, -INF, hi),
+            torch.where(zero, INF, lo),
+            *ptr_hi,
+            *ptr_lo,
+        )
+
+    def sum(self, a: Value, dims, keepdim=False) -> Value:
+        dims = _dims(dims, a[0].dim())
+        if not dims:
+            return a
+        out_shape = reduced_shape(a[0].shape, dims, keepdim)
+        flat = [move_to_end(f, dims) for f in a]
+        hi, lo, ph, pl = self._split(flat)
+        if self.neuron:
+            hi, ih = hi.max(-1)
+            lo, il = lo.min(-1)
+            ph = tuple(p.gather(-1, ih[..., None])[..., 0] for p in ph)
+            pl = tuple(p.gather(-1, il[..., None])[..., 0] for p in pl)
+        else:
+            live = ~self._is_zero(flat)
+            any_live = live.any(-1)
+            hi = torch.where(any_live, torch.where(live, hi, 0).sum(-1), -INF)
+            lo = torch.where(any_live, torch.where(live, lo, 0).sum(-1), INF)
+            ph = tuple(p.amax(-1) for p in ph)
+            pl = tuple(p.amax(-1) for p in pl)
+        return tuple(f.reshape(out_shape) for f in (hi, lo, *ph, *pl))
+
+    def matmul(self, a: Value, w: torch.Tensor) -> Value:
+        a, w = _batch_broadcast(a, w)
+        if not self.neuron:
+            return self._matmul_tensor(a, w)
+        n, m, p = a[0].shape[-2], a[0].shape[-1], w.shape[-1]
+        step = chunk_rows(n, m * p * max(1, w[..., 0, 0].numel()))
+        outs = [self._matmul_rows(tuple(f[..., r : r + step, :] for f in a), w) for r in range(0, n, step)]
+        return tuple(torch.cat(fs, -2) for fs in zip(*outs))
+
+    def _matmul_rows(self, a: Value, w: torch.Tensor) -> Value:
+        hi, lo, ph, pl = self._split(a)
+        w3 = w[..., None, :, :]  # (..., 1, m, p)
+        pos = w3 >= 0
+        h3, l3 = hi[..., :, :, None], lo[..., :, :, None]  # (..., r, m, 1)
+        out_hi, jh = _nan_to(torch.where(pos, h3 * w3, l3 * w3), -INF).max(-2)
+        out_lo, jl = _nan_to(torch.where(pos, l3 * w3, h3 * w3), INF).min(-2)
+        pos_h = torch.gather(pos.expand(*jh.shape[:-1], *w.shape[-2:]), -2, jh[..., None, :])[..., 0, :]
+        pos_l = torch.gather(pos.expand(*jl.shape[:-1], *w.shape[-2:]), -2, jl[..., None, :])[..., 0, :]
+
+        def pick(ptrs_if_pos, ptrs_if_neg, j, sel):
+            return tuple(
+                torch.where(sel, x.gather(-1, j), y.gather(-1, j))
+                for x, y in zip(ptrs_if_pos, ptrs_if_neg)
+            )
+
+        return (out_hi, out_lo, *pick(ph, pl, jh, pos_h), *pick(pl, ph, jl, pos_l))
+
+    def _matmul_tensor(self, a: Value, w: torch.Tensor) -> Value:
+        hi, lo, ph, pl = self._split(a)
+        live = ~self._is_zero(a)
+        any_live = live.any(-1, keepdim=True)
+        out_hi = torch.matmul(torch.where(live, hi, 0), w)
+        out_lo = torch.matmul(torch.where(live, lo, 0), w)
+        shape = out_hi.shape
+        return (
+            torch.where(any_live, out_hi, -INF),
+            torch.where(any_live, out_lo, INF),
+            *(p.amax(-1, keepdim=True).expand(shape) for p in (*ph, *pl)),
+        )
+
+    def finalize(self, a: Value) -> MaxProductReadout:
+        a = self._normalize(a)
+        return MaxProductReadout(hi=a[0], lo=a[1])

@@ -1,0 +1,44 @@
+"""The real semiring (+, ×): ordinary backpropagation, the gradient."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Semiring, Value, _dims
+
+
+@dataclass(frozen=True)
+class Real(Semiring):
+    """``D(v)`` is the gradient of the output with respect to ``v``.
+
+    >>> res.at(0, Real())  # same tensor as torch.autograd.grad
+    """
+
+    fields = ("g",)
+
+    def zero(self, shape, like):
+        return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)
+
+    def one(self, shape, like):
+        return (torch.ones(tuple(shape), dtype=like.dtype, device=like.device),)
+
+    def plus(self, a: Value, b: Value) -> Value:
+        return (a[0] + b[0],)
+
+    def times(self, a: Value, w: torch.Tensor) -> Value:
+        return (a[0] * w,)
+
+    def mul(self, a: Value, b: Value) -> Value:
+        return (a[0] * b[0],)
+
+    def sum(self, a: Value, dims, keepdim=False) -> Value:
+        dims = _dims(dims, a[0].dim())
+        return (a[0].sum(dims, keepdim=keepdim) if dims else a[0],)
+
+    def matmul(self, a: Value, w: torch.Tensor) -> Value:
+        return (torch.matmul(a[0], w),)
+
+    def finalize(self, a: Value) -> torch.Tensor:
+        return a[0]
