@@ -59,11 +59,13 @@ def _check_finite(graph, node, out, args):
     rule = rules.lookup(node.target)
     if rule is not None and rule.kind in _INF_OK_KINDS:
         return
-    inputs_inf = any(
-        isinstance(x, torch.Tensor) and x.is_floating_point() and bool(torch.isinf(x).any())
+    float_inputs = [
+        x
         for x in torch.utils._pytree.tree_leaves(args)
-    )
-    if not inputs_inf:
+        if isinstance(x, torch.Tensor) and x.is_floating_point()
+    ]
+    # creation ops (no float inputs) may write inf on purpose: masks
+    if float_inputs and not any(bool(torch.isinf(x).any()) for x in float_inputs):
         raise NonFiniteError(
             f"the forward pass produced inf at {where(node, module)} ({node.target}) from "
             "finite inputs (overflow, or log of 0). Use float32/float64 or rescale the "

@@ -82,12 +82,13 @@ def _select(sr, g, op, x, dim, index):
 
 @register(aten.cat.default, "routing")
 def _cat(sr, g, op, tensors, dim=0):
-    sizes = [t.shape[dim] if t.dim() else 0 for t in tensors]
     dim = dim % op.out.dim()
+    legacy = [t.dim() == 1 and t.numel() == 0 for t in tensors]  # skipped by cat
+    sizes = [0 if skip else t.shape[dim] for t, skip in zip(tensors, legacy)]
     parts = [f.split(sizes, dim) for f in g]
     out = []
-    for i, t in enumerate(tensors):
-        if t.dim() == 1 and t.numel() == 0:  # legacy empty tensors are skipped by cat
+    for i, skip in enumerate(legacy):
+        if skip:
             out.append(None)
         else:
             out.append(tuple(p[i] for p in parts))
