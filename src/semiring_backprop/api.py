@@ -56,7 +56,14 @@ def backprop(
 
 
 def _check_output(graph, per_example: bool):
-    val = graph.output_node.meta.get("val")
+    outputs = graph.nodes[-1].args[0]
+    if len(outputs) != 1:
+        raise InputError(
+            f"output(model(...)) returned {len(outputs)} tensors (a tuple or a model output "
+            "object); pick one scalar, e.g. output=lambda out: out.logits[0, -1, token_id]"
+        )
+    node = graph.output_node
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else node
     if not isinstance(val, torch.Tensor):
         raise InputError(
             f"output(model(...)) must return a tensor, got {type(val).__name__}; "

@@ -14,6 +14,7 @@ import math
 import torch
 
 from . import _ops  # noqa: F401
+from .errors import InputError
 
 aten = torch.ops.aten
 shift = torch.ops.semiring_backprop.softmax_shift
@@ -104,7 +105,23 @@ def scaled_dot_product_attention(
             scores = scores.masked_fill(~attn_mask, -math.inf)
         else:
             scores = scores + attn_mask
-    return torch.matmul(torch.softmax(scores, -1), v)
+    if not (is_causal or attn_mask is not None):
+        return torch.matmul(torch.softmax(scores, -1), v)
+    # torch's safe softmax: a query that may attend to nothing (left padding) gets zeros,
+    # not NaN, and no edges
+    dead = torch.isneginf(scores).all(-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
+    return torch.matmul(probs, v)
+
+
+def native_dropout(x, p, train):
+    """Dropout as it runs in training mode (``allow_training=True``): a random mask."""
+    if not train or p == 0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    if p >= 1:
+        return x * 0.0, torch.zeros_like(x, dtype=torch.bool)
+    keep = torch.rand_like(x) >= p
+    return x * keep * (1.0 / (1.0 - p)), keep
 
 
 def var_correction(x, dim=None, *, correction=None, keepdim=False):
@@ -160,6 +177,7 @@ _OURS = {
         aten.logsumexp.default: logsumexp,
         aten.rms_norm.default: rms_norm,
         aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
+        aten.native_dropout.default: native_dropout,
         aten.var.correction: var_correction,
         aten.var_mean.correction: var_mean_correction,
         aten.max.dim: _extreme(lambda x, d, keepdim: x.argmax(d, keepdim=keepdim)),
@@ -173,12 +191,16 @@ _OURS = {
 # composites torch would otherwise lower to ops we keep whole or that lose structure
 _KEEP_FROM_TORCH = (aten.native_layer_norm.default,)
 
+# ops torch's table lowers to something with other edges: detach becomes alias (a
+# weight-1 routing op), which would let paths through what autograd stops
+_NEVER_DECOMPOSE = (aten.detach.default,)
+
 
 def table(keep: tuple[str, ...] = ()) -> dict:
     """The decomposition table for ``ExportedProgram.run_decompositions``."""
     unknown = set(keep) - set(KEEPABLE)
     if unknown:
-        raise ValueError(
+        raise InputError(
             f"keep={sorted(unknown)}: only these composite ops can be kept whole: "
             f"{', '.join(KEEPABLE)}"
         )
@@ -189,4 +211,6 @@ def table(keep: tuple[str, ...] = ()) -> dict:
                 t.pop(op, None)
             else:
                 t[op] = fn
+    for op in _NEVER_DECOMPOSE:
+        t.pop(op, None)
     return t

@@ -8,6 +8,8 @@ read it are combined by ``sr.plus``.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx.node import map_arg
 
@@ -28,12 +30,29 @@ def needed_nodes(graph, start) -> frozenset:
         if n not in reach:
             reach.add(n)
             todo.extend(n.all_input_nodes)
-    return frozenset(n for n in reach & from_input if _is_float(n))
+    on_path = reach & from_input
+    for node in graph.nodes:  # values the pass cannot carry would silently cut paths
+        if node not in on_path:
+            continue
+        if _is_complex(node):
+            raise _unsupported(
+                graph, node, "it makes a complex tensor; only real-valued graphs can be explained"
+            )
+        if node.target is operator.getitem and _is_float(node):
+            raise _unsupported(
+                graph, node.args[0], "it returns several tensors; rules cover single-output ops"
+            )
+    return frozenset(n for n in on_path if _is_float(n))
 
 
 def _is_float(node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def _is_complex(node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_complex()
 
 
 def reverse(graph, values: dict, semirings: list, seed_node) -> dict:
@@ -104,9 +123,10 @@ def _check_shape(graph, node, inp, c):
         )
 
 
-def _unsupported(graph, node) -> UnsupportedOpError:
+def _unsupported(graph, node, reason: str = "") -> UnsupportedOpError:
+    why = f" ({reason})" if reason else ""
     return UnsupportedOpError(
-        f"no semiring rule for {node.target} at {where(node, graph.module_of(node))}. "
+        f"no semiring rule for {node.target} at {where(node, graph.module_of(node))}{why}. "
         "Register one with semiring_backprop.rules.register(<op>, kind) (kinds: pointwise, "
         "routing, contraction, reduction, nondifferentiable), keep the module out of the "
         "explained function, or report the op; sbp.supported_ops() lists the rules."

@@ -66,9 +66,13 @@ class Result:
             raise InputError(
                 f"{semiring} was not computed in this pass; computed: {self.semirings}"
             ) from None
-        if node not in self._store:
+        group = [n for n in self.graph.aliases.get(node, (node,)) if n in self._store]
+        if not group:
             raise InputError(self._why_missing(where, node))
-        return self._store[node][k]
+        value = self._store[group[0]][k]
+        for n in group[1:]:  # one tensor passed as several inputs: every path starts at one
+            value = semiring.plus(value, self._store[n][k])
+        return value
 
     def at(self, where, semiring: Semiring):
         """The readout of ``semiring`` at ``where`` (see each semiring's readout)."""

@@ -9,6 +9,7 @@ finds exactly that module's output in the graph.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +33,9 @@ class Graph:
     constants: dict  # placeholder node -> parameter / buffer / constant tensor
     tags: dict  # "module.path" / "module.path:input" -> mark node
     keep: tuple = ()
+    #: placeholder -> every placeholder fed the same tensor object (``mha(x, x, x)``):
+    #: torch.export may read only one of them, so an input's value is their ⊕
+    aliases: dict = field(default_factory=dict)
     nodes: list = field(init=False)
 
     def __post_init__(self):
@@ -164,8 +168,11 @@ def trace(
     table = decompositions.table(tuple(keep))
     handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
     try:
-        program = torch.export.export(_Explained(model, output), args, kwargs, strict=False)
-        program = program.run_decompositions(table)
+        with warnings.catch_warnings():
+            # torch.export's own pytree internals warn about their deprecated API
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            program = torch.export.export(_Explained(model, output), args, kwargs, strict=False)
+            program = program.run_decompositions(table)
     except (TracingError, InputError):
         raise
     except Exception as e:  # torch raises many types; say what failed and what to try
@@ -212,14 +219,16 @@ def _build_graph(program, args, kwargs, keep) -> Graph:
             f"traced graph has {len(tensor_specs)} tensor inputs but the call has "
             f"{len(leaves)}; pass inputs as flat tensors in args/kwargs"
         )
-    user_inputs = {}
-    for (path, _), spec in zip(leaves, tensor_specs):
+    user_inputs, same = {}, {}
+    for (path, leaf), spec in zip(leaves, tensor_specs):
         user_inputs[_key(path)] = placeholders[spec.arg.name]
+        same.setdefault(id(leaf), []).append(placeholders[spec.arg.name])
+    aliases = {n: tuple(group) for group in same.values() if len(group) > 1 for n in group}
     tags = {}
     for n in program.graph.nodes:
         if n.op == "call_function" and n.target is mark_op:
             tags.setdefault(n.args[1], n)
-    return Graph(program, user_inputs, constants, tags, keep)
+    return Graph(program, user_inputs, constants, tags, keep, aliases)
 
 
 def _key(path):

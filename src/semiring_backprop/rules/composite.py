@@ -54,7 +54,7 @@ def _layer_norm(sr, g, op, x, shape, weight=None, bias=None, eps=1e-5, *args):
         mu = xf.mean(-1, keepdim=True)
         sigma = torch.sqrt(((xf - mu) ** 2).mean(-1, keepdim=True) + eps)
         xhat = (xf - mu) / sigma
-        w = weight.reshape(h) if weight is not None else torch.ones_like(xhat[..., :1, 0])
+        w = weight.reshape(h) if weight is not None else xf.new_ones(h)
         eye = torch.eye(h, dtype=x.dtype, device=x.device)
         inner = eye - 1.0 / h - xhat.unsqueeze(-1) * xhat.unsqueeze(-2) / h  # [j, i]
         jac = (w.reshape(h, 1) / sigma.unsqueeze(-1)) * inner

@@ -84,10 +84,10 @@ def _alpha(kw):
 
 # fmt: off
 pointwise(aten.add.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: _alpha(k))
-pointwise(aten.add.Scalar, lambda op, a, b, **k: 1.0)
+pointwise(aten.add.Scalar, lambda op, a, b, alpha=1: 1.0)  # alpha is positional here
 pointwise(aten.sub.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: -_alpha(k))
-pointwise(aten.sub.Scalar, lambda op, a, b, **k: 1.0)
-pointwise(aten.rsub.Scalar, lambda op, a, b, **k: -_alpha(k))
+pointwise(aten.sub.Scalar, lambda op, a, b, alpha=1: 1.0)
+pointwise(aten.rsub.Scalar, lambda op, a, b, alpha=1: -alpha)
 pointwise(aten.mul.Tensor, lambda op, a, b: b, lambda op, a, b: a)
 pointwise(aten.mul.Scalar, lambda op, a, b: b)
 pointwise(aten.div.Tensor, lambda op, a, b: 1.0 / b, lambda op, a, b: -op.out / b)
@@ -105,6 +105,6 @@ pointwise(aten.sin.default, lambda op, a: torch.cos(a))
 pointwise(aten.cos.default, lambda op, a: -torch.sin(a))
 pointwise(aten.reciprocal.default, lambda op, a: -op.out * op.out)
 pointwise(aten.pow.Tensor_Scalar, lambda op, a, e: e * a ** (e - 1) if e != 0 else 0.0 * a)
-pointwise(aten.leaky_relu.default, lambda op, a, slope=0.01: torch.where(a > 0, 1.0, slope).to(a.dtype))
+pointwise(aten.leaky_relu.default, lambda op, a, slope=0.01: torch.where(a > 0, 1.0, torch.full_like(a, slope)))
 pointwise(aten.abs.default, lambda op, a: torch.sign(a))
 # fmt: on

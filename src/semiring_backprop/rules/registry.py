@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import SemiringBackpropError
+from ..errors import InputError, SemiringBackpropError
 
 KINDS = ("pointwise", "routing", "contraction", "reduction", "nondifferentiable", "composite")
 
@@ -41,12 +41,19 @@ def _overloads(ops):
 def register(ops, kind: str):
     """Register ``fn`` as the rule of ``ops`` (an overload, a packet or a list)."""
     if kind not in KINDS:
-        raise ValueError(f"rule kind {kind!r} is not one of {KINDS}")
+        raise InputError(f"rule kind {kind!r} is not one of {KINDS}")
 
     def deco(fn):
-        for op in _overloads(ops):
+        overloads = list(_overloads(ops))
+        for op in overloads:  # all or nothing: check before registering any
             if op in _RULES:
-                raise SemiringBackpropError(f"a rule for {op} is already registered")
+                old = _RULES[op]
+                raise SemiringBackpropError(
+                    f"a rule for {op} is already registered ({old.kind}, "
+                    f"{getattr(old.fn, '__qualname__', old.fn)}); each overload has one rule: "
+                    "register a different overload, or fix the existing rule"
+                )
+        for op in overloads:
             _RULES[op] = Rule(fn, kind, op)
         return fn
 

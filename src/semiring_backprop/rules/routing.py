@@ -137,7 +137,10 @@ def _source_map(op, data_slots, index_fn):
 
 def routing(ops, data_slots=(0,), index_fn=None):
     """Register a routing op by the function that runs it on integer index tensors."""
+    register(ops, "routing")(_source_rule(data_slots, index_fn))
 
+
+def _source_rule(data_slots=(0,), index_fn=None):
     def rule(sr, g, op, *args, **kwargs):
         fn = index_fn or op.node.target
         src, offsets = op.cached("src", lambda: _source_map(op, data_slots, fn))
@@ -152,9 +155,27 @@ def routing(ops, data_slots=(0,), index_fn=None):
             out[i] = tuple(f.reshape(shape) for f in v)
         return out
 
-    register(ops, "routing")(rule)
+    return rule
 
 
+def _embedding_sources(w, ids, padding_idx=-1, *args, **kwargs):
+    # autograd treats the padding row as a constant: no edges from it (as for masks)
+    src = aten.embedding(w, ids)
+    return src.masked_fill((ids == padding_idx)[..., None], -1) if padding_idx >= 0 else src
+
+
+_index_put_copy = _source_rule(data_slots=(0, 2))
+
+
+@register(aten.index_put.default, "routing")
+def _index_put(sr, g, op, x, indices, values, accumulate=False):
+    """``accumulate=True`` adds: each output element reads itself and every value put there."""
+    if not accumulate:
+        return _index_put_copy(sr, g, op, x, indices, values, accumulate)
+    dv = None
+    if op.needs(2):
+        dv = _unbroadcast(sr, fmap(lambda f: aten.index(f, indices), g), values.shape)
+    return [g, None, dv]
 
 
 routing(aten.index.Tensor)
@@ -163,7 +184,7 @@ routing(aten.index_select.default)
 routing(aten.flip.default)
 routing(aten.roll.default)
 routing(aten.diagonal.default)
-routing(aten.embedding.default, index_fn=lambda w, ids, *a, **k: aten.embedding(w, ids))
+routing(aten.embedding.default, index_fn=_embedding_sources)
 routing(aten.where.self, data_slots=(1, 2))
 routing(
     aten.masked_fill.Scalar, index_fn=lambda x, mask, value: aten.masked_fill(x, mask, -1)
@@ -173,7 +194,6 @@ routing(
     aten.constant_pad_nd.default,
     index_fn=lambda x, pad, value=0: aten.constant_pad_nd(x, pad, -1),
 )
-routing(aten.index_put.default, data_slots=(0, 2))
 routing(aten.slice_scatter.default, data_slots=(0, 1))
 routing(aten.select_scatter.default, data_slots=(0, 1))
 routing(aten.scatter.src, data_slots=(0, 3))

@@ -1,0 +1,243 @@
+"""Brute-force ground truth: the explicit scalar gradient graph and every path in it.
+
+The oracle reads only the traced graph and the forward values of a :class:`Result`; it
+never calls the library's rules or semirings. For every op and every argument slot it
+takes the Jacobian of the op with respect to that slot alone (the other slots held
+fixed, so ``mul(x, x)`` gives two parallel edges) and turns it into scalar edges
+(DESIGN §1):
+
+- pointwise ops: one edge from the broadcast-corresponding input element to each output
+  element, even where the derivative is exactly 0 (relu of a negative value);
+- contractions: dense, every (i, k) -> (i, j) whatever the other operand's values;
+- every other op: the nonzero entries of the Jacobian (routing picks its sources);
+- ``softmax_shift`` and non-differentiable ops: no edges; ``mark``: identity.
+
+Then every path from an element to the scalar output is listed explicitly (as its
+product of edge weights, float64), and each semiring's answer is computed from that
+list directly: sums, max/min, sorting, counting.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.fx.node import map_arg
+
+import semiring_backprop  # noqa: F401  (defines the custom ops the tracer inserts)
+
+aten = torch.ops.aten
+_MARK = torch.ops.semiring_backprop.mark.default
+_SHIFT = torch.ops.semiring_backprop.softmax_shift.default
+
+# pointwise-tagged ops that route (choose a source per element): edges = Jacobian nonzeros
+_ROUTING_POINTWISE = {aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
+# dense by definition: structure does not depend on the other operand's values
+_CONTRACTIONS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+# declared without edges (DESIGN §1: non-differentiable inputs and outputs)
+_NO_EDGES = {
+    _SHIFT,
+    aten.detach.default,
+    aten.sign.default,
+    aten.floor.default,
+    aten.ceil.default,
+    aten.round.default,
+    aten.trunc.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.full_like.default,
+    aten.empty_like.default,
+    aten.argmax.default,
+    aten.argmin.default,
+}
+
+MAX_PATHS = 2_000_000  # total path products held at once; keep oracle graphs tiny
+
+
+def _is_float(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point()
+
+
+def _slots(node):
+    """(path, fx node) for every fx Node among the args (list items are their own slots)."""
+    out = []
+    for i, a in enumerate(node.args):
+        if isinstance(a, torch.fx.Node):
+            out.append((("args", i, None), a))
+        elif isinstance(a, list | tuple):
+            out.extend((("args", i, j), x) for j, x in enumerate(a) if isinstance(x, torch.fx.Node))
+    for k, a in node.kwargs.items():
+        if isinstance(a, torch.fx.Node):
+            out.append((("kwargs", k, None), a))
+    return out
+
+
+def _replace(args, kwargs, path, x):
+    where, i, j = path
+    args, kwargs = list(args), dict(kwargs)
+    if where == "kwargs":
+        kwargs[i] = x
+    elif j is None:
+        args[i] = x
+    else:
+        items = list(args[i])
+        items[j] = x
+        args[i] = items
+    return args, kwargs
+
+
+def _jacobian(target, args, kwargs, path, x):
+    """d target / d (slot at ``path``), shaped (out numel, in numel)."""
+
+    def f(v):
+        a, k = _replace(args, kwargs, path, v)
+        return target(*a, **k)
+
+    out = f(x)
+    jac = torch.autograd.functional.jacobian(f, x.detach().clone())
+    return jac.reshape(out.numel(), x.numel())
+
+
+def _edges(node, values, path, src):
+    """(mask, weight): (out numel, in numel) edge structure and weights of one slot."""
+    target = node.target
+    out = values[node]
+    x = values[src]
+    n_out, n_in = out.numel(), x.numel()
+    if target is _MARK:
+        eye = torch.eye(n_out, dtype=torch.float64)
+        return eye.bool(), eye
+    args = map_arg(node.args, values.__getitem__)
+    kwargs = map_arg(node.kwargs, values.__getitem__)
+    args, kwargs = torch.utils._pytree.tree_map(
+        lambda t: t.double() if _is_float(t) else t, (args, kwargs)
+    )
+    jac = _jacobian(target, args, kwargs, path, x.double())
+    if torch.Tag.pointwise in target.tags and target not in _ROUTING_POINTWISE:
+        src_index = torch.arange(n_in).view(x.shape).broadcast_to(out.shape).reshape(-1)
+        mask = torch.zeros(n_out, n_in, dtype=torch.bool)
+        mask[torch.arange(n_out), src_index] = True
+    elif target in _CONTRACTIONS:
+        # structure from the same op on generic (nonzero) operands: dense
+        generic = torch.utils._pytree.tree_map(
+            lambda t: torch.rand_like(t) + 1.0 if _is_float(t) else t, (args, kwargs)
+        )
+        mask = _jacobian(target, *generic, path, x.double()) != 0
+    else:
+        mask = jac != 0
+    return mask, torch.where(mask, jac, torch.zeros_like(jac))
+
+
+@dataclass
+class PathOracle:
+    """All path products from every element of every live float node to the output."""
+
+    products: dict  # fx node -> list (one per flat element) of np.ndarray path products
+    shapes: dict
+
+    def paths(self, node) -> list[np.ndarray]:
+        return self.products[node]
+
+    def readouts(self, node, k: int = 3, dims: tuple[int, ...] = ()) -> dict[str, np.ndarray]:
+        """Each semiring's expected readout at ``node``, as arrays of the node's shape.
+
+        With ``dims``, the paths of all elements along those dims are pooled first: the
+        aggregated derivative (DESIGN §1, Eq. 3) over those elements."""
+        shape = self.shapes[node]
+        dims = tuple(sorted(d % len(shape) for d in dims))
+        cells = np.empty(len(self.products[node]), dtype=object)
+        cells[:] = self.products[node]
+        cells = cells.reshape(shape)
+        if dims:
+            rest = [d for d in range(len(shape)) if d not in dims]
+            cells = cells.transpose(*rest, *dims).reshape(*[shape[d] for d in rest], -1)
+            pooled = np.empty(cells.shape[:-1], dtype=object)
+            for idx in np.ndindex(*cells.shape[:-1]):
+                pooled[idx] = np.concatenate(list(cells[idx]))
+            cells = pooled
+        per = [_stats(p, k) for p in cells.reshape(-1)]
+        out = {}
+        for key in per[0]:
+            arr = np.stack([d[key] for d in per])
+            out[key] = arr.reshape((*cells.shape, *arr.shape[1:]))
+        return out
+
+    def count(self, node) -> np.ndarray:
+        return np.array([len(p) for p in self.products[node]]).reshape(self.shapes[node])
+
+
+def _stats(p: np.ndarray, k: int) -> dict:
+    a = np.abs(p)
+    n = len(p)
+    z = a.sum()
+    with np.errstate(divide="ignore"):
+        log_z = math.log(z) if z > 0 else -math.inf
+        nz = a[a > 0] / z if z > 0 else a[:0]
+        entropy = float(-(nz * np.log(nz)).sum()) if z > 0 else 0.0
+        max_abs = a.max() if n else 0.0
+        order = np.argsort(-a, kind="stable")[:k]
+        top = np.zeros(k)
+        top[: len(order)] = p[order]
+        return {
+            "real": p.sum(),
+            "hi": p.max() if n else -math.inf,
+            "lo": p.min() if n else math.inf,
+            "max_abs": max_abs,
+            "max_abs_log": math.log(max_abs) if max_abs > 0 else -math.inf,
+            "log_abs": log_z,
+            "entropy": entropy,
+            "log_z": log_z,
+            "log_count": math.log(n) if n else -math.inf,
+            "topk": top,
+        }
+
+
+def _live_nodes(graph) -> set:
+    """Nodes that depend on a user input (weights-only nodes start no path of interest)."""
+    live = set(graph.user_inputs.values())
+    for node in graph.nodes:
+        if node.op == "call_function" and any(a in live for a in node.all_input_nodes):
+            live.add(node)
+    return live
+
+
+def build(result) -> PathOracle:
+    """Expand ``result.graph`` at ``result.values`` into its scalar DAG and list all paths."""
+    graph, values = result.graph, result.values
+    live = _live_nodes(graph)
+    out_node = graph.output_node
+    assert values[out_node].numel() == 1, "the oracle explains one scalar output"
+    products: dict = {out_node: [np.ones(1)]}
+    # consumers of each node: (consumer, mask, weight) per slot, in graph order
+    consumers: dict = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target in _NO_EDGES:
+            continue
+        if not _is_float(values.get(node)):
+            continue
+        for path, src in _slots(node):
+            if src in live and _is_float(values.get(src)):
+                mask, w = _edges(node, values, path, src)
+                consumers.setdefault(src, []).append((node, mask.numpy(), w.numpy()))
+    total = 1
+    for node in reversed(graph.nodes):
+        if node is out_node or not _is_float(values.get(node)) or node not in live:
+            continue
+        n = values[node].numel()
+        elems = []
+        for i in range(n):
+            parts = []
+            for dst, mask, w in consumers.get(node, []):
+                if dst not in products:
+                    continue
+                for o in np.nonzero(mask[:, i])[0]:
+                    parts.append(w[o, i] * products[dst][o])
+            elems.append(np.concatenate(parts) if parts else np.zeros(0))
+            total += len(elems[-1])
+        if total > MAX_PATHS:
+            raise ValueError(f"oracle graph too large: {total} path products")
+        products[node] = elems
+    shapes = {node: tuple(values[node].shape) for node in products}
+    return PathOracle(products, shapes)

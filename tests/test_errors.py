@@ -1,0 +1,322 @@
+"""Bad inputs: each raises one of our exceptions, naming what was wrong and the fix."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import semiring_backprop as sbp
+from semiring_backprop import rules
+from semiring_backprop.rules import registry
+
+aten = torch.ops.aten
+F64 = torch.float64
+
+
+def x34():
+    return torch.randn(3, 4, dtype=F64, generator=torch.Generator().manual_seed(0))
+
+
+def total(y):
+    return y.sum()
+
+
+class Net(nn.Module):
+    """``lin`` then ``block = Sequential(Tanh, inner)``: errors inside ``inner`` must name
+    ``block.1``."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.block = nn.Sequential(nn.Tanh(), inner)
+        self.to(F64).eval()
+
+    def forward(self, x):
+        return self.block(self.lin(x))
+
+
+class Lambda(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def raises(exc, *needles):
+    """``pytest.raises`` that also requires every needle (a literal) in the message."""
+
+    class _Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(exc)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *a):
+            out = self.ctx.__exit__(*a)
+            msg = str(self.info.value)
+            missing = [n for n in needles if n not in msg]
+            assert not missing, f"message lacks {missing}: {msg}"
+            assert isinstance(self.info.value, sbp.SemiringBackpropError)
+            return out
+
+    return _Check()
+
+
+# -- ops without a rule ----------------------------------------------------------------
+
+
+def test_unsupported_op_names_op_node_module_and_how_to_register():
+    model = Net(Lambda(lambda h: h.cumsum(-1)))
+    with raises(sbp.UnsupportedOpError, "aten.cumsum.default", "`cumsum`", "`block.1`", "register"):
+        sbp.backprop(model, args=(x34(),), output=total)
+
+
+def test_registering_the_missing_rule_as_the_message_says_fixes_it():
+    op = aten.cumsum.default
+    assert op not in rules.registered()
+
+    def cumsum_rule(sr, g, op_, x, dim, **kwargs):
+        # D(x)[..., i] = ⊕_{j >= i} g[..., j]: a contraction with an upper-triangular mask
+        n = x.shape[dim]
+        w = torch.ones(n, n, dtype=x.dtype).triu().T  # [j, i] = 1 where j >= i
+        g = tuple(f.movedim(dim, -1) for f in g)
+        return [tuple(f.movedim(-1, dim) for f in sr.matmul(g, w))]
+
+    try:
+        sbp.register(op, "contraction")(cumsum_rule)
+        assert sbp.supported_ops()[str(op)] == "contraction"
+        x = x34()
+        res = sbp.backprop(lambda t: t.cumsum(-1) * t, args=(x,), output=total)
+        leaf = x.clone().requires_grad_()
+        (want,) = torch.autograd.grad((leaf.cumsum(-1) * leaf).sum(), leaf)
+        torch.testing.assert_close(res.at(0, sbp.Real()), want)
+    finally:
+        registry._RULES.pop(op, None)
+
+
+def test_complex_intermediate_is_unsupported_not_a_missing_path():
+    """An FFT makes complex values: paths through them must not silently vanish."""
+    with raises(sbp.UnsupportedOpError, "complex", "_fft_r2c"):
+        sbp.backprop(lambda x: torch.fft.rfft(x).abs(), args=(x34(),), output=total)
+
+
+@pytest.mark.parametrize(
+    ("fn", "op"),
+    [
+        (lambda x: x.sort(-1).values + x, "aten.sort.default"),
+        (lambda x: nn.functional.max_pool1d(x[None], 2)[0].sum() * x, "max_pool2d_with_indices"),
+    ],
+    ids=["sort", "max_pool"],
+)
+def test_multi_output_op_is_unsupported_not_a_missing_path(fn, op):
+    """``values, indices = op(x)``: the values must not silently lose their paths."""
+    with raises(sbp.UnsupportedOpError, op, "several tensors"):
+        sbp.backprop(fn, args=(x34(),), output=total)
+
+
+def test_multi_output_op_used_only_for_indices_is_fine():
+    fn = lambda x: x.gather(-1, x.sort(-1).indices) * 2  # noqa: E731
+    res = sbp.backprop(fn, args=(x34(),), output=total)
+    torch.testing.assert_close(res.at(0, sbp.Real()), torch.full((3, 4), 2.0, dtype=F64))
+
+
+def test_duplicate_rule_registration_raises_and_registers_nothing():
+    with raises(sbp.SemiringBackpropError, "aten.mm.default", "already registered"):
+        sbp.register(aten.mm.default, "contraction")(lambda *a: None)
+    # all or nothing: a list with one taken overload registers none of them
+    with raises(sbp.SemiringBackpropError, "already registered"):
+        sbp.register([aten.cumsum.default, aten.mm.default], "contraction")(lambda *a: None)
+    assert aten.cumsum.default not in rules.registered()
+    assert rules.registered()[aten.mm.default].fn.__name__ == "_mm"
+
+
+def test_unknown_rule_kind():
+    with raises(sbp.InputError, "'magic'", "pointwise", "routing"):
+        sbp.register(aten.cumsum.default, "magic")
+
+
+# -- the output -----------------------------------------------------------------------------
+
+
+def test_output_not_a_scalar():
+    with raises(sbp.InputError, "(3, 4)", "scalar", "out.sum()", "per_example=True"):
+        sbp.backprop(torch.tanh, args=(x34(),), output=lambda y: y)
+
+
+def test_per_example_output_needs_the_flag():
+    with raises(sbp.InputError, "(3,)", "per_example=True"):
+        sbp.backprop(torch.tanh, args=(x34(),), output=lambda y: y.sum(-1))
+
+
+def test_output_not_a_tensor():
+    with raises(sbp.InputError, "must return a tensor", "float", "output=lambda out"):
+        sbp.backprop(torch.tanh, args=(x34(),), output=lambda y: 3.0)
+
+
+def test_output_is_a_tuple():
+    mha = nn.MultiheadAttention(4, 2).to(F64).eval()
+    x = x34()[:, None]
+    with raises(sbp.InputError, "2 tensors", "output=lambda out"):
+        sbp.backprop(mha, args=(x, x, x))
+
+
+def test_output_not_float():
+    with raises(sbp.InputError, "torch.int64", "float"):
+        sbp.backprop(lambda x: x.argmax(), args=(x34(),))
+
+
+def test_output_that_depends_on_no_input():
+    with raises(sbp.InputError, "does not depend on any float input"):
+        sbp.backprop(lambda x: torch.ones(3, dtype=F64).sum(), args=(x34(),))
+
+
+def test_at_an_input_that_does_not_reach_the_output():
+    res = sbp.backprop(lambda x, y: (x * 2).sum(), args=(x34(), x34()), output=lambda s: s)
+    res.at(0, sbp.Real())
+    with raises(sbp.InputError, "1", "does not depend on"):
+        res.at(1, sbp.Real())
+
+
+# -- the model ----------------------------------------------------------------------------
+
+
+def test_training_mode_is_refused_unless_allowed():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).to(F64)
+    with raises(sbp.TrainingModeError, "training mode", "model.eval()", "allow_training=True"):
+        sbp.backprop(model, args=(x34(),), output=total)
+    # explained as it runs: one random dropout mask, drawn in the forward pass
+    torch.manual_seed(0)
+    res = sbp.backprop(model, args=(x34(),), output=total, allow_training=True)
+    torch.manual_seed(0)
+    leaf = x34().requires_grad_()
+    (want,) = torch.autograd.grad(total(model(leaf)), leaf)
+    torch.testing.assert_close(res.at(0, sbp.Real()), want)
+
+
+def test_nan_in_the_forward_pass_names_the_first_node():
+    model = Net(Lambda(lambda h: torch.log(h)))  # tanh output is negative somewhere
+    with raises(sbp.NonFiniteError, "NaN", "`log`", "`block.1`"):
+        sbp.backprop(model, args=(x34(),), output=total)
+
+
+def test_nan_input_is_reported_where_it_first_appears():
+    x = x34()
+    x[1, 2] = float("nan")
+    with raises(sbp.NonFiniteError, "NaN", "`mul`", "inputs"):
+        sbp.backprop(lambda t: (t * 2).exp(), args=(x,), output=total)
+
+
+def test_inf_made_from_finite_inputs():
+    with raises(sbp.NonFiniteError, "inf", "`exp`", "finite inputs", "rescale"):
+        sbp.backprop(lambda t: (t * 1000).exp(), args=(x34(),), output=total)
+
+
+def test_inf_from_log_of_zero():
+    with raises(sbp.NonFiniteError, "inf", "`log`", "log of 0"):
+        sbp.backprop(lambda t: torch.log(t * 0) + t, args=(x34(),), output=total)
+
+
+def test_masks_may_hold_inf():
+    """Routing ops (masked_fill) write -inf on purpose: not an error."""
+
+    def fn(t):
+        mask = torch.tensor([True, False, True, True])
+        return torch.softmax(t.masked_fill(~mask, float("-inf")), -1)
+
+    res = sbp.backprop(fn, args=(x34(),), output=lambda y: y[0, 0])
+    assert res.at(0, sbp.Real())[:, 1].eq(0).all()
+
+
+def test_untraceable_model_suggests_eager_attention_or_a_plain_function():
+    def flow(x):
+        if x.sum() > 0:  # data-dependent Python control flow
+            return x * 2
+        return x * 3
+
+    with raises(sbp.TracingError, "could not trace", "attn_implementation='eager'", "plain function"):
+        sbp.backprop(flow, args=(x34(),), output=total)
+
+
+def test_model_not_callable():
+    with raises(sbp.InputError, "callable", "int"):
+        sbp.backprop(3, args=(x34(),))
+
+
+# -- semirings and keep= ----------------------------------------------------------------------
+
+
+def test_semiring_not_computed_in_the_pass():
+    res = sbp.backprop(torch.tanh, args=(x34(),), output=total, semirings=[sbp.Real()])
+    with raises(sbp.InputError, "Entropy()", "not computed", "Real()"):
+        res.at(0, sbp.Entropy())
+    with raises(sbp.InputError, "TopK(k=3)", "not computed"):
+        res.aggregate(0, sbp.TopK(3))
+
+
+@pytest.mark.parametrize(
+    "semirings",
+    [[], [sbp.Real(), sbp.Real()], [sbp.Real]],
+    ids=["empty", "duplicate", "class-not-instance"],
+)
+def test_bad_semiring_list(semirings):
+    with raises(sbp.InputError, "semirings"):
+        sbp.backprop(torch.tanh, args=(x34(),), output=total, semirings=semirings)
+
+
+def test_keep_an_op_that_cannot_be_kept():
+    with raises(sbp.InputError, "'conv'", "softmax", "layer_norm"):
+        sbp.backprop(torch.tanh, args=(x34(),), output=total, keep=("conv",))
+
+
+# -- Result.at --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def net_result():
+    return sbp.backprop(Net(nn.Identity()), args=(x34(),), output=total)
+
+
+def test_at_unknown_module_lists_near_matches(net_result):
+    with raises(sbp.NotFoundError, "'blok.0'", "Did you mean", "block.0", "named_modules"):
+        net_result.at("blok.0", sbp.Real())
+
+
+def test_at_unknown_module_without_near_matches(net_result):
+    with raises(sbp.NotFoundError, "'encoder'", "named_modules", "':input'"):
+        net_result.at("encoder", sbp.Real())
+    # a KeyError, as dict lookups are, but printed plainly
+    with pytest.raises(KeyError, match=re.escape("no input, module or node named 'encoder'")):
+        net_result.at("encoder", sbp.Real())
+
+
+def test_at_ambiguous_suffix():
+    model = nn.Sequential()
+    model.add_module("a", nn.Sequential(nn.Linear(4, 4)))
+    model.add_module("b", nn.Sequential(nn.Linear(4, 4)))
+    res = sbp.backprop(model.to(F64).eval(), args=(x34(),), output=total)
+    with raises(sbp.NotFoundError, "several modules", "a.0", "b.0", "full path"):
+        res.at("0", sbp.Real())
+    res.at("a.0", sbp.Real())
+
+
+def test_at_unknown_input_position(net_result):
+    with raises(sbp.NotFoundError, "args[3]", "tensor inputs: 0"):
+        net_result.at(3, sbp.Real())
+
+
+def test_at_bad_key_type(net_result):
+    with raises(sbp.InputError, "1.5"):
+        net_result.at(1.5, sbp.Real())
+
+
+def test_at_integer_input_points_to_the_embeddings():
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 2)).to(F64).eval()
+    res = sbp.backprop(model, args=(torch.tensor([1, 2, 3]),), output=total)
+    with raises(sbp.InputError, "torch.int64", "token ids", "embeddings"):
+        res.at(0, sbp.Real())
+    assert res.at("0", sbp.Real()).shape == (3, 4)
