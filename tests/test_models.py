@@ -50,7 +50,9 @@ class Probe:
             name, _, kind = place.partition(":")
             mod = modules[name]
             if kind == "input":
-                self.handles.append(mod.register_forward_pre_hook(self._pre(place), with_kwargs=True))
+                self.handles.append(
+                    mod.register_forward_pre_hook(self._pre(place), with_kwargs=True)
+                )
             else:
                 self.handles.append(mod.register_forward_hook(self._post(place)))
 
@@ -280,7 +282,11 @@ HF = {
         "BertForSequenceClassification",
         _bert_config,
         lambda out: out.logits[0, 1],
-        ["bert.embeddings", "bert.encoder.layer.0.attention", "bert.encoder.layer.0.attention:input"],
+        [
+            "bert.embeddings",
+            "bert.encoder.layer.0.attention",
+            "bert.encoder.layer.0.attention:input",
+        ],
     ),
     "bert-mlm": (
         "BertForMaskedLM",

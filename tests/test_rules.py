@@ -32,7 +32,6 @@ from torch.utils import _pytree as pytree
 import semiring_backprop as sbp
 from semiring_backprop import rules
 from semiring_backprop.engine import _pair
-from semiring_backprop.tracing import trace
 
 aten = torch.ops.aten
 sbp_ops = torch.ops.semiring_backprop
@@ -265,7 +264,10 @@ CASES: dict[object, list] = {
         ),
     ],
     aten.slice_scatter.default: [
-        Traced(lambda x, y: torch.slice_scatter(x, y[:, :2], 1, 1, 4, 2), lambda: (r(3, 4), r(3, 4, seed=1))),
+        Traced(
+            lambda x, y: torch.slice_scatter(x, y[:, :2], 1, 1, 4, 2),
+            lambda: (r(3, 4), r(3, 4, seed=1)),
+        ),
     ],
     aten.select_scatter.default: [Direct(lambda: (r(3, 4), r(4, seed=1), 0, 1))],
     aten.scatter.src: [
@@ -396,12 +398,16 @@ def _floats(xs):
 
 
 def _autograd(fn, inputs, weight):
-    leaves = [x.clone().requires_grad_() if i in _floats(inputs) else x for i, x in enumerate(inputs)]
+    leaves = [
+        x.clone().requires_grad_() if i in _floats(inputs) else x for i, x in enumerate(inputs)
+    ]
     y = fn(*leaves)
     out = (y * weight).sum()
     want = [leaves[i] for i in _floats(inputs)]
     grads = torch.autograd.grad(out, want, allow_unused=True)
-    return {i: (torch.zeros_like(inputs[i]) if g is None else g) for i, g in zip(_floats(inputs), grads)}
+    return {
+        i: (torch.zeros_like(inputs[i]) if g is None else g) for i, g in zip(_floats(inputs), grads)
+    }
 
 
 def _check_traced(op, case: Traced, require_op: bool = True):
@@ -413,7 +419,9 @@ def _check_traced(op, case: Traced, require_op: bool = True):
     output = lambda y: (y * weight).sum()  # noqa: E731
     res = sbp.backprop(case.fn, args=inputs, output=output, semirings=ALL, keep=case.keep)
     targets = {n.target for n in res.graph.nodes}
-    assert op in targets or not require_op, f"the case does not exercise {op}; the traced graph has {targets}"
+    assert op in targets or not require_op, (
+        f"the case does not exercise {op}; the traced graph has {targets}"
+    )
     want = _autograd(case.fn, inputs, weight)
     for k, g in want.items():
         try:
@@ -457,7 +465,9 @@ def _check_direct(op, case: Direct):
         _check_traced(op, Traced(call, inputs, rtol=rtol), require_op=False)
 
     fx = torch.fx.Graph()
-    nodes = [fx.placeholder(f"a{i}") if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)]
+    nodes = [
+        fx.placeholder(f"a{i}") if isinstance(x, torch.Tensor) else x for i, x in enumerate(leaves)
+    ]
     node_args, node_kwargs = pytree.tree_unflatten(nodes, spec)
     node = fx.call_function(op, tuple(node_args), node_kwargs)
     needed = frozenset(n for n, f in zip(nodes, is_float) if f)
@@ -518,3 +528,23 @@ def test_keep_composite(name, kept):
 def test_keep_unknown_name_is_an_error():
     with pytest.raises(ValueError, match="softmax"):
         sbp.backprop(torch.tanh, args=(r(3),), output=lambda y: y.sum(), keep=("conv",))
+
+
+def test_no_grad_block_carries_no_edges():
+    """Values computed under ``torch.no_grad()`` are constants to autograd, and so here."""
+
+    def fn(x):
+        with torch.no_grad():
+            y = x * 2
+            s = x.sum()
+        return y * x + s * torch.tanh(x)
+
+    x = r(3, 4)
+    res = sbp.backprop(
+        fn, args=(x,), output=lambda y: y.sum(), semirings=[sbp.Real(), sbp.PathCount()]
+    )
+    want = _autograd(fn, (x,), torch.ones(3, 4, dtype=torch.float64))[0]
+    torch.testing.assert_close(res.at(0, sbp.Real()), want, rtol=1e-10, atol=1e-12)
+    # one path through each product's x slot: x -> y*x and x -> tanh -> s*tanh
+    count = res.at(0, sbp.PathCount()).log_count
+    torch.testing.assert_close(count, torch.full_like(count, math.log(2)))

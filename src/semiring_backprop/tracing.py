@@ -9,6 +9,7 @@ finds exactly that module's output in the graph.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -172,6 +173,7 @@ def trace(
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             program = torch.export.export(_Explained(model, output), args, kwargs, strict=False)
+            _detach_no_grad_blocks(program)
             program = program.run_decompositions(table)
     except (TracingError, InputError):
         raise
@@ -192,6 +194,30 @@ def trace(
 
 def _identity(out):
     return out
+
+
+def _detach_no_grad_blocks(program) -> None:
+    """Values computed under ``torch.no_grad()`` carry no edges, as in autograd.
+
+    ``torch.export`` keeps such a block as ``wrap_with_set_grad_enabled(False, ...)`` until
+    ``run_decompositions`` inlines it and the grad mode is lost; detach its outputs first.
+    """
+    hop = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    graph = program.graph_module.graph
+    outs = [
+        user
+        for node in graph.nodes
+        if hop is not None and node.target is hop and node.args[0] is False
+        for user in node.users
+        if user.target is operator.getitem
+    ]
+    for out in outs:
+        with graph.inserting_after(out):
+            detached = graph.call_function(torch.ops.aten.detach.default, (out,))
+        detached.meta = dict(out.meta)
+        out.replace_all_uses_with(detached, delete_user_cb=lambda n, d=detached: n is not d)
+    if outs:
+        program.graph_module.recompile()
 
 
 def _build_graph(program, args, kwargs, keep) -> Graph:

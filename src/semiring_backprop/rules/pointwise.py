@@ -105,6 +105,8 @@ pointwise(aten.sin.default, lambda op, a: torch.cos(a))
 pointwise(aten.cos.default, lambda op, a: -torch.sin(a))
 pointwise(aten.reciprocal.default, lambda op, a: -op.out * op.out)
 pointwise(aten.pow.Tensor_Scalar, lambda op, a, e: e * a ** (e - 1) if e != 0 else 0.0 * a)
-pointwise(aten.leaky_relu.default, lambda op, a, slope=0.01: torch.where(a > 0, 1.0, torch.full_like(a, slope)))
+pointwise(
+    aten.leaky_relu.default, lambda op, a, slope=0.01: torch.where(a > 0, 1.0, a.new_tensor(slope))
+)
 pointwise(aten.abs.default, lambda op, a: torch.sign(a))
 # fmt: on
