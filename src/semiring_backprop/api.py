@@ -42,7 +42,9 @@ def backprop(
     """
     semirings = list(semirings)
     if not semirings or not all(isinstance(s, Semiring) for s in semirings):
-        raise InputError(f"semirings must be a non-empty list of Semiring instances, got {semirings!r}")
+        raise InputError(
+            f"semirings must be a non-empty list of Semiring instances, got {semirings!r}"
+        )
     if len(set(semirings)) != len(semirings):
         raise InputError(f"semirings contains duplicates: {semirings}")
     args = tuple(args) if isinstance(args, tuple | list) else (args,)

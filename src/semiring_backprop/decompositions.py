@@ -188,9 +188,6 @@ _OURS = {
     },
 }
 
-# composites torch would otherwise lower to ops we keep whole or that lose structure
-_KEEP_FROM_TORCH = (aten.native_layer_norm.default,)
-
 # ops torch's table lowers to something with other edges: detach becomes alias (a
 # weight-1 routing op), which would let paths through what autograd stops
 _NEVER_DECOMPOSE = (aten.detach.default,)

@@ -128,6 +128,6 @@ def _unsupported(graph, node, reason: str = "") -> UnsupportedOpError:
     return UnsupportedOpError(
         f"no semiring rule for {node.target} at {where(node, graph.module_of(node))}{why}. "
         "Register one with semiring_backprop.rules.register(<op>, kind) (kinds: pointwise, "
-        "routing, contraction, reduction, nondifferentiable), keep the module out of the "
-        "explained function, or report the op; sbp.supported_ops() lists the rules."
+        "composite, routing, contraction, reduction, nondifferentiable), keep the module out "
+        "of the explained function, or report the op; sbp.supported_ops() lists the rules."
     )

@@ -41,7 +41,10 @@ def run(seed: int = 0, print_fn=print) -> dict:
     p("semiring-backprop quickstart: a 1-layer transformer classifier (random weights),")
     p(f"explaining logit[1] for the token ids {ids[0].tolist()}. One reverse pass computed")
     p("five semirings at every node; here they are at the token embeddings.\n")
-    p("token  |grad|   top path +   top path -   entropy  H/log(#paths)  3 heaviest paths (one unit)")
+    p(
+        "token  |grad|   top path +   top path -   entropy  H/log(#paths)"
+        "  3 heaviest paths (one unit)"
+    )
     rows = []
     for t in range(ids.shape[1]):
         h = ent.entropy[0, t]

@@ -46,7 +46,9 @@ class Result:
         if len(suffix) == 1:
             return g.tags[suffix[0]]
         if len(suffix) > 1:
-            raise NotFoundError(f"{where!r} matches several modules: {suffix[:8]}; give the full path")
+            raise NotFoundError(
+                f"{where!r} matches several modules: {suffix[:8]}; give the full path"
+            )
         by_name = {n.name: n for n in g.nodes}
         if where in by_name:
             return by_name[where]

@@ -18,8 +18,10 @@ import torch
 from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
-from . import _ops  # noqa: F401
-from . import decompositions
+from . import (
+    _ops,  # noqa: F401
+    decompositions,
+)
 from .errors import InputError, TracingError, TrainingModeError
 
 mark_op = torch.ops.semiring_backprop.mark.default
@@ -96,7 +98,6 @@ def _install_marks(model: torch.nn.Module):
             tag = tag_for(name) + ":input"
             i, x = _first_float(args)
             if x is None:
-                keys = list(kwargs)
                 j, x = _first_float(kwargs.values())
                 if x is None:
                     return None
@@ -112,7 +113,9 @@ def _install_marks(model: torch.nn.Module):
             tag = tag_for(name)
             calls[name] = calls.get(name, 0) + 1
             if isinstance(out, torch.Tensor):
-                return torch.ops.semiring_backprop.mark(out, tag) if out.is_floating_point() else out
+                return (
+                    torch.ops.semiring_backprop.mark(out, tag) if out.is_floating_point() else out
+                )
             if isinstance(out, tuple | list):
                 i, x = _first_float(out)
                 if x is None:
@@ -264,7 +267,11 @@ def _key(path):
         key = rest[0].idx
     else:
         key = rest[0].key
-    return key if len(rest) == 1 else (key, *(getattr(p, "idx", getattr(p, "key", None)) for p in rest[1:]))
+    return (
+        key
+        if len(rest) == 1
+        else (key, *(getattr(p, "idx", getattr(p, "key", None)) for p in rest[1:]))
+    )
 
 
 def numel(node) -> int:

@@ -65,6 +65,10 @@ def _layer_norm(sr, g, op, x, shape, weight=None, bias=None, eps=1e-5, *args):
     dx = None
     if op.needs(0):
         dx = fmap(lambda f: f.reshape(x.shape), _rowwise(sr, gf, jac, -1))
-    dw = _unbroadcast(sr, sr.times(g, xhat), weight.shape) if weight is not None and op.needs(2) else None
+    dw = (
+        _unbroadcast(sr, sr.times(g, xhat), weight.shape)
+        if weight is not None and op.needs(2)
+        else None
+    )
     db = _unbroadcast(sr, g, bias.shape) if bias is not None and op.needs(3) else None
     return [dx, None, dw, db]

@@ -7,6 +7,7 @@ for every other op tagged ``torch.Tag.pointwise``.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -35,7 +36,13 @@ def _jvp_derivative(target, args, kwargs, i):
         return target(*a, **kwargs)
 
     x = args[i]
-    return torch.func.jvp(f, (x,), (torch.ones_like(x),))[1]
+    with warnings.catch_warnings():
+        # torch.func.jvp's first use loads torch's own decompositions through a
+        # deprecated torch.jit.script call; nothing the user can act on
+        warnings.filterwarnings(
+            "ignore", message=".*torch.jit.script.*", category=DeprecationWarning
+        )
+        return torch.func.jvp(f, (x,), (torch.ones_like(x),))[1]
 
 
 def _float_tensor(a) -> bool:
@@ -52,7 +59,7 @@ def _pointwise_rule(derivs):
             if d_fn is None or not _float_tensor(a) or not op.needs(i):
                 out.append(None)
                 continue
-            d = op.cached(("d", i), lambda: _as_tensor(d_fn(op, *args, **kwargs), op.out))
+            d = op.cached(("d", i), lambda d_fn=d_fn: _as_tensor(d_fn(op, *args, **kwargs), op.out))
             out.append(_unbroadcast(sr, sr.times(g, d), a.shape))
         return out
 

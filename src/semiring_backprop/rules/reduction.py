@@ -41,7 +41,11 @@ def _mean(sr, g, op, x, dims=None, keepdim=False, **kwargs):
 def _select_extreme(sr, g, op, x, dims, keepdim):
     """Edges to the selected elements only; ties share the weight, as autograd does."""
     dims = _reduced_dims(x, dims)
-    out = op.out if keepdim else op.out.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
+    out = (
+        op.out
+        if keepdim
+        else op.out.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
+    )
     hit = x == out
     count = hit.sum(dims, keepdim=True)
     w = hit.to(x.dtype) / count
@@ -58,4 +62,3 @@ def _amax(sr, g, op, x, dims=(), keepdim=False):
 @register([aten.max.default, aten.min.default], "reduction")
 def _max_all(sr, g, op, x):
     return _select_extreme(sr, g, op, x, None, False)
-

@@ -151,7 +151,7 @@ def _source_rule(data_slots=(0,), index_fn=None):
             if not (op.needs(i) and args[i].is_floating_point()):
                 continue
             sel = (s >= off) & (s < off + n)
-            v = _scatter_plus(sr, fmap(lambda f: f[sel], flat), s[sel] - off, n, op.out)
+            v = _scatter_plus(sr, fmap(lambda f, sel=sel: f[sel], flat), s[sel] - off, n, op.out)
             out[i] = tuple(f.reshape(shape) for f in v)
         return out
 
@@ -186,9 +186,7 @@ routing(aten.roll.default)
 routing(aten.diagonal.default)
 routing(aten.embedding.default, index_fn=_embedding_sources)
 routing(aten.where.self, data_slots=(1, 2))
-routing(
-    aten.masked_fill.Scalar, index_fn=lambda x, mask, value: aten.masked_fill(x, mask, -1)
-)
+routing(aten.masked_fill.Scalar, index_fn=lambda x, mask, value: aten.masked_fill(x, mask, -1))
 routing(aten.masked_fill.Tensor, data_slots=(0, 2))
 routing(
     aten.constant_pad_nd.default,

@@ -83,4 +83,6 @@ class Entropy(Semiring):
 
     def finalize(self, a: Value) -> EntropyReadout:
         live = a[0] > -INF
-        return EntropyReadout(entropy=torch.where(live, a[1] + a[0], 0.0).to(a[0].dtype), log_z=a[0])
+        return EntropyReadout(
+            entropy=torch.where(live, a[1] + a[0], 0.0).to(a[0].dtype), log_z=a[0]
+        )

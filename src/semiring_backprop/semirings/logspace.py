@@ -9,7 +9,6 @@ import torch
 from .base import (
     INF,
     Semiring,
-    Value,
     _dims,
     chunk_rows,
     full_int,

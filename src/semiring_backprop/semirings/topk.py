@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InputError
 from .base import (
     INF,
     Semiring,
@@ -18,7 +19,6 @@ from .base import (
     node_index,
     reduced_shape,
 )
-from .maxproduct import _batch_broadcast
 
 _GROUPS = ("v", "s", "node", "idx", "rank")
 
@@ -43,7 +43,7 @@ class TopK(Semiring):
 
     def __post_init__(self):
         if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"TopK(k={self.k!r}): k must be a positive integer")
+            raise InputError(f"TopK(k={self.k!r}): k must be a positive integer")
 
     @property
     def fields(self):
@@ -135,7 +135,7 @@ class TopK(Semiring):
             jm, jr = j // k, j % k
             flat = jm * k + jr  # index into the (m, k) grid of each row
 
-            def take(g):
+            def take(g, flat=flat):
                 g = g.flatten(-2)[..., None, :].expand(*g.shape[:-2], p, m * k)
                 return g.gather(-1, flat)
 
@@ -147,7 +147,9 @@ class TopK(Semiring):
 
     def finalize(self, a) -> TopKReadout:
         v, s, *_ = self._pack(a)
-        return TopKReadout(values=torch.where(v > -INF, s * torch.exp(v), 0.0).to(v.dtype), log_abs=v)
+        return TopKReadout(
+            values=torch.where(v > -INF, s * torch.exp(v), 0.0).to(v.dtype), log_abs=v
+        )
 
 
 def _batch_broadcast_groups(groups, w):
