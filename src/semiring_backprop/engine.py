@@ -64,6 +64,16 @@ def reverse(graph, values: dict, semirings: list, seed_node) -> dict:
         )
     out = values[seed_node]
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
+    return propagate(graph, values, semirings, acc, needed)
+
+
+def propagate(graph, values, semirings, acc: dict, needed, within=None) -> dict:
+    """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
+
+    With ``within`` (a set of nodes), only paths inside it are followed: the pass then
+    gives ⊕ over the paths that start at a node of ``within`` and reach a seed through
+    ``within`` alone (used for the contribution of one branch).
+    """
     store = {}
     for node_id in range(len(graph.nodes) - 1, -1, -1):
         node = graph.nodes[node_id]
@@ -72,33 +82,65 @@ def reverse(graph, values: dict, semirings: list, seed_node) -> dict:
             continue
         store[node] = d
         inputs = [n for n in node.all_input_nodes if n in needed]
+        if within is not None:
+            inputs = [n for n in inputs if n in within]
         if node.op != "call_function" or not inputs:
             continue
-        rule = rules.lookup(node.target)
-        if rule is None:
-            raise _unsupported(graph, node)
-        op = rules.Op(
-            node,
-            map_arg(node.args, values.__getitem__),
-            map_arg(node.kwargs, values.__getitem__),
-            values[node],
-            needed,
-        )
-        for s, (sr, g) in enumerate(zip(semirings, d)):
-            contributions: dict = {}
-            res = rule.fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
-            for inp, c in _pair(node.args, res):
-                if inp in needed and c is not None:
-                    contributions.setdefault(inp, []).append(c)
-            for inp, cs in contributions.items():
-                c = cs[0] if len(cs) == 1 else sr.sum(stack(cs), 0)
-                _check_shape(graph, node, inp, c)
-                slot = acc.setdefault(inp, [None] * len(semirings))
-                prev = slot[s]
-                if prev is None:
-                    prev = sr.zero(c[0].shape, c[0])
-                slot[s] = sr.plus(prev, c)
+        for inp, s, c in contributions(graph, values, semirings, node_id, d, needed):
+            if within is not None and inp not in within:
+                continue
+            slot = acc.setdefault(inp, [None] * len(semirings))
+            prev = slot[s]
+            if prev is None:
+                prev = semirings[s].zero(c[0].shape, c[0])
+            slot[s] = semirings[s].plus(prev, c)
     return store
+
+
+def contributions(graph, values, semirings, node_id: int, d: list, needed, op=None):
+    """Apply node ``node_id``'s rule to its values ``d`` (one per semiring).
+
+    Yields ``(input node, semiring index, value)``; the argument slots of one op that
+    read the same input are ⊕-ed inside the op (``sr.sum``).
+    """
+    node = graph.nodes[node_id]
+    rule = rules.lookup(node.target)
+    if rule is None:
+        raise _unsupported(graph, node)
+    if op is None:
+        op = make_op(node, values, needed)
+    for s, (sr, g) in enumerate(zip(semirings, d)):
+        per_input: dict = {}
+        res = rule.fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
+        for inp, c in _pair(node.args, res):
+            if inp in needed and c is not None:
+                per_input.setdefault(inp, []).append(c)
+        for inp, cs in per_input.items():
+            c = cs[0] if len(cs) == 1 else sr.sum(stack(cs), 0)
+            _check_shape(graph, node, inp, c)
+            yield inp, s, c
+
+
+def slot_values(graph, values, sr, node_id: int, g, needed, op=None):
+    """The rule's value for every argument slot, unsummed: ``[(input node, value)]``."""
+    node = graph.nodes[node_id]
+    rule = rules.lookup(node.target)
+    if rule is None:
+        raise _unsupported(graph, node)
+    if op is None:
+        op = make_op(node, values, needed)
+    res = rule.fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
+    return [(inp, c) for inp, c in _pair(node.args, res) if inp in needed and c is not None]
+
+
+def make_op(node, values, needed) -> rules.Op:
+    return rules.Op(
+        node,
+        map_arg(node.args, values.__getitem__),
+        map_arg(node.kwargs, values.__getitem__),
+        values[node],
+        needed,
+    )
 
 
 def _pair(args, res):

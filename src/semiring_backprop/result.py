@@ -85,6 +85,38 @@ class Result:
         v = self.value(where, semiring)
         return semiring.finalize(semiring.sum(v, dims))
 
+    @property
+    def needed(self) -> frozenset:
+        """Nodes the pass carried values for (float, on a path from an input)."""
+        if not hasattr(self, "_needed"):
+            from . import engine
+
+            self._needed = engine.needed_nodes(self.graph, self.graph.output_node)
+        return self._needed
+
+    # -- analysis -----------------------------------------------------------------
+    def top_path(self, source, semiring: Semiring | None = None, sign: str = "+"):
+        """The heaviest path from ``source`` to the output, as a :class:`Path`.
+
+        ``source`` is a place (``"encoder.layer.0.attention:input"``, an input position)
+        or ``(place, index)``; an index prefix (``(0, 3)``: all hidden units of token 3)
+        or slices name a set, and the path starts at its best element. ``semiring`` is
+        ``MaxProduct()`` (default; ``sign="-"`` gives the most negative path), a
+        ``MaxProduct("tensor")`` (a sequence of ops), ``MaxAbs()`` or ``TopK(k)``.
+
+        >>> path = res.top_path(("bert.embeddings", (0, 3)))
+        >>> path.value == res.aggregate("bert.embeddings", MaxProduct()).hi[0, 3]
+        """
+        from .analysis import paths
+
+        return paths.top_path(self, source, semiring, sign)
+
+    def top_paths(self, source, k: int, semiring: Semiring | None = None) -> list:
+        """The ``k`` heaviest distinct paths by |product| from ``source`` (needs ``TopK``)."""
+        from .analysis import paths
+
+        return paths.top_paths(self, source, k, semiring)
+
     def _why_missing(self, where, node) -> str:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and not val.is_floating_point():

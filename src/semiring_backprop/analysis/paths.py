@@ -1,0 +1,464 @@
+"""Top gradient paths, read by following the back-pointers of a selective semiring.
+
+Every selective value stores, per element, the consumer op that won (and, at neuron
+granularity, the element of that op's output). A path is read from a source element to
+the output by following those pointers; each step's edge weight is recomputed from the
+op's own rule under the real semiring (the partial derivative of that output element
+with respect to that input element, per argument slot), which also tells where the sign
+flips: a negative edge continues from the consumer's most negative value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .. import engine
+from ..errors import InputError, NotFoundError
+from ..semirings import MaxAbs, MaxProduct, Real, TopK
+
+_REAL = Real()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One node on a path. ``edge_weight`` is the edge into this node (None at the source);
+    ``running`` the product of edge weights from the source up to here."""
+
+    node: str  #: graph node name
+    module: str | None  #: owning module path (None for ops outside any submodule)
+    op: str  #: the ATen op (or ``input`` for a model input)
+    index: tuple[int, ...] | None  #: element of the node's output (None: tensor granularity)
+    edge_weight: float | None
+    running: float | None
+    slot: int | None = None  #: argument slot of ``op`` the edge enters (``mul(x, x)``: 0 or 1)
+
+
+@dataclass(frozen=True)
+class Path:
+    """A path through the gradient graph, from a source element to the explained output.
+
+    >>> path = res.top_path(("encoder.layer.0.attention:input", (0, 3)))
+    >>> print(path)            # compact: one line per module the path passes through
+    >>> path.to_frame()        # one row per step
+    >>> path.value             # its product == the MaxProduct readout at the source
+    """
+
+    steps: tuple[Step, ...]
+    value: float  #: the path product (the semiring's readout at the source element)
+    semiring: str
+    sign: str = "+"
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    @property
+    def source(self) -> Step:
+        return self.steps[0]
+
+    @property
+    def modules(self) -> list[str]:
+        """The modules the path passes through, in order, runs collapsed."""
+        return [m for m, _ in _runs(self.steps)]
+
+    def to_frame(self):
+        import pandas as pd
+
+        rows = [asdict(s) for s in self.steps]
+        for i, r in enumerate(rows):
+            r["step"] = i
+            r["index"] = None if r["index"] is None else tuple(r["index"])
+        cols = ["step", "node", "module", "op", "index", "slot", "edge_weight", "running"]
+        frame = pd.DataFrame(rows, columns=cols)
+        frame["slot"] = frame["slot"].astype("Int64")
+        return frame
+
+    def to_dict(self) -> dict:
+        return {
+            "semiring": self.semiring,
+            "sign": self.sign,
+            "value": _json_float(self.value),
+            "steps": [
+                {
+                    **asdict(s),
+                    "index": None if s.index is None else list(s.index),
+                    "edge_weight": _json_float(s.edge_weight),
+                    "running": _json_float(s.running),
+                }
+                for s in self.steps
+            ],
+        }
+
+    def to_json(self, file=None, **kwargs) -> str:
+        text = json.dumps(self.to_dict(), **kwargs)
+        if file is not None:
+            with open(file, "w") as f:
+                f.write(text)
+        return text
+
+    def compact(self, strip: str | None = None) -> str:
+        """One line: the runs of steps inside one module, joined by arrows."""
+        parts = []
+        runs = _runs(self.steps)
+        for i, (module, steps) in enumerate(runs):
+            name = module or ("output" if i == len(runs) - 1 else "(top level)")
+            if steps[0].op == "input":
+                name = f"input {steps[0].node}"
+            if strip and name.startswith(strip):
+                name = name[len(strip) :] or name
+            first = steps[0]
+            where = f"[{','.join(map(str, first.index))}]" if first.index is not None else ""
+            ops = f" ({len(steps)} ops)" if len(steps) > 1 else ""
+            parts.append(f"{name}{where}{ops}")
+        return " → ".join(parts) + f"   (product {self.value:.4g})"
+
+    def __str__(self) -> str:
+        return self.compact()
+
+
+def _runs(steps):
+    out: list[tuple[str | None, list[Step]]] = []
+    for s in steps:
+        if out and out[-1][0] == s.module:
+            out[-1][1].append(s)
+        else:
+            out.append((s.module, [s]))
+    return out
+
+
+def _json_float(x):
+    if x is None or math.isfinite(x):
+        return x
+    return str(x)
+
+
+# -- sources --------------------------------------------------------------------------
+
+
+def resolve_source(res, source):
+    """``where`` or ``(where, index)`` -> (node, bool mask of candidate elements)."""
+    if isinstance(source, tuple) and len(source) == 2:
+        where, index = source
+    else:
+        where, index = source, ()
+    node = res.node(where)
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise InputError(f"{where!r} is not a tensor in the traced graph")
+    index = index if isinstance(index, tuple) else (index,)
+    mask = torch.zeros(tuple(val.shape), dtype=torch.bool)
+    try:
+        mask[index] = True
+    except (IndexError, TypeError) as e:
+        raise InputError(
+            f"index {index!r} does not fit {where!r} of shape {tuple(val.shape)} ({e}); give "
+            "a tuple of ints (a prefix selects all elements below it) or slices"
+        ) from None
+    return node, mask
+
+
+def _node_label(res, node) -> tuple[str | None, str]:
+    if node.op == "placeholder":
+        return None, "input"
+    return res.graph.module_of(node), str(node.target)
+
+
+def _step(res, node, index, w, running, slot=None) -> Step:
+    module, op = _node_label(res, node)
+    if node.target is not None and node.op == "call_function" and node.args and isinstance(
+        node.args[-1], str
+    ) and op == "semiring_backprop.mark.default":
+        module = node.args[-1].removesuffix(":input")
+    return Step(
+        node=node.name,
+        module=module,
+        op=op,
+        index=None if index is None else tuple(int(i) for i in index),
+        edge_weight=None if w is None else float(w),
+        running=None if running is None else float(running),
+        slot=slot,
+    )
+
+
+def _unravel(flat: int, shape) -> tuple[int, ...]:
+    out = []
+    for s in reversed(tuple(shape)):
+        out.append(flat % s)
+        flat //= s
+    return tuple(reversed(out))
+
+
+# -- edge weights ---------------------------------------------------------------------
+
+
+class _Edges:
+    """Per-slot partial derivatives of one output element of an op, by the op's own rule."""
+
+    def __init__(self, res):
+        self.res = res
+        self.needed = res.needed
+        self.ops: dict = {}
+
+    def weights(self, consumer_id: int, out_flat: int, inp) -> list[tuple[int, float]]:
+        """[(slot, weight)] of the edges ``inp[e] -> consumer[out_flat]`` for every e."""
+        graph, values = self.res.graph, self.res.values
+        node = graph.nodes[consumer_id]
+        if node not in self.ops:
+            self.ops[node] = engine.make_op(node, values, self.needed)
+        out = values[node]
+        seed = torch.zeros(out.numel(), dtype=_float(out).dtype, device=out.device)
+        seed[out_flat] = 1
+        with torch.no_grad():
+            slots = engine.slot_values(
+                graph, values, _REAL, consumer_id, (seed.view(out.shape),), self.needed,
+                self.ops[node],
+            )
+        return [(s, c[0].reshape(-1)) for s, (n, c) in enumerate(slots) if n is inp]
+
+
+def _float(t):
+    return t if t.is_floating_point() else t.double()
+
+
+# -- following pointers ---------------------------------------------------------------
+
+
+def _semiring_index(res, semiring):
+    try:
+        return res.semirings.index(semiring)
+    except ValueError:
+        raise InputError(
+            f"{semiring} was not computed in this pass; pass semirings=[..., {semiring}] "
+            f"to backprop (computed: {res.semirings})"
+        ) from None
+
+
+def _raw(res, node, k):
+    return res._store[node][k]
+
+
+def _tol(res) -> float:
+    return 1e-7 if res.values[res.graph.output_node].dtype == torch.float64 else 1e-3
+
+
+def top_path(res, source, semiring=None, sign: str = "+") -> Path:
+    semiring = semiring if semiring is not None else MaxProduct()
+    if sign not in ("+", "-"):
+        raise InputError(f"sign must be '+' (most positive path) or '-' (most negative), got {sign!r}")
+    if isinstance(semiring, MaxProduct):
+        return _top_path_maxproduct(res, source, semiring, sign)
+    if isinstance(semiring, MaxAbs):
+        if sign != "+":
+            raise InputError("MaxAbs ranks paths by |product|: sign='-' needs MaxProduct()")
+        return _top_path_maxabs(res, source, semiring)
+    if isinstance(semiring, TopK):
+        paths = top_paths(res, source, 1, semiring)
+        return paths[0]
+    raise InputError(
+        f"top_path follows the back-pointers of MaxProduct, MaxAbs or TopK; got {semiring}"
+    )
+
+
+def _pick_source(res, source, semiring, k, score):
+    node, mask = resolve_source(res, source)
+    group = [n for n in res.graph.aliases.get(node, (node,)) if n in res._store]
+    if not group:
+        res.value(node, semiring)  # raises the explanatory error
+    best = None
+    for n in group:
+        s = score(_raw(res, n, k)).cpu()
+        s = torch.where(mask, s, torch.full_like(s, -math.inf))
+        flat = int(s.reshape(-1).argmax())
+        v = float(s.reshape(-1)[flat])
+        if best is None or v > best[0]:
+            best = (v, n, flat)
+    if best is None or best[0] == -math.inf:
+        raise NotFoundError(
+            f"no path with nonzero weight leads from {source!r} to the output under {semiring}"
+        )
+    return best[1], best[2]
+
+
+def _top_path_maxproduct(res, source, sr: MaxProduct, sign: str) -> Path:
+    k = _semiring_index(res, sr)
+    f = 0 if sign == "+" else 1
+    score = (lambda a: a[0]) if f == 0 else (lambda a: -a[1])
+    node, e = _pick_source(res, source, sr, k, score)
+    ro = sr.finalize(_raw(res, node, k))
+    value = float((ro.hi, ro.lo)[f].reshape(-1)[e])
+    if not sr.neuron:
+        return _tensor_path(res, node, e, k, f, sr, sign, value)
+    edges, graph, out_node = _Edges(res), res.graph, res.graph.output_node
+    shape = lambda n: res.values[n].shape  # noqa: E731
+    steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
+    running = 1.0
+    while node is not out_node:
+        a = _raw(res, node, k)
+        c_id = int(a[2 + 2 * f].reshape(-1)[e])
+        c_idx = int(a[3 + 2 * f].reshape(-1)[e])
+        if c_id < 0:
+            raise _broken(node)
+        c = graph.nodes[c_id]
+        ac = _raw(res, c, k)
+        best = None
+        for slot, w in edges.weights(c_id, c_idx, node):
+            w = float(w[e])
+            g = f if w >= 0 else 1 - f
+            cand = float(ac[g].reshape(-1)[c_idx]) * w
+            if math.isnan(cand):
+                continue
+            better = best is None or (cand > best[0] if f == 0 else cand < best[0])
+            if better:
+                best = (cand, slot, w, g)
+        if best is None:
+            raise _broken(node)
+        _, slot, w, f = best
+        running *= w
+        node, e = c, c_idx
+        steps.append(_step(res, node, _unravel(e, shape(node)), w, running, slot))
+    _check(running, value, res)
+    return Path(tuple(steps), value, sr.name, sign)
+
+
+def _tensor_path(res, node, e, k, f, sr, sign, value) -> Path:
+    """Tensor granularity: a sequence of ops. Each tensor's pointers name the winning
+    consumer op only; the path follows the pointer of the tensor's most extreme element."""
+    graph, out_node = res.graph, res.graph.output_node
+    steps = [_step(res, node, None, None, None)]
+    while node is not out_node:
+        a = sr._normalize(_raw(res, node, k))
+        c_id = int(a[2 + f].reshape(-1)[e])
+        if c_id < 0:
+            raise _broken(node)
+        node = graph.nodes[c_id]
+        steps.append(_step(res, node, None, None, None))
+        ac = sr._normalize(_raw(res, node, k))
+        field = ac[f].reshape(-1)
+        e = int(field.argmax() if f == 0 else field.argmin())
+    return Path(tuple(steps), value, sr.name, sign)
+
+
+def _top_path_maxabs(res, source, sr: MaxAbs) -> Path:
+    k = _semiring_index(res, sr)
+    node, e = _pick_source(res, source, sr, k, lambda a: a[0])
+    log_value = float(_raw(res, node, k)[0].reshape(-1)[e])
+    edges, graph, out_node = _Edges(res), res.graph, res.graph.output_node
+    shape = lambda n: res.values[n].shape  # noqa: E731
+    steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
+    running = 1.0
+    while node is not out_node:
+        a = _raw(res, node, k)
+        c_id, c_idx = int(a[1].reshape(-1)[e]), int(a[2].reshape(-1)[e])
+        if c_id < 0:
+            raise _broken(node)
+        c = graph.nodes[c_id]
+        lc = float(_raw(res, c, k)[0].reshape(-1)[c_idx])
+        best = None
+        for slot, w in edges.weights(c_id, c_idx, node):
+            w = float(w[e])
+            cand = lc + (math.log(abs(w)) if w != 0 else -math.inf)
+            if best is None or cand > best[0]:
+                best = (cand, slot, w)
+        if best is None:
+            raise _broken(node)
+        _, slot, w = best
+        running *= w
+        node, e = c, c_idx
+        steps.append(_step(res, node, _unravel(e, shape(node)), w, running, slot))
+    _check(abs(running), math.exp(log_value), res)
+    return Path(tuple(steps), running, sr.name, "+")
+
+
+def top_paths(res, source, k: int, semiring=None) -> list[Path]:
+    """The ``k`` heaviest distinct paths (by |product|) from ``source``, heaviest first."""
+    sr = semiring if semiring is not None else _find_topk(res, k)
+    if not isinstance(sr, TopK):
+        raise InputError(f"top_paths reads TopK back-pointers; got {sr}")
+    if k > sr.k:
+        raise InputError(f"asked for {k} paths but the pass computed {sr}; use TopK({k}) or more")
+    s_idx = _semiring_index(res, sr)
+    node, mask = resolve_source(res, source)
+    group = [n for n in res.graph.aliases.get(node, (node,)) if n in res._store]
+    if not group:
+        res.value(node, sr)
+    cands = []  # (log|value|, node, flat element, rank)
+    for n in group:
+        v = sr._pack(_raw(res, n, s_idx))[0].cpu()  # (..., K)
+        v = torch.where(mask[..., None], v, torch.full_like(v, -math.inf)).reshape(-1)
+        top, j = v.topk(min(k, v.numel()))
+        for lv, flat in zip(top.tolist(), j.tolist()):
+            cands.append((lv, n, flat // sr.k, flat % sr.k))
+    cands = sorted(cands, key=lambda c: -c[0])[:k]
+    cands = [c for c in cands if c[0] > -math.inf]
+    if not cands:
+        raise NotFoundError(f"no path with nonzero weight leads from {source!r} to the output")
+    edges = _Edges(res)
+    return [_follow_topk(res, sr, s_idx, edges, n, e, r) for _, n, e, r in cands]
+
+
+def _find_topk(res, k):
+    have = [s for s in res.semirings if isinstance(s, TopK) and s.k >= k]
+    if not have:
+        raise InputError(
+            f"top_paths needs TopK(k) back-pointers with k >= {k}; pass "
+            f"semirings=[..., sbp.TopK({k})] to backprop (computed: {res.semirings})"
+        )
+    return min(have, key=lambda s: s.k)
+
+
+def _follow_topk(res, sr, s_idx, edges, node, e, r) -> Path:
+    graph, out_node = res.graph, res.graph.output_node
+    shape = lambda n: res.values[n].shape  # noqa: E731
+    groups = sr._pack(_raw(res, node, s_idx))
+    log_value = float(groups[0].reshape(-1, sr.k)[e, r])
+    sign = float(groups[1].reshape(-1, sr.k)[e, r])
+    steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
+    running = 1.0
+    while node is not out_node:
+        v, _, pn, pi, pr = (g.reshape(-1, sr.k)[e] for g in sr._pack(_raw(res, node, s_idx)))
+        c_id, c_idx, c_rank = int(pn[r]), int(pi[r]), int(pr[r])
+        if c_id < 0:
+            raise _broken(node)
+        # entries of this element that share the pointer differ only in the slot taken
+        twins = [
+            j for j in range(sr.k) if (int(pn[j]), int(pi[j]), int(pr[j])) == (c_id, c_idx, c_rank)
+        ]
+        twins.sort(key=lambda j: (-float(v[j]), j))
+        c = graph.nodes[c_id]
+        lc = float(sr._pack(_raw(res, c, s_idx))[0].reshape(-1, sr.k)[c_idx, c_rank])
+        slots = []
+        for slot, w in edges.weights(c_id, c_idx, node):
+            w = float(w[e])
+            cand = lc + (math.log(abs(w)) if w != 0 else -math.inf)
+            slots.append((cand, slot, w))
+        if not slots:
+            raise _broken(node)
+        slots.sort(key=lambda t: (-t[0], t[1]))
+        _, slot, w = slots[min(twins.index(r), len(slots) - 1)]
+        running *= w
+        node, e, r = c, c_idx, c_rank
+        steps.append(_step(res, node, _unravel(e, shape(node)), w, running, slot))
+    value = sign * math.exp(log_value)
+    _check(running, value, res)
+    return Path(tuple(steps), value, sr.name, "+" if value >= 0 else "-")
+
+
+def _check(got: float, want: float, res):
+    tol = _tol(res)
+    if not math.isclose(got, want, rel_tol=tol, abs_tol=1e-300):
+        raise RuntimeError(
+            f"internal error: the path product {got!r} read from back-pointers differs from "
+            f"the semiring's value {want!r}; please report this with the model"
+        )
+
+
+def _broken(node):
+    return RuntimeError(
+        f"internal error: the back-pointer chain breaks at node `{node.name}`; please report"
+    )
