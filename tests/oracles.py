@@ -241,3 +241,120 @@ def build(result) -> PathOracle:
         products[node] = elems
     shapes = {node: tuple(values[node].shape) for node in products}
     return PathOracle(products, shapes)
+
+
+# -- paths with identity ----------------------------------------------------------------
+# ``build`` keeps only path products. The functions below list every path together with
+# its hops, so a path read from back-pointers can be checked to exist and to carry the
+# product it claims. A hop is ``(node name, flat element index, slot)``: ``slot`` numbers
+# the argument slots of the consumer op the edge enters, in the order of ``node.args``
+# (list items are their own slots; kwargs after them), counting only slots that read a
+# float tensor depending on a user input and leading to the output, i.e. the slots that
+# carry a value in the reverse pass. The first hop (the source element) has slot None.
+
+
+def _reaches(graph, start) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return seen
+
+
+def carried_slots(result, node) -> list:
+    """``[(slot number, args path, input node)]`` for the value-carrying slots of ``node``."""
+    graph, values = result.graph, result.values
+    carried = _live_nodes(graph) & _reaches(graph, graph.output_node)
+    out = []
+    for path, src in _slots(node):
+        if src in carried and _is_float(values.get(src)):
+            out.append((len(out), path, src))
+    return out
+
+
+@dataclass
+class ScalarDag:
+    """The explicit scalar gradient graph, with each edge's consumer, slot and weight."""
+
+    out_node: object
+    consumers: dict  # fx node -> [(consumer, slot, mask (out, in), weight (out, in))]
+    shapes: dict
+    _memo: dict
+
+    def suffixes(self, node, flat: int) -> list:
+        """``[(product, hops after node[flat])]`` for every path from ``node[flat]``."""
+        key = (node, flat)
+        if key in self._memo:
+            return self._memo[key]
+        if node is self.out_node:
+            out = [(1.0, ())]
+        else:
+            out = []
+            for dst, slot, mask, w in self.consumers.get(node, []):
+                for o in np.nonzero(mask[:, flat])[0]:
+                    o = int(o)
+                    for p, tail in self.suffixes(dst, o):
+                        out.append((float(w[o, flat]) * p, ((dst.name, o, slot), *tail)))
+        if len(out) > MAX_PATHS:
+            raise ValueError(f"oracle graph too large: {len(out)} paths from {node.name}")
+        self._memo[key] = out
+        return out
+
+    def paths(self, node, flat: int) -> list:
+        """``[(product, hops)]`` for every path from ``node[flat]`` to the output."""
+        return [(p, ((node.name, flat, None), *tail)) for p, tail in self.suffixes(node, flat)]
+
+
+def scalar_dag(result) -> ScalarDag:
+    """The scalar DAG of ``result.graph`` at ``result.values`` (same edges as ``build``)."""
+    graph, values = result.graph, result.values
+    live = _live_nodes(graph)
+    out_node = graph.output_node
+    assert values[out_node].numel() == 1, "the oracle explains one scalar output"
+    consumers: dict = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target in _NO_EDGES:
+            continue
+        if not _is_float(values.get(node)):
+            continue
+        for slot, path, src in carried_slots(result, node):
+            mask, w = _edges(node, values, path, src)
+            consumers.setdefault(src, []).append((node, slot, mask.numpy(), w.numpy()))
+    shapes = {n: tuple(v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)}
+    return ScalarDag(out_node, consumers, shapes, {})
+
+
+def enumerate_paths(result, node, dag: ScalarDag | None = None) -> list:
+    """Every path from every element of ``node`` to the output: a list, one entry per flat
+    element, of ``[(product, hops)]`` (product in float64; hops as described above)."""
+    dag = dag if dag is not None else scalar_dag(result)
+    n = result.values[node].numel()
+    return [dag.paths(node, i) for i in range(n)]
+
+
+def local_derivative(result, node, slot: int, out_flat: int) -> torch.Tensor:
+    """d node[out_flat] / d (the input in argument ``slot``), flat over that input's
+    elements, by torch.autograd on the op itself (float64; a vector-Jacobian product)."""
+    values = result.values
+    slots = {s: (path, src) for s, path, src in carried_slots(result, node)}
+    path, src = slots[slot]
+    x = values[src].detach().double()
+    if node.target is _MARK:
+        g = torch.zeros(x.numel(), dtype=torch.float64)
+        g[out_flat] = 1.0
+        return g
+    args = map_arg(node.args, values.__getitem__)
+    kwargs = map_arg(node.kwargs, values.__getitem__)
+    args, kwargs = torch.utils._pytree.tree_map(
+        lambda t: t.double() if _is_float(t) else t, (args, kwargs)
+    )
+    x = x.clone().requires_grad_()
+    with torch.enable_grad():
+        a, k = _replace(args, kwargs, path, x)
+        out = node.target(*a, **k)
+        seed = torch.zeros(out.numel(), dtype=out.dtype)
+        seed[out_flat] = 1.0
+        (g,) = torch.autograd.grad(out, x, seed.view(out.shape), allow_unused=True)
+    return torch.zeros(x.numel(), dtype=torch.float64) if g is None else g.reshape(-1)

@@ -117,6 +117,31 @@ class Result:
 
         return paths.top_paths(self, source, k, semiring)
 
+    def branches(self, where, semiring: Semiring | None = None, aggregate: str = "oplus",
+                 roles=None):  # fmt: skip
+        """Tidy DataFrame (``token``, ``consumer``, ``role``, ``value``, ``winner``,
+        ``semiring``): the ⊕ over paths from ``where`` that leave through each consumer.
+
+        ``aggregate="oplus"``: ⊕ over each token's hidden units, per branch (``winner``
+        marks the branch holding the token's best value). ``"bucket_sum"``: each hidden
+        unit's value is added to the branch that wins it (selective semirings only).
+        ``roles``: ``{"module regex": "query", ...}`` or a function of the module path,
+        tried before the built-in names.
+        """
+        from .analysis import branches
+
+        return branches.branches(self, where, semiring, aggregate, roles)
+
+    def layer_table(self, semirings=None, aggregate: str = "oplus", tokens=None, roles=None,
+                    sublayers=("attention", "mlp")):  # fmt: skip
+        """Tidy DataFrame (``layer``, ``sublayer``, ``token``, ``token_text``, ``branch``,
+        ``consumer``, ``value``, ``winner``, ``semiring``) for every attention block:
+        branches at the block's input (skip/query/key/value) and at the input of its MLP
+        sublayer (skip/mlp). ``tokens``: the token strings, for ``token_text``."""
+        from .analysis import branches
+
+        return branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers)
+
     def _why_missing(self, where, node) -> str:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor) and not val.is_floating_point():

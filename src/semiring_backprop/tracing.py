@@ -39,6 +39,8 @@ class Graph:
     #: placeholder -> every placeholder fed the same tensor object (``mha(x, x, x)``):
     #: torch.export may read only one of them, so an input's value is their ⊕
     aliases: dict = field(default_factory=dict)
+    #: module path -> class name, for every submodule of the traced model
+    module_types: dict = field(default_factory=dict)
     nodes: list = field(init=False)
 
     def __post_init__(self):
@@ -59,7 +61,9 @@ class Graph:
         if not stack:
             return None
         path = list(stack.values())[-1][0]
-        path = path.removeprefix("L['self'].").removeprefix("model.").removeprefix("model")
+        path = path.removeprefix("L['self']").removeprefix(".")
+        # the traced wrapper holds the user's model as ``model``
+        path = "" if path == "model" else path.removeprefix("model.")
         return path or None
 
 
@@ -192,7 +196,10 @@ def trace(
     finally:
         for h in handles:
             h.remove()
-    return _build_graph(program, args, kwargs, tuple(keep))
+    graph = _build_graph(program, args, kwargs, tuple(keep))
+    if isinstance(model, torch.nn.Module):
+        graph.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
+    return graph
 
 
 def _identity(out):

@@ -1,0 +1,483 @@
+"""Branches at fan-out points: how D splits over the consumers of one tensor.
+
+Where a tensor ``v`` feeds several ops (a residual stream feeding the skip connection and
+the query, key and value projections), every path from ``v`` leaves through exactly one
+of them. The contribution of one branch is ⊕ over the paths that leave through it: the
+branch's entry op applies its rule to its own D, and a pass restricted to the nodes
+between ``v`` and that op carries it back to ``v`` (through identity marks, and through a
+pre-norm's layer norm when the projections read the normed tensor). Under ⊕ the
+branches give back D(v).
+
+Roles come from module names (BERT, GPT-2, Llama, ``nn.TransformerEncoderLayer`` and
+their relatives); fused projections (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s
+``in_proj``) get theirs from which part of the projection's output each slice reads.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .. import engine
+from ..errors import InputError, NotFoundError
+from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
+from ..tracing import mark_op
+
+aten = torch.ops.aten
+
+ROLES = ("skip", "query", "key", "value", "mlp", "other")
+
+_NAMES = {
+    "query": {"query", "q_proj", "q_lin", "q", "wq", "to_q", "query_proj", "q_attn"},
+    "key": {"key", "k_proj", "k_lin", "k", "wk", "to_k", "key_proj"},
+    "value": {"value", "v_proj", "v_lin", "v", "wv", "to_v", "value_proj"},
+    "mlp": {
+        "mlp", "intermediate", "feed_forward", "ffn", "linear1", "fc1", "c_fc",
+        "gate_proj", "up_proj", "dense_h_to_4h", "fc_in", "w1", "lin1",
+    },  # fmt: skip
+}
+_FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "w_pack"}
+_TRANSPARENT = {mark_op, aten.clone.default, aten.alias.default}
+_SKIP_OPS = {aten.add.Tensor}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One branch leaving a fan-out point: ``op`` reads ``via`` (downstream of the point)."""
+
+    role: str
+    consumer: str  #: module path of the entry op
+    op: torch.fx.Node
+    via: torch.fx.Node
+
+
+class _Roles:
+    def __init__(self, res, roles=None):
+        self.res = res
+        self.types = getattr(res.graph, "module_types", {}) or {}
+        self.user = roles
+        self.store = res._store
+
+    def module(self, node) -> str:
+        if node.target is mark_op:
+            return node.args[1].split("@")[0].removesuffix(":input")
+        return self.res.graph.module_of(node) or ""
+
+    def of_module(self, path: str) -> str | None:
+        if self.user is not None:
+            role = self.user(path) if callable(self.user) else _match(self.user, path)
+            if role is not None:
+                return role
+        for part in reversed(path.split(".")):
+            for role, names in _NAMES.items():
+                if part.lower() in names:
+                    return role
+        return None
+
+    def is_norm(self, path: str) -> bool:
+        kind = self.types.get(path, "")
+        last = path.rsplit(".", 1)[-1].lower()
+        return "norm" in kind.lower() or bool(re.fullmatch(r"(ln|layer_?norm|norm)\w*", last))
+
+    def is_fused(self, path: str) -> bool:
+        last = path.rsplit(".", 1)[-1].lower()
+        return last in _FUSED or self.types.get(path) == "MultiheadAttention"
+
+    def users(self, node):
+        return [u for u in node.users if u in self.store]
+
+
+def _match(mapping, path):
+    for pattern, role in mapping.items():
+        if re.search(pattern, path):
+            return role
+    return None
+
+
+def entries(res, where, roles=None) -> tuple[torch.fx.Node, list[Entry]]:
+    """The fan-out point ``where`` and the branches leaving it."""
+    r = _Roles(res, roles)
+    v = res.node(where)
+    if v not in res._store:
+        res.value(v, res.semirings[0])  # raises the explanatory error
+    out, todo, seen = [], [v], set()
+    while todo:
+        n = todo.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        for u in r.users(n):
+            out.extend(_classify(r, u, n, todo))
+    if not out:
+        raise NotFoundError(f"{where!r} has no consumer on a path to the output")
+    return v, out
+
+
+def _classify(r: _Roles, u, via, todo) -> list[Entry]:
+    module = r.module(u)
+    if u.target in _TRANSPARENT:
+        todo.append(u)
+        return []
+    role = r.of_module(module)
+    if role is not None:
+        return [Entry(role, module, u, via)]
+    if module and r.is_norm(module):
+        out = r.res.graph.tags.get(module)
+        if out is None:
+            return [Entry("other", module, u, via)]
+        todo.append(out)
+        return []
+    if module and r.is_fused(module):
+        return _fused_entries(r, u, via, module)
+    if u.target in _SKIP_OPS:
+        return [Entry("skip", module, u, via)]
+    return [Entry("other", module, u, via)]
+
+
+def _fused_entries(r: _Roles, u, via, module) -> list[Entry]:
+    """q/k/v from a fused projection: label its output columns by part, follow the labels
+    through the data-movement ops until each consumer reads one part only."""
+    proj = _first_contraction(r, u)
+    if proj is None:
+        return [Entry("other", module, u, via)]
+    width = r.res.values[proj].shape[-1]
+    parts = 3 if width % 3 == 0 else 2 if width % 2 == 0 else 0
+    if not parts:
+        return [Entry("other", module, u, via)]
+    names = ("query", "key", "value")[3 - parts :]
+    part = torch.arange(width).div(width // parts, rounding_mode="floor")
+    labels = {proj: part.expand(r.res.values[proj].shape).contiguous()}
+    found, todo = [], [proj]
+    while todo:
+        n = todo.pop(0)
+        for c in r.users(n):
+            if c in labels:
+                continue
+            lab = _route(c, n, labels[n])
+            if lab is None:  # not a data-movement op: the labels stop here
+                return [Entry("other", module, u, via)]
+            uniq = lab.unique()
+            if uniq.numel() == 1:
+                found.append(Entry(names[int(uniq)], r.module(c), c, n))
+            else:
+                labels[c] = lab
+                todo.append(c)
+    # everything from the input up to each part's entry is one region: enter at ``u``
+    return found or [Entry("other", module, u, via)]
+
+
+def _first_contraction(r, u):
+    n = u
+    for _ in range(16):
+        if n.target in (aten.addmm.default, aten.mm.default, aten.bmm.default, aten.matmul.default):
+            return n
+        users = r.users(n)
+        if len(users) != 1:
+            return None
+        n = users[0]
+    return None
+
+
+_ROUTING = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.clone.default, aten.slice.Tensor, aten.select.int,
+    aten.expand.default, aten.alias.default, aten.t.default, aten.contiguous.default, mark_op,
+}  # fmt: skip
+
+
+def _route(node, src, labels):
+    if node.target not in _ROUTING:
+        return None
+    if node.target is mark_op:
+        return labels
+    if node.target in (aten.view.default, aten._unsafe_view.default):
+        return labels.reshape(node.args[1])
+    args = [labels if a is src else a for a in node.args]
+    if any(isinstance(a, torch.fx.Node) for a in args):
+        return None
+    return node.target(*args, **node.kwargs)
+
+
+# -- contributions --------------------------------------------------------------------
+
+
+def _descendants(v):
+    out, todo = set(), [v]
+    while todo:
+        n = todo.pop()
+        if n not in out:
+            out.add(n)
+            todo.extend(n.users)
+    return out
+
+
+def _ancestors(t, stop):
+    out, todo = set(), [t]
+    while todo:
+        n = todo.pop()
+        if n not in out and n in stop:
+            out.add(n)
+            todo.extend(n.all_input_nodes)
+    return out
+
+
+def contribution(res, v, entry: Entry, down=None) -> list:
+    """⊕ over the paths from ``v`` that leave through ``entry``: one value per semiring."""
+    graph, values, needed = res.graph, res.values, res.needed
+    u_id = graph.nodes.index(entry.op) if not hasattr(res, "_ids") else res._ids[entry.op]
+    down = down if down is not None else _descendants(v)
+    region = _ancestors(entry.via, down)
+    acc: dict = {}
+    for inp, s, c in engine.contributions(
+        graph, values, res.semirings, u_id, res._store[entry.op], needed
+    ):
+        if inp in region:
+            slot = acc.setdefault(inp, [None] * len(res.semirings))
+            sr = res.semirings[s]
+            slot[s] = c if slot[s] is None else sr.plus(slot[s], c)
+    for inp, slot in acc.items():
+        for s, sr in enumerate(res.semirings):
+            if slot[s] is None:
+                slot[s] = sr.zero(values[inp].shape, values[inp])
+    with torch.no_grad():
+        store = engine.propagate(graph, values, res.semirings, acc, needed, within=region)
+    if v not in store:
+        return [sr.zero(values[v].shape, values[v]) for sr in res.semirings]
+    return store[v]
+
+
+# -- readouts and tables --------------------------------------------------------------
+
+
+def scalar(sr, value) -> torch.Tensor:
+    """The number a table shows for a semiring value (per element)."""
+    ro = sr.finalize(value)
+    if isinstance(sr, Real):
+        return ro
+    if isinstance(sr, MaxProduct):
+        return ro.hi
+    if isinstance(sr, MaxAbs):
+        return ro.value
+    if isinstance(sr, PathCount):
+        return ro.log_count
+    if isinstance(sr, LogAbs):
+        return ro.log
+    if isinstance(sr, Entropy):
+        return ro.entropy
+    if isinstance(sr, TopK):
+        return ro.values[..., 0]
+    raise InputError(f"no table readout for {sr}")
+
+
+def _score(sr, value) -> torch.Tensor:
+    """What bucket_sum ranks branches by (the quantity ⊕ selects on)."""
+    if isinstance(sr, MaxProduct):
+        return sr.finalize(value).hi
+    if isinstance(sr, MaxAbs):
+        return value[0]
+    if isinstance(sr, TopK):
+        return sr.finalize(value).log_abs[..., 0]
+    raise InputError(
+        f"aggregate='bucket_sum' assigns each hidden unit to the branch that wins its ⊕; "
+        f"that needs a selective semiring (MaxProduct, MaxAbs, TopK), not {sr}"
+    )
+
+
+def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_dim=-1):
+    """Tidy DataFrame: the contribution through each consumer of ``where``, per token."""
+    import pandas as pd
+
+    if aggregate not in ("oplus", "bucket_sum"):
+        raise InputError(f"aggregate must be 'oplus' or 'bucket_sum', got {aggregate!r}")
+    srs = res.semirings if semiring is None else [semiring]
+    for sr in srs:
+        if sr not in res.semirings:
+            raise InputError(f"{sr} was not computed in this pass (computed: {res.semirings})")
+    v, ents = entries(res, where, roles)
+    down = _descendants(v)
+    parts = [contribution(res, v, e, down) for e in ents]
+    frames = [
+        _per_token(res, sr, [p[res.semirings.index(sr)] for p in parts], ents, aggregate,
+                   hidden_dim)
+        for sr in srs
+    ]  # fmt: skip
+    return pd.concat(frames, ignore_index=True)
+
+
+def _per_token(res, sr, values, ents, aggregate, hidden_dim):
+    import pandas as pd
+
+    rows = []
+    if aggregate == "oplus":
+        per = [scalar(sr, sr.sum(val, (hidden_dim,))) for val in values]
+        stacked = torch.stack(per)  # (branches, *tokens)
+        win = stacked.argmax(0)
+    else:
+        score = torch.stack([_score(sr, val) for val in values])  # (branches, *shape)
+        best = score.argmax(0)
+        total = values[0]
+        for val in values[1:]:
+            total = sr.plus(total, val)
+        unit = scalar(sr, total)
+        hd = hidden_dim % unit.dim()
+        stacked = torch.stack(
+            [torch.where(best == b, unit, 0).sum(hd) for b in range(len(values))]
+        )
+        win = stacked.argmax(0)
+    stacked = stacked.detach().cpu().double()
+    batched = stacked.dim() > 2 and stacked.shape[1] > 1
+    for idx in _indices(stacked.shape[1:]):
+        for b, e in enumerate(ents):
+            rows.append(
+                {
+                    **_position(idx, batched),
+                    "consumer": e.consumer,
+                    "role": e.role,
+                    "value": float(stacked[(b, *idx)]),
+                    "winner": bool(win[idx] == b),
+                    "semiring": sr.name,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def _indices(shape):
+    import itertools
+
+    return itertools.product(*(range(s) for s in shape))
+
+
+def _position(idx, batched):
+    if len(idx) == 0:
+        return {"token": 0}
+    if len(idx) == 1:
+        return {"token": idx[0]}
+    if batched:
+        return {"example": idx[0], "token": idx[-1]}
+    return {"token": idx[-1]}
+
+
+# -- every layer ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention block: its layer module and its two fan-out points."""
+
+    layer: str  #: module path of the layer ("" when the model is a single layer)
+    attention: str  #: module path of the attention module
+    points: dict  #: sublayer ("attention" / "mlp") -> fan-out node
+
+
+def blocks(res, roles=None) -> list[Block]:
+    """The attention blocks of the model, in order, with their fan-out points."""
+    r = _Roles(res, roles)
+    types = r.types
+    attn = []
+    for path, kind in types.items():
+        kids = [p for p in types if p.rsplit(".", 1)[0] == path and p != path]
+        kid_roles = {r.of_module(k) for k in kids if k.rsplit(".", 1)[-1].lower() in
+                     _NAMES["query"] | _NAMES["key"] | _NAMES["value"]}
+        fused = kind == "MultiheadAttention" or any(
+            k.rsplit(".", 1)[-1].lower() in _FUSED for k in kids
+        )
+        if fused or {"query", "key", "value"} <= kid_roles:
+            attn.append(path)
+    attn = [a for a in attn if not any(a != b and a.startswith(b + ".") for b in attn)]
+    out = []
+    for a in attn:
+        layer = _layer_of(a)
+        v = res.graph.tags.get(f"{layer}:input") if layer else _first_input(res)
+        if v is None or v not in res._store:
+            continue
+        points = {"attention": v}
+        try:
+            _, ents = entries(res, v, roles)
+        except NotFoundError:
+            continue
+        skip = [e for e in ents if e.role == "skip"]
+        if skip:
+            m = _next_fanout(r, skip[0].op)
+            if m is not None:
+                points["mlp"] = m
+        out.append(Block(layer, a, points))
+    return out
+
+
+def _layer_of(path: str) -> str:
+    parts = path.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i].isdigit():
+            return ".".join(parts[: i + 1])
+    return ""
+
+
+def _first_input(res):
+    for node in res.graph.user_inputs.values():
+        if node in res._store:
+            return node
+    return None
+
+
+def _effective_users(r: _Roles, node):
+    out, todo, seen = [], [node], set()
+    while todo:
+        n = todo.pop()
+        for u in r.users(n):
+            if u in seen:
+                continue
+            seen.add(u)
+            (todo if u.target in _TRANSPARENT else out).append(u)
+    return out
+
+
+def _next_fanout(r: _Roles, node, limit=8):
+    """From a residual add, the next tensor that feeds several branches (through norms)."""
+    for _ in range(limit):
+        users = _effective_users(r, node)
+        mods = {r.module(u) for u in users}
+        if len(mods) == 1 and (m := next(iter(mods))) and r.is_norm(m):
+            node = r.res.graph.tags.get(m)
+            if node is None:
+                return None
+            continue
+        return node if len(users) >= 2 else None
+    return None
+
+
+def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
+                sublayers=("attention", "mlp")):  # fmt: skip
+    """Tidy DataFrame of the branch values of every attention block's fan-out points."""
+    import pandas as pd
+
+    found = blocks(res, roles)
+    if not found:
+        raise NotFoundError(
+            "found no attention block (a module with query/key/value projections, a fused "
+            "qkv projection or an nn.MultiheadAttention); name a fan-out point with "
+            "res.branches(where, ...) or pass roles={'module regex': 'query', ...}"
+        )
+    frames = []
+    for i, b in enumerate(found):
+        for sub in sublayers:
+            if sub not in b.points:
+                continue
+            for sr in semirings or res.semirings:
+                if aggregate == "bucket_sum" and not getattr(sr, "selective", False):
+                    continue
+                f = branches(res, b.points[sub], sr, aggregate, roles)
+                f.insert(0, "sublayer", sub)
+                f.insert(0, "layer", i)
+                frames.append(f)
+    table = pd.concat(frames, ignore_index=True).rename(columns={"role": "branch"})
+    if tokens is not None:
+        tokens = list(tokens)
+        table.insert(table.columns.get_loc("token") + 1, "token_text",
+                     [tokens[t] if t < len(tokens) else "" for t in table["token"]])  # fmt: skip
+    else:
+        table.insert(table.columns.get_loc("token") + 1, "token_text",
+                     table["token"].astype(str))  # fmt: skip
+    return table

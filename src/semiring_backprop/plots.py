@@ -1,0 +1,309 @@
+"""Matplotlib figures of a pass: branch shares per layer, token heatmaps, path diagrams.
+
+matplotlib is an optional extra (``pip install "semiring-backprop[plots]"``) and is
+imported only when a function here is called. Every function builds a
+``matplotlib.figure.Figure`` without touching pyplot's global state (safe under Agg, in
+threads and in notebooks) and returns it; pass ``ax=`` to draw into an existing axes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import TYPE_CHECKING, Any
+
+from .errors import InputError
+
+if TYPE_CHECKING:
+    import pandas as pd
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from .analysis.paths import Path
+
+#: branch roles in stacking order, and their colors (shared by every figure here)
+ROLES = ("skip", "query", "key", "value", "mlp", "other")
+COLORS = {
+    "skip": "#8c8c8c",
+    "query": "#1f77b4",
+    "key": "#ff7f0e",
+    "value": "#2ca02c",
+    "mlp": "#d62728",
+    "other": "#9467bd",
+    "norm": "#bcbd22",
+}
+
+
+def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise InputError(
+            'plots need matplotlib, an optional extra: pip install "semiring-backprop[plots]"'
+        ) from None
+    if ax is not None:
+        return ax.figure, ax
+    fig = Figure(figsize=figsize, layout="constrained")
+    return fig, fig.add_subplot()
+
+
+def _select(table: pd.DataFrame, sublayer: str, semiring: Any) -> pd.DataFrame:
+    """Rows of one sublayer and one semiring; several semirings need ``semiring=``."""
+    if "semiring" in table.columns:
+        have = sorted(map(str, table["semiring"].unique()))
+        if semiring is None and len(have) > 1:
+            raise InputError(
+                f"the table holds several semirings {have}; pick one with semiring=..."
+            )
+        if semiring is not None:
+            names = {str(semiring), getattr(semiring, "name", str(semiring))}
+            pick = next((n for n in have if n in names), None)
+            if pick is None:
+                raise InputError(f"semiring {semiring} is not in the table (it has {have})")
+            table = table[table["semiring"].astype(str) == pick]
+    rows = table[table["sublayer"] == sublayer]
+    if rows.empty:
+        have = sorted(map(str, table["sublayer"].unique()))
+        raise InputError(f"no rows with sublayer={sublayer!r} (the table has {have})")
+    return rows
+
+
+def branch_bars(
+    table: pd.DataFrame,
+    *,
+    value: str = "value",
+    sublayer: str = "attention",
+    normalize: bool = True,
+    semiring: Any = None,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Stacked bars per layer of each branch's share, as in Figs. 2 and 4 of Du et al. 2023.
+
+    ``normalize=True``: the fraction of tokens whose top path takes each branch (rows with
+    ``winner`` True; a tie splits the token evenly). ``normalize=False``: the sum of
+    ``value`` per (layer, branch). Branches outside :data:`ROLES` count as ``"other"``.
+
+    >>> fig = branch_bars(table, sublayer="attention", semiring="MaxProduct(neuron)")
+    """
+    rows = _select(table, sublayer, semiring).copy()
+    rows["role"] = rows["branch"].where(rows["branch"].isin(ROLES), "other")
+    if normalize:
+        win = rows[rows["winner"].astype(bool)].copy()
+        win["w"] = 1.0 / win.groupby(["layer", "token"])["role"].transform("size")
+        per = win.groupby(["layer", "role"])["w"].sum()
+        tokens = rows.groupby("layer")["token"].nunique()
+        heights = per / tokens.reindex(per.index.get_level_values("layer")).to_numpy()
+        ylabel = "share of tokens (top path)"
+    else:
+        heights = rows.groupby(["layer", "role"])[value].sum()
+        ylabel = f"sum of {value}"
+    layers = sorted(rows["layer"].unique())
+    grid = heights.unstack("role").reindex(index=layers).fillna(0.0)
+    fig, ax = _new_axes(ax, (max(4.0, 0.45 * len(layers) + 2.5), 3.6))
+    up = [0.0] * len(layers)
+    down = [0.0] * len(layers)
+    for role in (r for r in ROLES if r in grid.columns):
+        h = grid[role].tolist()
+        bottom = [d if v < 0 else u for v, u, d in zip(h, up, down)]
+        ax.bar(layers, h, bottom=bottom, color=COLORS[role], label=role, width=0.8)
+        up = [u + max(v, 0.0) for u, v in zip(up, h)]
+        down = [d + min(v, 0.0) for d, v in zip(down, h)]
+    ax.set_xticks(layers)
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel, fontsize=8)
+    if normalize:
+        ax.set_ylim(0, 1)
+    if ax.containers:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    ax.set_title(title or f"top-path branch per layer ({sublayer})")
+    return fig
+
+
+def token_heatmap(
+    table: pd.DataFrame,
+    *,
+    value: str = "value",
+    branch: str | None = None,
+    sublayer: str = "attention",
+    semiring: Any = None,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Figure:
+    """Layers (rows) × tokens (columns), colored by ``value``: one branch's value, or for
+    ``branch=None`` the max over branches. Diverging colors centered at 0 for mixed signs.
+
+    >>> fig = token_heatmap(table, branch="skip")
+    """
+    import numpy as np
+
+    rows = _select(table, sublayer, semiring)
+    if branch is not None:
+        if branch not in set(rows["branch"]):
+            have = sorted(map(str, rows["branch"].unique()))
+            raise InputError(f"no rows with branch={branch!r} (the table has {have})")
+        rows = rows[rows["branch"] == branch]
+    grid = rows.pivot_table(index="layer", columns="token", values=value, aggfunc="max")
+    grid = grid.sort_index().sort_index(axis=1)
+    texts = rows.drop_duplicates("token").set_index("token")["token_text"]
+    data = np.ma.masked_invalid(grid.to_numpy(dtype=float))
+    fig, ax = _new_axes(ax, (max(4.0, 0.4 * grid.shape[1] + 2.5), max(2.5, 0.3 * len(grid) + 1.5)))
+    lo, hi = (float(data.min()), float(data.max())) if data.count() else (0.0, 0.0)
+    if lo < 0 < hi:
+        m = max(-lo, hi)
+        image = ax.imshow(data, aspect="auto", cmap="RdBu_r", vmin=-m, vmax=m)
+    else:
+        image = ax.imshow(data, aspect="auto", cmap="viridis")
+    ax.set_xticks(range(grid.shape[1]), [str(texts[t]) for t in grid.columns], rotation=90)
+    ax.set_yticks(range(len(grid)), [str(i) for i in grid.index])
+    ax.set_xlabel("token")
+    ax.set_ylabel("layer")
+    what = "max over branches" if branch is None else f"branch {branch}"
+    ax.figure.colorbar(image, ax=ax, label=f"{value} ({what})")
+    ax.set_title(title or f"{sublayer}: {what}")
+    return fig
+
+
+def token_bars(
+    frame: pd.DataFrame,
+    *,
+    value: str = "entropy",
+    label: str = "token_text",
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Figure:
+    """One bar per token of a per-token column, e.g. path entropy.
+
+    >>> fig = token_bars(entropy_frame, value="entropy")
+    """
+    frame = frame.sort_values("token")
+    fig, ax = _new_axes(ax, (max(4.0, 0.35 * len(frame) + 1.5), 3.0))
+    xs = range(len(frame))
+    ax.bar(xs, frame[value].tolist(), color=COLORS["query"])
+    ax.set_xticks(xs, [str(t) for t in frame[label]], rotation=90 if len(frame) > 8 else 0)
+    ax.set_ylabel(value)
+    ax.set_title(title or f"{value} per token")
+    return fig
+
+
+def role_of(module: str | None) -> str:
+    """Guess a module's role from its path: query/key/value/skip/mlp/norm/other.
+
+    >>> role_of("bert.encoder.layer.0.attention.self.query")
+    'query'
+    """
+    if not module:
+        return "other"
+    parts = module.lower().split(".")
+    last = parts[-1]
+    if "norm" in last or last.startswith("ln"):
+        return "norm"
+    for role, names in _ROLE_NAMES.items():
+        if last in names:
+            return role
+    # ops directly in a block (GPT-2 `h.3`) or in a BERT `*.output` are the residual adds
+    if last.isdigit() or last in ("output", "residual", "skip"):
+        return "skip"
+    if any(p in _MLP_NAMES for p in parts) or (
+        len(parts) >= 3 and parts[-2] == "output" and parts[-3].isdigit()  # BERT FFN out
+    ):
+        return "mlp"
+    return "other"
+
+
+_ROLE_NAMES = {
+    "query": {"query", "q_proj", "q", "wq", "q_lin"},
+    "key": {"key", "k_proj", "k", "wk", "k_lin"},
+    "value": {"value", "v_proj", "v", "wv", "v_lin"},
+}
+_MLP_NAMES = {"mlp", "intermediate", "ffn", "feed_forward", "feedforward", "c_fc", "fc1", "fc2"}
+
+
+def path_diagram(path: Path, *, ax: Axes | None = None, title: str | None = None) -> Figure:
+    """Boxes for the runs of a path's steps inside one module, top to bottom, with arrows.
+
+    Each box shows the module (common prefix dropped, last 3 components), the number of
+    ops and the running product at the end of the run (tensor-granularity paths have
+    none). Long paths wrap into columns of at most 40 boxes.
+
+    >>> fig = path_diagram(res.top_path(("bert.embeddings:input", (0, 3))))
+    """
+    from matplotlib.patches import FancyBboxPatch, Patch
+
+    runs = [(m, list(s)) for m, s in itertools.groupby(path.steps, key=lambda s: s.module)]
+    labels = _run_labels(runs)
+    per_col = min(len(runs), 40) or 1
+    ncols = math.ceil(len(runs) / per_col)
+    fig, ax = _new_axes(ax, (3.4 * ncols + 1.2, 0.42 * per_col + 1.0))
+    fontsize = 7 if per_col > 15 else 8
+    centers = []
+    for i, ((module, steps), label) in enumerate(zip(runs, labels)):
+        col, row = divmod(i, per_col)
+        role = role_of(module)
+        box = FancyBboxPatch(
+            (col + 0.06, row + 0.12),
+            0.88,
+            0.76,
+            boxstyle="round,pad=0,rounding_size=0.08",
+            facecolor=COLORS[role],
+            edgecolor=COLORS[role],
+            alpha=0.35,
+        )
+        ax.add_patch(box)
+        running = steps[-1].running
+        text = label + (f"\nproduct {running:.3g}" if running is not None else "")
+        ax.text(col + 0.5, row + 0.5, text, ha="center", va="center", fontsize=fontsize)
+        centers.append((col + 0.5, row))
+    arrow = {"arrowstyle": "->", "lw": 0.8}
+    for (x0, r0), (x1, r1) in itertools.pairwise(centers):
+        if x0 == x1:
+            ax.annotate("", xy=(x1, r1 + 0.12), xytext=(x0, r0 + 0.88), arrowprops=arrow)
+        else:  # wrap to the next column through the gap between columns
+            gap = x0 + 0.5
+            ax.plot([x0 + 0.44, gap, gap], [r0 + 0.5, r0 + 0.5, r1 + 0.5], "k-", lw=0.8)
+            ax.annotate("", xy=(x1 - 0.44, r1 + 0.5), xytext=(gap, r1 + 0.5), arrowprops=arrow)
+    ax.set_xlim(0, ncols)
+    ax.set_ylim(per_col, 0)
+    ax.axis("off")
+    roles = [r for r in (*ROLES, "norm") if r in {role_of(m) for m, _ in runs}]
+    ax.legend(
+        handles=[Patch(color=COLORS[r], alpha=0.5, label=r) for r in roles],
+        fontsize=fontsize,
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),
+        frameon=False,
+    )
+    granularity = "tensor" if path.source.index is None else "neuron"
+    name = path.semiring if granularity in path.semiring else f"{path.semiring} ({granularity})"
+    ax.set_title(title or f"top path, {name}: {path.value:.4g}", fontsize=9)
+    return fig
+
+
+def _run_labels(runs) -> list[str]:
+    """Module paths without their common prefix, last 3 components, plus op counts."""
+    split = [m.split(".") for m, _ in runs if m]
+    keep = min((len(p) for p in split), default=1) - 1  # leave at least one component
+    prefix = 0
+    while prefix < keep and len({tuple(p[: prefix + 1]) for p in split}) == 1:
+        prefix += 1
+    out = []
+    for i, (module, steps) in enumerate(runs):
+        if steps[0].op == "input":
+            name = f"input {steps[0].node}"
+        elif module is None:
+            name = "model output" if i == len(runs) - 1 else "(top level)"
+        else:
+            name = ".".join(module.split(".")[prefix:][-3:])
+        out.append(name + (f"  ({len(steps)} ops)" if len(steps) > 1 else ""))
+    return out
+
+
+def save(fig: Figure, path: str | os.PathLike) -> str | os.PathLike:
+    """Write ``fig`` as a PNG (120 dpi), creating parent folders; returns ``path``.
+
+    >>> save(branch_bars(table), "out/branches.png")
+    """
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    fig.savefig(path, dpi=120, format="png")
+    return path

@@ -1,0 +1,592 @@
+"""Top paths (``Result.top_path`` / ``top_paths``) against the brute-force path lister.
+
+Every path read from back-pointers must be a real path of the scalar gradient graph
+(tests/oracles.py lists them all, with their hops and products), carry the product it
+claims, and be the best one: the max (min) path product over the source set under
+MaxProduct, the largest |product| under MaxAbs, the k largest |products| under TopK.
+Each step's edge weight is also recomputed by torch.autograd on the op alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from test_oracle import CASES, KEEP
+from torch import nn
+
+import oracles
+import semiring_backprop as sbp
+
+F64 = torch.float64
+TOPKS = (1, 3, 5)
+SEMIRINGS = [
+    sbp.MaxProduct(),
+    sbp.MaxProduct("tensor"),
+    sbp.MaxAbs(),
+    *(sbp.TopK(k) for k in TOPKS),
+]
+
+
+def close(a, b, rel=1e-9, abs_=1e-12) -> bool:
+    return math.isclose(a, b, rel_tol=rel, abs_tol=abs_)
+
+
+def flat_index(index, shape) -> int:
+    return int(np.ravel_multi_index(index, shape)) if len(shape) else 0
+
+
+# -- programs ---------------------------------------------------------------------------
+
+
+def case_parallel_edges():
+    """``x * x``, ``x + x`` and ``mm(x, x)``: the same element enters one op through two
+    slots, so two paths differ only in the slot taken (and tie under ``x + x``)."""
+    gen = torch.Generator().manual_seed(5)
+    c = torch.randn(3, 3, dtype=F64, generator=gen)
+
+    def f(x):
+        a = torch.tanh(x * x)
+        b = (x + x) * c
+        return (a * b).sum() + (torch.mm(x, x) * c).sum() + (x @ x.T)[0, 1]
+
+    x = torch.randn(3, 3, dtype=F64, generator=gen)
+    return f, (x,), None, [0]
+
+
+ALL_CASES = {**CASES, "parallel_edges": case_parallel_edges}
+
+# case -> extra sources beyond every float user input (module outputs / inputs)
+EXTRA = {
+    "residual_gelu": ["f.1", ("f", (1,))],
+    "layer_norm_module": ["1:input", ("1", (0, 2))],
+    "embedding_module": ["emb", ("emb", (0, 2)), ("emb", (0, slice(1, 3), 1))],
+    "attention": ["q", ("v", (1, 0)), "up:input"],
+    "kept_composites": ["ln"],
+}
+
+PATH_CASES = [
+    "parallel_edges",
+    "fanout_broadcast",
+    "mlp_relu",
+    "residual_gelu",
+    "layer_norm_module",
+    "layer_norm_functional",
+    "softmax",
+    "embedding_weight",
+    "embedding_module",
+    "attention",
+    "attention_batched",
+    "dense_zeros",
+    "kept_composites",
+    "routing_zoo",
+    "random_0",
+    "random_1",
+    "random_2",
+    "random_3",
+    "random_5",
+]
+
+
+class Run:
+    def __init__(self, name):
+        torch.manual_seed(0)
+        model, args, output, _ = ALL_CASES[name]()
+        self.res = sbp.backprop(
+            model, args, output=output, semirings=SEMIRINGS, keep=KEEP.get(name, ())
+        )
+        self.dag = oracles.scalar_dag(self.res)
+        self.sources = self._sources(name)
+
+    def _sources(self, name):
+        """A whole tensor, one element, an index prefix and a slice, for every float input
+        (and the extra module places of the case)."""
+        out = []
+        for key, node in self.res.graph.user_inputs.items():
+            val = self.res.values[node]
+            if not val.is_floating_point():
+                continue
+            last = tuple(s - 1 for s in val.shape)
+            cut = (slice(None), val.shape[1] - 1) if val.dim() > 1 else (slice(1, None),)
+            out += [key, (key, last), (key, (0,)), (key, cut)]
+        return out + EXTRA.get(name, [])
+
+    def oracle_paths(self, source):
+        """Every oracle path from the elements the source names: {hops: product}."""
+        where, index = source if isinstance(source, tuple) else (source, ())
+        node = self.res.node(where)
+        shape = tuple(self.res.values[node].shape)
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[index if isinstance(index, tuple) else (index,)] = True
+        paths = {}
+        for flat in torch.nonzero(mask.reshape(-1)).reshape(-1).tolist():
+            for p, hops in self.dag.paths(node, flat):
+                assert hops not in paths
+                paths[hops] = p
+        return node, mask, paths
+
+
+@functools.cache
+def get_run(name) -> Run:
+    return Run(name)
+
+
+def hops_of(res, path) -> tuple:
+    return tuple(
+        (s.node, flat_index(s.index, tuple(res.values[_node(res, s.node)].shape)), s.slot)
+        for s in path.steps
+    )
+
+
+_NAMES: dict = {}
+
+
+def _node(res, name):
+    if id(res) not in _NAMES:
+        _NAMES[id(res)] = (res, {n.name: n for n in res.graph.nodes})  # keeps res alive
+    return _NAMES[id(res)][1][name]
+
+
+def check_steps(res, path, node, mask, rel=1e-9):
+    """The path starts at an element of the source set, ends at the output, follows real
+    edges (consumer relation, slot) whose weights autograd confirms, and its running
+    product and edge-weight product are its value."""
+    steps = path.steps
+    first, last = steps[0], steps[-1]
+    group = {n.name for n in res.graph.aliases.get(node, (node,))}
+    assert first.node in group, f"path starts at {first.node}, not at the source {node.name}"
+    assert mask[first.index], f"path starts at {first.index}, outside the source set"
+    assert (first.edge_weight, first.running, first.slot) == (None, 1.0, None)
+    if _node(res, first.node).op == "placeholder":
+        assert first.op == "input"
+    out = res.graph.output_node
+    assert last.node == out.name, f"path ends at {last.node}, not at the output {out.name}"
+    assert last.index == tuple(0 for _ in res.values[out].shape)
+    running = 1.0
+    for prev, step in zip(steps, steps[1:]):
+        consumer, producer = _node(res, step.node), _node(res, prev.node)
+        assert producer in consumer.all_input_nodes, f"{prev.node} does not feed {step.node}"
+        slots = {s: src for s, _, src in oracles.carried_slots(res, consumer)}
+        assert slots.get(step.slot) is producer, f"slot {step.slot} of {step.node}"
+        assert step.op == str(consumer.target)
+        out_flat = flat_index(step.index, tuple(res.values[consumer].shape))
+        in_flat = flat_index(prev.index, tuple(res.values[producer].shape))
+        want = float(oracles.local_derivative(res, consumer, step.slot, out_flat)[in_flat])
+        assert close(step.edge_weight, want, rel), (
+            f"edge {prev.node}{prev.index} -> {step.node}{step.index} (slot {step.slot}): "
+            f"{step.edge_weight} vs autograd {want}"
+        )
+        running *= step.edge_weight
+        assert close(step.running, running, rel), f"running product at {step.node}"
+    assert close(running, path.value, rel), f"edge product {running} vs value {path.value}"
+    assert close(last.running, path.value, rel)
+
+
+def check_is_oracle_path(run, path, paths):
+    hops = hops_of(run.res, path)
+    assert hops in paths, f"not a path of the scalar graph: {hops}"
+    assert close(paths[hops], path.value), f"oracle product {paths[hops]} vs {path.value}"
+
+
+# -- neuron granularity: MaxProduct, MaxAbs ---------------------------------------------
+
+
+@pytest.mark.parametrize("case", PATH_CASES)
+def test_top_path_is_the_best_oracle_path(case):
+    run = get_run(case)
+    res = run.res
+    checked = 0
+    for source in run.sources:
+        node, mask, paths = run.oracle_paths(source)
+        products = np.array(list(paths.values()))
+        for sign, best in (("+", np.max), ("-", np.min)):
+            if not len(products):
+                with pytest.raises(sbp.NotFoundError):
+                    res.top_path(source, sign=sign)
+                continue
+            path = res.top_path(source, sign=sign)
+            assert path.sign == sign and path.semiring == "MaxProduct(neuron)"
+            assert close(path.value, float(best(products))), (
+                f"{source} sign {sign}: {path.value} vs oracle {best(products)}"
+            )
+            check_is_oracle_path(run, path, paths)
+            check_steps(res, path, node, mask)
+            checked += 1
+        # MaxAbs: the largest |product|; a path of zero weight only is no path
+        top = float(np.abs(products).max()) if len(products) else 0.0
+        if top == 0:
+            with pytest.raises(sbp.NotFoundError):
+                res.top_path(source, sbp.MaxAbs())
+            continue
+        path = res.top_path(source, sbp.MaxAbs())
+        assert close(abs(path.value), top), f"{source}: |{path.value}| vs oracle {top}"
+        check_is_oracle_path(run, path, paths)
+        check_steps(res, path, node, mask)
+    assert checked >= 2 * len(run.sources) - 2
+
+
+@pytest.mark.parametrize("case", PATH_CASES)
+def test_top_paths_are_the_k_heaviest_oracle_paths(case):
+    run = get_run(case)
+    res = run.res
+    for source in run.sources:
+        node, mask, paths = run.oracle_paths(source)
+        mags = np.sort(np.abs(np.array(list(paths.values()) or [0.0])))[::-1]
+        mags = mags[mags > 0]  # zero-weight paths have log|w| = -inf: not ranked
+        for k in TOPKS:
+            if not len(mags):
+                with pytest.raises(sbp.NotFoundError):
+                    res.top_paths(source, k, sbp.TopK(k))
+                continue
+            got = res.top_paths(source, k, sbp.TopK(k))
+            assert len(got) == min(k, len(mags)), f"{source} k={k}: {len(got)} paths"
+            values = np.array([abs(p.value) for p in got])
+            assert (np.diff(values) <= 1e-12 * values[0]).all(), "not heaviest first"
+            np.testing.assert_allclose(values, mags[: len(got)], rtol=1e-9, atol=1e-300)
+            seen = set()
+            for p in got:
+                assert p.semiring == f"TopK({k})"
+                assert p.sign == ("+" if p.value >= 0 else "-")
+                check_is_oracle_path(run, p, paths)
+                check_steps(res, p, node, mask)
+                seen.add(tuple((s.node, s.index, s.slot) for s in p.steps))
+            assert len(seen) == len(got), f"{source} k={k}: repeated paths"
+            # a larger TopK gives the same heaviest paths (up to ties)
+            more = res.top_paths(source, k, sbp.TopK(max(TOPKS)))
+            np.testing.assert_allclose([abs(p.value) for p in more], values, rtol=1e-9)
+        # top_path under TopK is the heaviest of top_paths
+        one = res.top_path(source, sbp.TopK(3))
+        assert close(abs(one.value), float(mags[0]))
+        check_is_oracle_path(run, one, paths)
+
+
+def test_parallel_edges_are_distinct_paths():
+    """``x + x``: the two slots give two paths of equal product; both are listed, told
+    apart by the slot; ``mm(x, x)`` reads the diagonal element through both slots."""
+    run = get_run("parallel_edges")
+    res = run.res
+    ops = {str(n.target) for n in res.graph.nodes}
+    assert {"aten.mul.Tensor", "aten.add.Tensor", "aten.mm.default"} <= ops
+    for idx in [(0, 0), (1, 2), (2, 2)]:
+        source = (0, idx)
+        _, _, paths = run.oracle_paths(source)
+        unslotted = {tuple((n, i) for n, i, _ in h) for h in paths}
+        assert len(unslotted) < len(paths), "the program has parallel edges"
+        got = res.top_paths(source, 5, sbp.TopK(5))
+        assert len({hops_of(res, p) for p in got}) == 5
+    # the element where a slot-only difference ranks among the top 5 for sure
+    add = next(n for n in res.graph.nodes if str(n.target) == "aten.add.Tensor")
+    assert [a.name for a in add.args] == ["args_0", "args_0"]
+    twins = 0
+    for idx in np.ndindex(3, 3):
+        got = res.top_paths((0, idx), 5, sbp.TopK(5))
+        names = [tuple((s.node, s.index) for s in p.steps) for p in got]
+        twins += len(names) - len(set(names))
+    assert twins > 0, "no top-5 list holds two paths that differ only in the slot"
+
+
+def test_zero_weight_paths():
+    """Row 1 of x reaches the output only through dead relus: MaxProduct still has a path
+    (product 0); MaxAbs and TopK rank |product| in log space and find none."""
+    W = torch.tensor([[1.0, 2.0], [3.0, 1.0]], dtype=F64)
+
+    def f(x):
+        return torch.relu(x @ W).sum()
+
+    x = torch.tensor([[1.0, 2.0], [-1.0, -2.0]], dtype=F64)
+    res = sbp.backprop(f, (x,), semirings=SEMIRINGS)
+    paths = {h: p for i in (2, 3) for p, h in oracles.scalar_dag(res).paths(res.node(0), i)}
+    path = res.top_path((0, (1,)))
+    assert path.value == 0.0
+    assert hops_of(res, path) in paths
+    with pytest.raises(sbp.NotFoundError):
+        res.top_path((0, (1,)), sbp.MaxAbs())
+    with pytest.raises(sbp.NotFoundError):
+        res.top_paths((0, (1,)), 3, sbp.TopK(3))
+    # x[0, j] -> h[0, i] with weight W[j, i], then relu' = 1 (h = [7, 4] > 0), then sum
+    assert close(res.top_path((0, (0, 0))).value, 2.0)
+    assert close(res.top_path((0, (0, 1))).value, 3.0)
+    assert close(res.top_path((0, (0, 1)), sign="-").value, 1.0)
+
+
+# -- tensor granularity -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "case", ["fanout_broadcast", "attention", "residual_gelu", "random_1", "embedding_module"]
+)
+def test_tensor_granularity_path_is_a_chain_of_ops(case):
+    run = get_run(case)
+    res, tensor = run.res, sbp.MaxProduct("tensor")
+    for source in run.sources:
+        node, mask, paths = run.oracle_paths(source)
+        if not paths:
+            continue
+        ro = res.at(source if not isinstance(source, tuple) else source[0], tensor)
+        for sign in ("+", "-"):
+            path = res.top_path(source, tensor, sign=sign)
+            assert path.semiring == "MaxProduct(tensor)"
+            field = ro.hi if sign == "+" else ro.lo
+            picked = field[mask]
+            want = float(picked.max() if sign == "+" else picked.min())
+            assert close(path.value, want), f"{source} {sign}: {path.value} vs readout {want}"
+            steps = path.steps
+            assert steps[0].node == node.name and steps[-1].node == res.graph.output_node.name
+            assert all(s.index is None and s.edge_weight is None for s in steps)
+            for prev, step in zip(steps, steps[1:]):
+                assert _node(res, prev.node) in _node(res, step.node).all_input_nodes
+
+
+# -- whole models -------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+from test_models import HF, _embedding_name, hf_model  # noqa: E402
+
+MODEL_SEMIRINGS = [sbp.MaxProduct(), sbp.TopK(2)]
+
+
+def _check_model_path(res, model, path, node, mask, rel):
+    check_steps(res, path, node, mask, rel=rel)
+    names = set(dict(model.named_modules()))
+    for s in path.steps:
+        assert s.module is None or s.module in names, f"unknown module {s.module!r}"
+
+
+def _check_model(res, model, where, token, rel=1e-9):
+    """top_path from ``where``: one element, one token (index prefix), the whole tensor."""
+    node = res.node(where)
+    mp = res.at(where, sbp.MaxProduct())
+    agg = res.aggregate(where, sbp.MaxProduct(), dims=(-1,))
+    shape = tuple(mp.hi.shape)
+    elem = (*token, shape[-1] - 1)
+    for source, hi, lo in [
+        ((where, elem), mp.hi[elem], mp.lo[elem]),
+        ((where, token), agg.hi[token], agg.lo[token]),
+        (where, mp.hi.max(), mp.lo.min()),
+    ]:
+        mask = torch.zeros(shape, dtype=torch.bool)
+        mask[source[1] if isinstance(source, tuple) else ()] = True
+        for sign, want in (("+", hi), ("-", lo)):
+            path = res.top_path(source, sign=sign)
+            assert close(path.value, float(want), rel), f"{source} {sign}: {path.value} {want}"
+            _check_model_path(res, model, path, node, mask, rel)
+        paths = res.top_paths(source, 2)
+        top = res.at(where, sbp.TopK(2)).values
+        want = top[mask].reshape(-1).abs().sort(descending=True).values[:2]
+        np.testing.assert_allclose([abs(p.value) for p in paths], want.numpy(), rtol=rel)
+        assert len({tuple((s.node, s.index, s.slot) for s in p.steps) for p in paths}) == 2
+        for p in paths:
+            _check_model_path(res, model, p, node, mask, rel)
+
+
+HF_CASES = [("bert-cls", "eager"), ("bert-mlm", "sdpa"), ("gpt2", "eager"), ("llama", "sdpa")]
+
+
+@pytest.mark.parametrize(("name", "impl"), HF_CASES, ids=[f"{n}-{i}" for n, i in HF_CASES])
+def test_hf_top_path(name, impl):
+    model, output = hf_model(name, impl), HF[name][2]
+    ids = torch.tensor([[3, 7, 1, 9]])
+    rel = 1e-6 if name == "llama" else 1e-9
+    if name.startswith("bert"):
+        res = sbp.backprop(
+            model, kwargs={"input_ids": ids}, output=output, semirings=MODEL_SEMIRINGS
+        )
+        _check_model(res, model, _embedding_name(model), (0, 2), rel)
+        _check_model(res, model, "bert.embeddings", (0, 1), rel)
+    else:
+        embeds = model.get_input_embeddings()(ids).detach()
+        res = sbp.backprop(
+            model, kwargs={"inputs_embeds": embeds}, output=output, semirings=MODEL_SEMIRINGS
+        )
+        _check_model(res, model, "inputs_embeds", (0, 3), rel)
+    # the path passes through the model's blocks, in order
+    path = res.top_path(_embedding_name(model) if name.startswith("bert") else "inputs_embeds")
+    mods = [m for m in path.modules if m]
+    layer = "layers" if name == "llama" else ("h" if name == "gpt2" else "layer")
+    blocks = [m.split(f".{layer}.")[1].split(".")[0] for m in mods if f".{layer}." in m]
+    assert blocks == sorted(blocks, key=int), blocks
+
+
+def test_hf_second_example_has_no_path():
+    """The output reads the first example only: the second one's tokens have no path."""
+    model, output = hf_model("bert-cls", "eager"), HF["bert-cls"][2]
+    ids = torch.tensor([[3, 7, 1, 9], [5, 2, 8, 13]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+    res = sbp.backprop(
+        model,
+        kwargs={"input_ids": ids, "attention_mask": mask},
+        output=output,
+        semirings=MODEL_SEMIRINGS,
+    )
+    emb = _embedding_name(model)
+    for source in [(emb, (1,)), (emb, (1, 2)), (emb, (1, 0, 5))]:
+        with pytest.raises(sbp.NotFoundError):
+            res.top_path(source)
+        with pytest.raises(sbp.NotFoundError):
+            res.top_path(source, sign="-")
+        with pytest.raises(sbp.NotFoundError):
+            res.top_paths(source, 2)
+    path = res.top_path(emb)  # the whole tensor: the best element is in example 0
+    assert path.source.index[0] == 0
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
+def test_transformer_encoder_layer_top_path(norm_first):
+    torch.manual_seed(1)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, norm_first=norm_first)
+    layer = layer.to(F64).eval()
+    x = torch.randn(1, 4, 16, dtype=F64)
+    res = sbp.backprop(
+        layer, (x,), output=lambda y: y[0, 1, 3] - y[0, 2, 0], semirings=MODEL_SEMIRINGS
+    )
+    _check_model(res, layer, 0, (0, 2))
+    _check_model(res, layer, "linear1:input", (0, 1))
+    _check_model(res, layer, "self_attn", (0, 3))
+
+
+def test_mlp_top_path():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(
+        nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 3)
+    )
+    mlp = mlp.to(F64).eval()
+    x = torch.randn(3, 5, dtype=F64)
+    res = sbp.backprop(mlp, (x,), output=lambda y: y[1, 2], semirings=MODEL_SEMIRINGS)
+    _check_model(res, mlp, 0, (1,))
+    _check_model(res, mlp, "2", (1,))
+    _check_model(res, mlp, "4:input", (1,))
+    path = res.top_path(0)
+    assert [m for m in path.modules if m] == ["0", "1", "2", "3", "4", "5"]
+
+
+# -- export: frame, JSON, compact -------------------------------------------------------
+
+
+def _runs(steps):
+    runs = []
+    for s in steps:
+        if not runs or runs[-1] != s.module:
+            runs.append(s.module)
+    return runs
+
+
+def test_path_export(tmp_path):
+    run = get_run("attention")
+    for path in [
+        run.res.top_path(0),
+        run.res.top_path(("q", (1, 0)), sign="-"),
+        run.res.top_paths(0, 3, sbp.TopK(3))[2],
+        run.res.top_path(0, sbp.MaxAbs()),
+        run.res.top_path(0, sbp.MaxProduct("tensor")),
+    ]:
+        frame = path.to_frame()
+        cols = ["step", "node", "module", "op", "index", "slot", "edge_weight", "running"]
+        assert list(frame.columns) == cols
+        assert len(frame) == len(path) == len(path.steps)
+        assert frame["step"].tolist() == list(range(len(path)))
+        slots = frame["slot"]
+        assert [None if m else int(v) for v, m in zip(slots, slots.isna())] == [
+            s.slot for s in path.steps
+        ]
+        for row, s in zip(frame.itertuples(index=False), path.steps):
+            assert (row.node, row.module, row.op, row.index) == (s.node, s.module, s.op, s.index)
+            for got, want in [(row.edge_weight, s.edge_weight), (row.running, s.running)]:
+                assert (want is None and (got is None or math.isnan(got))) or got == want
+
+        text = path.to_json()
+        data = json.loads(text)
+        assert data["value"] == path.value
+        assert (data["semiring"], data["sign"]) == (path.semiring, path.sign)
+        assert len(data["steps"]) == len(path)
+        for d, s in zip(data["steps"], path.steps):
+            assert d["node"] == s.node and d["module"] == s.module and d["op"] == s.op
+            assert d["index"] == (None if s.index is None else list(s.index))
+            assert d["slot"] == s.slot
+            assert d["edge_weight"] == s.edge_weight and d["running"] == s.running
+        out = tmp_path / "path.json"
+        assert path.to_json(file=out) == text and out.read_text() == text
+
+        assert str(path) == path.compact()
+        runs = _runs(path.steps)
+        line = path.compact()
+        assert line.count(" → ") == len(runs) - 1, (line, runs)
+        assert path.modules == runs
+
+
+def test_compact_collapses_module_runs():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 1))
+    mlp = mlp.to(F64).eval()
+    res = sbp.backprop(mlp, (torch.randn(2, 3, dtype=F64),), output=lambda y: y[0, 0] * y[1, 0])
+    path = res.top_path((0, (0, 1)))
+    runs = _runs(path.steps)
+    assert runs[0] is None and {"0", "1", "2", "3"} <= set(runs)
+    assert len(runs) < len(path)  # some module holds several ops
+    line = path.compact()
+    assert line.count(" → ") == len(runs) - 1
+    assert line.startswith("input ") and "product" in line
+    assert "(" in line.split(" → ")[1]  # a run of several ops says how many
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small():
+    gen = torch.Generator().manual_seed(3)
+    W = torch.randn(3, 4, dtype=F64, generator=gen)
+
+    def f(x, y):
+        return torch.tanh(x @ W)[0].sum() * y.sum()  # row 1 of x does not matter
+
+    x, y = torch.randn(2, 3, dtype=F64, generator=gen), torch.randn(2, dtype=F64, generator=gen)
+    return sbp.backprop(f, (x, y), semirings=[sbp.MaxProduct(), sbp.TopK(2)])
+
+
+def test_errors_bad_source(small):
+    with pytest.raises(sbp.NotFoundError):
+        small.top_path("no_such_module")
+    with pytest.raises(sbp.NotFoundError):
+        small.top_paths("no_such_module", 1)
+    for index in [(2, 0), (0, 3), (0, 0, 0), 5]:
+        with pytest.raises(sbp.InputError):
+            small.top_path((0, index))
+        with pytest.raises(sbp.InputError):
+            small.top_paths((0, index), 2)
+
+
+def test_errors_semiring_not_computed(small):
+    for sr in [sbp.MaxAbs(), sbp.MaxProduct("tensor"), sbp.TopK(1)]:
+        with pytest.raises(sbp.InputError):
+            small.top_path(0, sr)
+    with pytest.raises(sbp.InputError):
+        small.top_paths(0, 1, sbp.TopK(1))  # TopK(1) was not computed
+    with pytest.raises(sbp.InputError):
+        small.top_path(0, sbp.Real())  # not selective: no pointers
+
+
+def test_errors_k_and_sign(small):
+    with pytest.raises(sbp.InputError):
+        small.top_paths(0, 3, sbp.TopK(2))
+    with pytest.raises(sbp.InputError):
+        small.top_paths(0, 3)  # no TopK with k >= 3 was computed
+    assert len(small.top_paths(0, 2)) == 2
+    for sign in ["x", "max", "", None]:
+        with pytest.raises(sbp.InputError):
+            small.top_path(0, sign=sign)
+
+
+def test_errors_source_without_path(small):
+    for source in [(0, (1,)), (0, (1, 2)), (0, (slice(1, 2), slice(None)))]:
+        with pytest.raises(sbp.NotFoundError):
+            small.top_path(source)
+        with pytest.raises(sbp.NotFoundError):
+            small.top_path(source, sign="-")
+        with pytest.raises(sbp.NotFoundError):
+            small.top_paths(source, 2)
+    assert small.top_path(0).source.index[0] == 0
+    assert small.top_path(1).source.node == small.node(1).name
