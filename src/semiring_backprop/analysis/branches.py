@@ -34,8 +34,19 @@ _NAMES = {
     "key": {"key", "k_proj", "k_lin", "k", "wk", "to_k", "key_proj"},
     "value": {"value", "v_proj", "v_lin", "v", "wv", "to_v", "value_proj"},
     "mlp": {
-        "mlp", "intermediate", "feed_forward", "ffn", "linear1", "fc1", "c_fc",
-        "gate_proj", "up_proj", "dense_h_to_4h", "fc_in", "w1", "lin1",
+        "mlp",
+        "intermediate",
+        "feed_forward",
+        "ffn",
+        "linear1",
+        "fc1",
+        "c_fc",
+        "gate_proj",
+        "up_proj",
+        "dense_h_to_4h",
+        "fc_in",
+        "w1",
+        "lin1",
     },  # fmt: skip
 }
 _FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "w_pack"}
@@ -323,9 +334,7 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim):
             total = sr.plus(total, val)
         unit = scalar(sr, total)
         hd = hidden_dim % unit.dim()
-        stacked = torch.stack(
-            [torch.where(best == b, unit, 0).sum(hd) for b in range(len(values))]
-        )
+        stacked = torch.stack([torch.where(best == b, unit, 0).sum(hd) for b in range(len(values))])
         win = stacked.argmax(0)
     stacked = stacked.detach().cpu().double()
     batched = stacked.dim() > 2 and stacked.shape[1] > 1
@@ -379,8 +388,11 @@ def blocks(res, roles=None) -> list[Block]:
     attn = []
     for path, kind in types.items():
         kids = [p for p in types if p.rsplit(".", 1)[0] == path and p != path]
-        kid_roles = {r.of_module(k) for k in kids if k.rsplit(".", 1)[-1].lower() in
-                     _NAMES["query"] | _NAMES["key"] | _NAMES["value"]}
+        kid_roles = {
+            r.of_module(k)
+            for k in kids
+            if k.rsplit(".", 1)[-1].lower() in _NAMES["query"] | _NAMES["key"] | _NAMES["value"]
+        }
         fused = kind == "MultiheadAttention" or any(
             k.rsplit(".", 1)[-1].lower() in _FUSED for k in kids
         )

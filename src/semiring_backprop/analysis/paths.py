@@ -171,9 +171,13 @@ def _node_label(res, node) -> tuple[str | None, str]:
 
 def _step(res, node, index, w, running, slot=None) -> Step:
     module, op = _node_label(res, node)
-    if node.target is not None and node.op == "call_function" and node.args and isinstance(
-        node.args[-1], str
-    ) and op == "semiring_backprop.mark.default":
+    if (
+        node.target is not None
+        and node.op == "call_function"
+        and node.args
+        and isinstance(node.args[-1], str)
+        and op == "semiring_backprop.mark.default"
+    ):
         module = node.args[-1].removesuffix(":input")
     return Step(
         node=node.name,
@@ -216,7 +220,12 @@ class _Edges:
         seed[out_flat] = 1
         with torch.no_grad():
             slots = engine.slot_values(
-                graph, values, _REAL, consumer_id, (seed.view(out.shape),), self.needed,
+                graph,
+                values,
+                _REAL,
+                consumer_id,
+                (seed.view(out.shape),),
+                self.needed,
                 self.ops[node],
             )
         return [(s, c[0].reshape(-1)) for s, (n, c) in enumerate(slots) if n is inp]
@@ -250,7 +259,9 @@ def _tol(res) -> float:
 def top_path(res, source, semiring=None, sign: str = "+") -> Path:
     semiring = semiring if semiring is not None else MaxProduct()
     if sign not in ("+", "-"):
-        raise InputError(f"sign must be '+' (most positive path) or '-' (most negative), got {sign!r}")
+        raise InputError(
+            f"sign must be '+' (most positive path) or '-' (most negative), got {sign!r}"
+        )
     if isinstance(semiring, MaxProduct):
         return _top_path_maxproduct(res, source, semiring, sign)
     if isinstance(semiring, MaxAbs):
