@@ -14,6 +14,7 @@ import json
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from test_oracle import CASES, KEEP
@@ -199,10 +200,11 @@ def check_is_oracle_path(run, path, paths):
 def test_top_path_is_the_best_oracle_path(case):
     run = get_run(case)
     res = run.res
-    checked = 0
+    checked = live = 0
     for source in run.sources:
         node, mask, paths = run.oracle_paths(source)
         products = np.array(list(paths.values()))
+        live += bool(len(products))
         for sign, best in (("+", np.max), ("-", np.min)):
             if not len(products):
                 with pytest.raises(sbp.NotFoundError):
@@ -226,7 +228,7 @@ def test_top_path_is_the_best_oracle_path(case):
         assert close(abs(path.value), top), f"{source}: |{path.value}| vs oracle {top}"
         check_is_oracle_path(run, path, paths)
         check_steps(res, path, node, mask)
-    assert checked >= 2 * len(run.sources) - 2
+    assert checked == 2 * live and live >= 3
 
 
 @pytest.mark.parametrize("case", PATH_CASES)
@@ -259,6 +261,10 @@ def test_top_paths_are_the_k_heaviest_oracle_paths(case):
             more = res.top_paths(source, k, sbp.TopK(max(TOPKS)))
             np.testing.assert_allclose([abs(p.value) for p in more], values, rtol=1e-9)
         # top_path under TopK is the heaviest of top_paths
+        if not len(mags):
+            with pytest.raises(sbp.NotFoundError):
+                res.top_path(source, sbp.TopK(3))
+            continue
         one = res.top_path(source, sbp.TopK(3))
         assert close(abs(one.value), float(mags[0]))
         check_is_oracle_path(run, one, paths)
@@ -445,7 +451,7 @@ def test_transformer_encoder_layer_top_path(norm_first):
     )
     _check_model(res, layer, 0, (0, 2))
     _check_model(res, layer, "linear1:input", (0, 1))
-    _check_model(res, layer, "self_attn", (0, 3))
+    _check_model(res, layer, "self_attn", (0, 1))
 
 
 def test_mlp_top_path():
@@ -493,7 +499,8 @@ def test_path_export(tmp_path):
             s.slot for s in path.steps
         ]
         for row, s in zip(frame.itertuples(index=False), path.steps):
-            assert (row.node, row.module, row.op, row.index) == (s.node, s.module, s.op, s.index)
+            assert (row.node, row.op, row.index) == (s.node, s.op, s.index)
+            assert row.module == s.module or (s.module is None and pd.isna(row.module))
             for got, want in [(row.edge_weight, s.edge_weight), (row.running, s.running)]:
                 assert (want is None and (got is None or math.isnan(got))) or got == want
 
@@ -521,7 +528,9 @@ def test_compact_collapses_module_runs():
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 1))
     mlp = mlp.to(F64).eval()
-    res = sbp.backprop(mlp, (torch.randn(2, 3, dtype=F64),), output=lambda y: y[0, 0] * y[1, 0])
+    res = sbp.backprop(mlp, (torch.randn(2, 3, dtype=F64),), output=lambda y: y[0, 0] * y[1, 0],
+        semirings=[sbp.MaxProduct()],
+    )
     path = res.top_path((0, (0, 1)))
     runs = _runs(path.steps)
     assert runs[0] is None and {"0", "1", "2", "3"} <= set(runs)

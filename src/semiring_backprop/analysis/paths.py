@@ -21,6 +21,7 @@ from ..errors import InputError, NotFoundError
 from ..semirings import MaxAbs, MaxProduct, Real, TopK
 
 _REAL = Real()
+_MARK_NAME = "semiring_backprop.mark.default"
 
 
 @dataclass(frozen=True)
@@ -102,11 +103,15 @@ class Path:
                 f.write(text)
         return text
 
-    def compact(self, strip: str | None = None) -> str:
-        """One line: the runs of steps inside one module, joined by arrows."""
+    def compact(self, strip: str | None = None, marks: bool = False) -> str:
+        """One line: the runs of steps inside one module, joined by arrows. Runs made only
+        of module-boundary marks (identity steps) are left out unless ``marks=True``."""
         parts = []
         runs = _runs(self.steps)
         for i, (module, steps) in enumerate(runs):
+            ends = i in (0, len(runs) - 1)
+            if not marks and not ends and all(s.op == _MARK_NAME for s in steps):
+                continue
             name = module or ("output" if i == len(runs) - 1 else "(top level)")
             if steps[0].op == "input":
                 name = f"input {steps[0].node}"

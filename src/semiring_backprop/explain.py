@@ -1,0 +1,360 @@
+"""Explain a Hugging Face language model's choice between two words.
+
+The explained scalar is ``log p(target) - log p(foil)`` at the masked position (masked
+LM) or at the next position (causal LM), as in the paper's subject-verb agreement study.
+One pass computes the chosen semirings; the result holds per-layer branch tables,
+per-token entropy and the top gradient path, and writes them as JSON, CSV and PNG.
+
+>>> ex = explain("bert-base-uncased", "the keys to the cabinet [MASK] on the table",
+...              target="are", foil="is")
+>>> print(ex.report())
+>>> ex.write("out/")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path as FilePath
+
+import torch
+
+from .api import backprop
+from .errors import InputError, SemiringBackpropError
+from .semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
+
+SEMIRINGS = {
+    "max": "MaxProduct: the top gradient path and per-layer branches",
+    "entropy": "Entropy (+ PathCount): how gradient flow spreads over paths",
+    "real": "Real: the gradient",
+    "maxabs": "MaxAbs: the largest |path product|, in log space",
+    "logabs": "LogAbs: log of the total absolute flow",
+    "topk": "TopK(3): the three heaviest paths",
+}
+
+
+class LoadError(SemiringBackpropError):
+    """A model or tokenizer could not be loaded."""
+
+
+def semirings_for(names, granularity: str = "neuron") -> list:
+    out = []
+    for name in names:
+        if name not in SEMIRINGS:
+            raise InputError(f"unknown semiring {name!r}; choose from {', '.join(SEMIRINGS)}")
+        out += {
+            "max": [MaxProduct(granularity)],
+            "entropy": [Entropy(), PathCount()],
+            "real": [Real()],
+            "maxabs": [MaxAbs()],
+            "logabs": [LogAbs()],
+            "topk": [TopK(3)],
+        }[name]
+    return list(dict.fromkeys(out))
+
+
+# -- loading --------------------------------------------------------------------------
+
+
+def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cpu"):
+    """``(model, tokenizer, kind)`` for a hub id or a local directory; kind is
+    ``"masked"`` or ``"causal"`` (from the config's architecture unless given)."""
+    try:
+        import transformers
+    except ImportError:
+        raise InputError(
+            'explain needs transformers: pip install "semiring-backprop[hf]"'
+        ) from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_id)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_id)
+    except (OSError, ValueError) as e:
+        raise LoadError(_load_hint(model_id, e)) from None
+    kind = kind or _kind(config, tokenizer)
+    cls = {
+        "masked": transformers.AutoModelForMaskedLM,
+        "causal": transformers.AutoModelForCausalLM,
+    }.get(kind)
+    if cls is None:
+        raise InputError(f"kind must be 'masked' or 'causal', got {kind!r}")
+    try:
+        model = cls.from_pretrained(model_id, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise LoadError(_load_hint(model_id, e)) from None
+    return model.to(device).eval(), tokenizer, kind
+
+
+def _load_hint(model_id, e) -> str:
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return (
+        f"could not load {model_id!r}: {first}\n"
+        f"{model_id!r} is not a local directory with a saved model, and it is not in the "
+        "Hugging Face cache (or the hub cannot be reached from here). On a machine with "
+        "internet, save a copy (huggingface-cli download ID --local-dir DIR, or "
+        "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR)), then pass that "
+        "directory: semiring-backprop explain DIR ..."
+    )
+
+
+def _kind(config, tokenizer) -> str:
+    arch = " ".join(config.architectures or [])
+    if "MaskedLM" in arch:
+        return "masked"
+    if "CausalLM" in arch or "LMHead" in arch:
+        return "causal"
+    return (
+        "causal" if getattr(config, "is_decoder", False) or not tokenizer.mask_token else "masked"
+    )
+
+
+# -- inputs ---------------------------------------------------------------------------
+
+
+def word_id(tokenizer, word: str, kind: str) -> int:
+    """The single vocabulary id of ``word`` (a causal LM's next word follows a space)."""
+    tries = [" " + word, word] if kind == "causal" else [word, " " + word]
+    splits = []
+    for w in tries:
+        ids = tokenizer(w, add_special_tokens=False)["input_ids"]
+        if len(ids) == 1 and ids[0] != tokenizer.unk_token_id:
+            return ids[0]
+        splits.append(tokenizer.convert_ids_to_tokens(ids))
+    if all(tokenizer.unk_token in s for s in splits if s) or not any(splits):
+        raise InputError(f"{word!r} is not in the model's vocabulary; pick another word")
+    raise InputError(
+        f"{word!r} is not one token in the model's vocabulary (it splits into {splits[0]}); "
+        "the score compares the probabilities of two single tokens: pick single-token words"
+    )
+
+
+def encode(tokenizer, model, text: str, kind: str) -> tuple[dict, int]:
+    """Model inputs and the position whose prediction is explained."""
+    enc = tokenizer(text, return_tensors="pt")
+    ids = enc["input_ids"]
+    limit = _max_length(model)
+    if limit is not None and ids.shape[1] > limit:
+        raise InputError(
+            f"the text is {ids.shape[1]} tokens long; the model takes at most {limit}: shorten it"
+        )
+    if kind == "masked":
+        mask = tokenizer.mask_token
+        if mask is None:
+            raise InputError("this tokenizer has no mask token; use --kind causal")
+        where = (ids[0] == tokenizer.mask_token_id).nonzero().flatten().tolist()
+        if len(where) != 1:
+            say = "no" if not where else f"{len(where)}"
+            raise InputError(
+                f"the text has {say} {mask} tokens; a masked LM explains the prediction at "
+                f"exactly one, e.g. 'the keys to the cabinet {mask} on the table'"
+            )
+        pos = where[0]
+    else:
+        pos = ids.shape[1] - 1
+    return {k: v.to(model.device) for k, v in enc.items() if k != "token_type_ids"}, pos
+
+
+def _max_length(model):
+    cfg = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+# -- the explanation ------------------------------------------------------------------
+
+
+@dataclass
+class Explanation:
+    """Everything ``explain`` computed, with tables as pandas DataFrames."""
+
+    model_id: str
+    kind: str
+    text: str
+    target: str
+    foil: str
+    tokens: list
+    position: int
+    score: float  #: log p(target) - log p(foil)
+    result: object = field(repr=False)
+    layers: object = field(repr=False, default=None)  #: layer_table DataFrame
+    entropy: object = field(repr=False, default=None)  #: per-token entropy DataFrame
+    path: object = field(repr=False, default=None)  #: top gradient Path
+    source: str = ""  #: module whose output the tokens' values are read at
+
+    def report(self) -> str:
+        lines = [
+            f"model: {self.model_id} ({self.kind} LM)",
+            f"tokens: {' '.join(self.tokens)}",
+            f"explained: log p({self.target}) - log p({self.foil}) at position "
+            f"{self.position} ({self.tokens[self.position]!r}) = {self.score:.4f}",
+        ]
+        if self.layers is not None and len(self.layers):
+            lines += ["", _branch_text(self.layers)]
+        if self.path is not None:
+            lines += ["", f"top gradient path (from {self.source}):", "  " + str(self.path)]
+        if self.entropy is not None:
+            lines += ["", "per-token path entropy (nats; normalized = H / log #paths):"]
+            lines += ["  " + ln for ln in self.entropy.to_string(index=False).splitlines()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model_id,
+            "kind": self.kind,
+            "text": self.text,
+            "target": self.target,
+            "foil": self.foil,
+            "tokens": self.tokens,
+            "position": self.position,
+            "score": self.score,
+            "source": self.source,
+            "layers": None if self.layers is None else self.layers.to_dict("records"),
+            "entropy": None if self.entropy is None else self.entropy.to_dict("records"),
+            "top_path": None if self.path is None else self.path.to_dict(),
+        }
+
+    def write(self, out) -> list[str]:
+        """JSON, CSV and PNG files under ``out``; returns their paths."""
+        out = FilePath(out)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        path = out / "explanation.json"
+        path.write_text(json.dumps(_clean(self.to_dict()), indent=2))
+        written.append(str(path))
+        if self.layers is not None:
+            self.layers.to_csv(out / "layers.csv", index=False)
+            written.append(str(out / "layers.csv"))
+        if self.entropy is not None:
+            self.entropy.to_csv(out / "entropy.csv", index=False)
+            written.append(str(out / "entropy.csv"))
+        if self.path is not None:
+            self.path.to_frame().to_csv(out / "top_path.csv", index=False)
+            written.append(str(out / "top_path.csv"))
+        written += self._figures(out)
+        return written
+
+    def _figures(self, out) -> list[str]:
+        from . import plots
+
+        files = []
+        if self.layers is not None and len(self.layers):
+            max_rows = self.layers[self.layers.semiring.str.startswith("MaxProduct")]
+            table = max_rows if len(max_rows) else self.layers
+            sr = table.semiring.iloc[0]
+            for sub in sorted(set(table.sublayer)):
+                fig = plots.branch_bars(table, sublayer=sub, semiring=sr)
+                files.append(str(plots.save(fig, out / f"branches_{sub}.png")))
+            fig = plots.token_heatmap(table, semiring=sr)
+            files.append(str(plots.save(fig, out / "token_heatmap.png")))
+        if self.entropy is not None:
+            fig = plots.token_bars(self.entropy, value="entropy", title="path entropy per token")
+            files.append(str(plots.save(fig, out / "entropy.png")))
+        if self.path is not None:
+            fig = plots.path_diagram(self.path)
+            files.append(str(plots.save(fig, out / "top_path.png")))
+        return files
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _branch_text(layers) -> str:
+    table = layers[layers.semiring.str.startswith("MaxProduct")]
+    if not len(table):
+        table = layers[layers.semiring == layers.semiring.iloc[0]]
+    sr = table.semiring.iloc[0]
+    out = [f"branches per layer ({sr}, ⊕ over each token's hidden units; * = winner):"]
+    for (layer, sub), part in table.groupby(["layer", "sublayer"], sort=True):
+        wide = part.pivot_table(
+            index=["token", "token_text"], columns="branch", values="value", aggfunc="max"
+        )
+        win = part[part.winner].set_index(["token", "token_text"])["branch"]
+        wide["winner"] = win.reindex(wide.index).fillna("")
+        wide = wide.reset_index().drop(columns="token").rename(columns={"token_text": "token"})
+        wide = wide.replace([-math.inf, math.inf], math.nan)  # the semiring zero: no path
+        out.append(f"layer {layer} {sub}:")
+        text = wide.to_string(index=False, float_format="%.3g", na_rep="-")
+        out += ["  " + ln for ln in text.splitlines()]
+    out.append("(- : no path through that branch reaches the output)")
+    return "\n".join(out)
+
+
+def explain(
+    model,
+    text: str,
+    target: str,
+    foil: str,
+    *,
+    tokenizer=None,
+    semirings=("max", "entropy"),
+    granularity: str = "neuron",
+    kind: str | None = None,
+    dtype=torch.float32,
+    device="cpu",
+    model_id: str | None = None,
+) -> Explanation:
+    """Explain ``log p(target) - log p(foil)``; ``model`` is a hub id, a local directory,
+    or a loaded model (then pass ``tokenizer`` too)."""
+    if isinstance(model, str | FilePath):
+        model_id = str(model)
+        model, tokenizer, kind = load(model_id, kind, dtype, device)
+    elif tokenizer is None:
+        raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")
+    else:
+        kind = kind or _kind(model.config, tokenizer)
+        model = model.eval()
+    model_id = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    srs = semirings_for(semirings, granularity)
+    t_id, f_id = word_id(tokenizer, target, kind), word_id(tokenizer, foil, kind)
+    if t_id == f_id:
+        raise InputError(f"target {target!r} and foil {foil!r} are the same token")
+    inputs, pos = encode(tokenizer, model, text, kind)
+
+    def score(out):
+        logp = out.logits[0, pos].log_softmax(-1)
+        return logp[t_id] - logp[f_id]
+
+    res = backprop(model, kwargs=inputs, output=score, semirings=srs)
+    tokens = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    value = float(res.values[res.graph.output_node])
+    ex = Explanation(model_id, kind, text, target, foil, tokens, pos, value, res)
+    ex.source = _embedding_path(model)
+    ex.layers = res.layer_table(tokens=tokens)
+    maxes = [s for s in srs if isinstance(s, MaxProduct)]
+    if maxes:
+        ex.path = res.top_path(ex.source, maxes[0])
+    if Entropy() in srs:
+        ex.entropy = _entropy_table(res, ex.source, tokens)
+    return ex
+
+
+def _embedding_path(model) -> str:
+    emb = model.get_input_embeddings()
+    return next(n for n, m in model.named_modules() if m is emb)
+
+
+def _entropy_table(res, source, tokens):
+    import pandas as pd
+
+    h = res.aggregate(source, Entropy()).entropy[0]
+    log_n = res.aggregate(source, PathCount()).log_count[0]
+    norm = torch.where(log_n > 0, h / log_n, torch.zeros_like(h))
+    return pd.DataFrame(
+        {
+            "token": range(len(tokens)),
+            "token_text": tokens,
+            "entropy": h.double().tolist(),
+            "log_paths": log_n.double().tolist(),
+            "normalized": norm.double().tolist(),
+        }
+    )
