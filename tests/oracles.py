@@ -20,6 +20,7 @@ list directly: sums, max/min, sorting, counting.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -263,10 +264,15 @@ def _reaches(graph, start) -> set:
     return seen
 
 
+_CARRIED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def carried_slots(result, node) -> list:
     """``[(slot number, args path, input node)]`` for the value-carrying slots of ``node``."""
     graph, values = result.graph, result.values
-    carried = _live_nodes(graph) & _reaches(graph, graph.output_node)
+    if result not in _CARRIED:
+        _CARRIED[result] = _live_nodes(graph) & _reaches(graph, graph.output_node)
+    carried = _CARRIED[result]
     out = []
     for path, src in _slots(node):
         if src in carried and _is_float(values.get(src)):

@@ -7,6 +7,7 @@
 >>> res.at(0, sbp.MaxProduct()).hi  # the most positive path product
 """
 
+from .analysis import Path, Step
 from .api import backprop
 from .errors import (
     InputError,
@@ -40,11 +41,13 @@ __all__ = [
     "MaxProduct",
     "NonFiniteError",
     "NotFoundError",
+    "Path",
     "PathCount",
     "Real",
     "Result",
     "Semiring",
     "SemiringBackpropError",
+    "Step",
     "TopK",
     "TracingError",
     "TrainingModeError",

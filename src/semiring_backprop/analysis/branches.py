@@ -303,7 +303,12 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
 
     if aggregate not in ("oplus", "bucket_sum"):
         raise InputError(f"aggregate must be 'oplus' or 'bucket_sum', got {aggregate!r}")
-    srs = res.semirings if semiring is None else [semiring]
+    if semiring is None:
+        srs = res.semirings
+    elif isinstance(semiring, list | tuple):
+        srs = list(semiring)
+    else:
+        srs = [semiring]
     for sr in srs:
         if sr not in res.semirings:
             raise InputError(f"{sr} was not computed in this pass (computed: {res.semirings})")
@@ -477,13 +482,15 @@ def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
         for sub in sublayers:
             if sub not in b.points:
                 continue
-            for sr in semirings or res.semirings:
-                if aggregate == "bucket_sum" and not getattr(sr, "selective", False):
-                    continue
-                f = branches(res, b.points[sub], sr, aggregate, roles)
-                f.insert(0, "sublayer", sub)
-                f.insert(0, "layer", i)
-                frames.append(f)
+            srs = list(semirings or res.semirings)
+            if aggregate == "bucket_sum":
+                srs = [sr for sr in srs if getattr(sr, "selective", False)]
+            if not srs:
+                raise InputError("aggregate='bucket_sum' needs a selective semiring (MaxProduct…)")
+            f = branches(res, b.points[sub], srs, aggregate, roles)
+            f.insert(0, "sublayer", sub)
+            f.insert(0, "layer", i)
+            frames.append(f)
     table = pd.concat(frames, ignore_index=True).rename(columns={"role": "branch"})
     if tokens is not None:
         tokens = list(tokens)
