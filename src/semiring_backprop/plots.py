@@ -217,21 +217,31 @@ _ROLE_NAMES = {
     "key": {"key", "k_proj", "k", "wk", "k_lin"},
     "value": {"value", "v_proj", "v", "wv", "v_lin"},
 }
+_MARK = "semiring_backprop.mark.default"
 _MLP_NAMES = {"mlp", "intermediate", "ffn", "feed_forward", "feedforward", "c_fc", "fc1", "fc2"}
 
 
-def path_diagram(path: Path, *, ax: Axes | None = None, title: str | None = None) -> Figure:
+def path_diagram(
+    path: Path, *, marks: bool = False, ax: Axes | None = None, title: str | None = None
+) -> Figure:
     """Boxes for the runs of a path's steps inside one module, top to bottom, with arrows.
 
     Each box shows the module (common prefix dropped, last 3 components), the number of
     ops and the running product at the end of the run (tensor-granularity paths have
-    none). Long paths wrap into columns of at most 40 boxes.
+    none). Long paths wrap into columns of at most 40 boxes. Runs made only of
+    module-boundary marks (identity steps) are left out unless ``marks=True``.
 
     >>> fig = path_diagram(res.top_path(("bert.embeddings:input", (0, 3))))
     """
     from matplotlib.patches import FancyBboxPatch, Patch
 
     runs = [(m, list(s)) for m, s in itertools.groupby(path.steps, key=lambda s: s.module)]
+    if not marks:  # runs of module-boundary marks only (identity steps) say nothing new
+        runs = [
+            r
+            for i, r in enumerate(runs)
+            if i in (0, len(runs) - 1) or any(s.op != _MARK for s in r[1])
+        ]
     labels = _run_labels(runs)
     per_col = min(len(runs), 40) or 1
     ncols = math.ceil(len(runs) / per_col)
