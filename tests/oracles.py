@@ -316,7 +316,6 @@ class ScalarDag:
 def scalar_dag(result) -> ScalarDag:
     """The scalar DAG of ``result.graph`` at ``result.values`` (same edges as ``build``)."""
     graph, values = result.graph, result.values
-    live = _live_nodes(graph)
     out_node = graph.output_node
     assert values[out_node].numel() == 1, "the oracle explains one scalar output"
     consumers: dict = {}

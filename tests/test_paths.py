@@ -17,11 +17,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from test_oracle import CASES, KEEP
 from torch import nn
 
 import oracles
 import semiring_backprop as sbp
+from test_oracle import CASES, KEEP
 
 F64 = torch.float64
 TOPKS = (1, 3, 5)
@@ -76,7 +76,6 @@ PATH_CASES = [
     "mlp_relu",
     "residual_gelu",
     "layer_norm_module",
-    "layer_norm_functional",
     "softmax",
     "embedding_weight",
     "embedding_module",
@@ -86,10 +85,7 @@ PATH_CASES = [
     "kept_composites",
     "routing_zoo",
     "random_0",
-    "random_1",
     "random_2",
-    "random_3",
-    "random_5",
 ]
 
 
@@ -112,8 +108,10 @@ class Run:
             if not val.is_floating_point():
                 continue
             last = tuple(s - 1 for s in val.shape)
-            cut = (slice(None), val.shape[1] - 1) if val.dim() > 1 else (slice(1, None),)
-            out += [key, (key, last), (key, (0,)), (key, cut)]
+            if not out:  # a slice, for the first float input only (time)
+                cut = (slice(None), val.shape[1] - 1) if val.dim() > 1 else (slice(1, None),)
+                out.append((key, cut))
+            out += [key, (key, last), (key, (0,))]
         return out + EXTRA.get(name, [])
 
     def oracle_paths(self, source):
@@ -257,9 +255,9 @@ def test_top_paths_are_the_k_heaviest_oracle_paths(case):
                 check_steps(res, p, node, mask)
                 seen.add(tuple((s.node, s.index, s.slot) for s in p.steps))
             assert len(seen) == len(got), f"{source} k={k}: repeated paths"
-            # a larger TopK gives the same heaviest paths (up to ties)
-            more = res.top_paths(source, k, sbp.TopK(max(TOPKS)))
-            np.testing.assert_allclose([abs(p.value) for p in more], values, rtol=1e-9)
+            if k == 3:  # a larger TopK gives the same heaviest paths (up to ties)
+                more = res.top_paths(source, k, sbp.TopK(max(TOPKS)))
+                np.testing.assert_allclose([abs(p.value) for p in more], values, rtol=1e-9)
         # top_path under TopK is the heaviest of top_paths
         if not len(mags):
             with pytest.raises(sbp.NotFoundError):
@@ -284,7 +282,7 @@ def test_parallel_edges_are_distinct_paths():
         assert len(unslotted) < len(paths), "the program has parallel edges"
         got = res.top_paths(source, 5, sbp.TopK(5))
         assert len({hops_of(res, p) for p in got}) == 5
-    # the element where a slot-only difference ranks among the top 5 for sure
+    # some top-5 list holds two paths that differ in the slot only (x + x: equal products)
     add = next(n for n in res.graph.nodes if str(n.target) == "aten.add.Tensor")
     assert [a.name for a in add.args] == ["args_0", "args_0"]
     twins = 0
@@ -349,8 +347,11 @@ def test_tensor_granularity_path_is_a_chain_of_ops(case):
 
 # -- whole models -------------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers")
-from test_models import HF, _embedding_name, hf_model  # noqa: E402
+try:  # the Hugging Face models of test_models (which skips itself without transformers)
+    from test_models import HF, _embedding_name, hf_model
+except (ImportError, pytest.skip.Exception):
+    HF = None
+needs_hf = pytest.mark.skipif(HF is None, reason="needs transformers")
 
 MODEL_SEMIRINGS = [sbp.MaxProduct(), sbp.TopK(2)]
 
@@ -362,7 +363,7 @@ def _check_model_path(res, model, path, node, mask, rel):
         assert s.module is None or s.module in names, f"unknown module {s.module!r}"
 
 
-def _check_model(res, model, where, token, rel=1e-9, topk=True):
+def _check_model(res, model, where, token, rel=1e-9, topk=True, whole=True):
     """top_path from ``where``: one element, one token (index prefix), the whole tensor."""
     node = res.node(where)
     mp = res.at(where, sbp.MaxProduct())
@@ -373,7 +374,7 @@ def _check_model(res, model, where, token, rel=1e-9, topk=True):
         ((where, elem), mp.hi[elem], mp.lo[elem]),
         ((where, token), agg.hi[token], agg.lo[token]),
         (where, mp.hi.max(), mp.lo.min()),
-    ]:
+    ][: 3 if whole else 2]:
         mask = torch.zeros(shape, dtype=torch.bool)
         mask[source[1] if isinstance(source, tuple) else ()] = True
         for sign, want in (("+", hi), ("-", lo)):
@@ -394,32 +395,43 @@ def _check_model(res, model, where, token, rel=1e-9, topk=True):
 HF_CASES = [("bert-cls", "eager"), ("bert-mlm", "sdpa"), ("gpt2", "eager"), ("llama", "sdpa")]
 
 
+@functools.cache
+def hf_result(name, impl):
+    """BERT reads token ids (a batch of 2, the output reads example 0 only); GPT-2 and
+    Llama read ``inputs_embeds``."""
+    model, output = hf_model(name, impl), HF[name][2]
+    if name.startswith("bert"):
+        ids = torch.tensor([[3, 7, 1, 9], [5, 2, 8, 13]])
+        mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
+        kwargs = {"input_ids": ids, "attention_mask": mask}
+    else:
+        kwargs = {"inputs_embeds": model.get_input_embeddings()(torch.tensor([[3, 7, 1, 9]]))}
+        kwargs["inputs_embeds"] = kwargs["inputs_embeds"].detach()
+    return sbp.backprop(model, kwargs=kwargs, output=output, semirings=MODEL_SEMIRINGS)
+
+
+@needs_hf
 @pytest.mark.parametrize(("name", "impl"), HF_CASES, ids=[f"{n}-{i}" for n, i in HF_CASES])
 def test_hf_top_path(name, impl):
-    model, output = hf_model(name, impl), HF[name][2]
-    ids = torch.tensor([[3, 7, 1, 9]])
+    model, res = hf_model(name, impl), hf_result(name, impl)
     rel = 1e-6 if name == "llama" else 1e-9
     if name.startswith("bert"):
-        res = sbp.backprop(
-            model, kwargs={"input_ids": ids}, output=output, semirings=MODEL_SEMIRINGS
-        )
         _check_model(res, model, _embedding_name(model), (0, 2), rel)
-        _check_model(res, model, "bert.embeddings", (0, 1), rel)
+        _check_model(res, model, "bert.embeddings", (0, 1), rel, topk=False, whole=False)
+        where = _embedding_name(model)
     else:
-        embeds = model.get_input_embeddings()(ids).detach()
-        res = sbp.backprop(
-            model, kwargs={"inputs_embeds": embeds}, output=output, semirings=MODEL_SEMIRINGS
-        )
         # Llama's float32 islands: see test_llama_top_paths_with_float32_islands
         _check_model(res, model, "inputs_embeds", (0, 1), rel, topk=name != "llama")
+        where = "inputs_embeds"
     # the path passes through the model's blocks, in order
-    path = res.top_path(_embedding_name(model) if name.startswith("bert") else "inputs_embeds")
+    path = res.top_path(where)
     mods = [m for m in path.modules if m]
     layer = "layers" if name == "llama" else ("h" if name == "gpt2" else "layer")
     blocks = [m.split(f".{layer}.")[1].split(".")[0] for m in mods if f".{layer}." in m]
-    assert blocks == sorted(blocks, key=int), blocks
+    assert blocks == sorted(blocks, key=int) and len(set(blocks)) == 2, blocks
 
 
+@needs_hf
 @pytest.mark.xfail(
     strict=True,
     reason="library bug: paths._check compares the path product with the readout at a "
@@ -429,11 +441,7 @@ def test_hf_top_path(name, impl):
 )
 def test_llama_top_paths_with_float32_islands():
     """A float64 Llama runs RMSNorm in float32: paths through it must still be read."""
-    model, output = hf_model("llama", "sdpa"), HF["llama"][2]
-    embeds = model.get_input_embeddings()(torch.tensor([[3, 7, 1, 9]])).detach()
-    res = sbp.backprop(
-        model, kwargs={"inputs_embeds": embeds}, output=output, semirings=MODEL_SEMIRINGS
-    )
+    res = hf_result("llama", "sdpa")
     top = res.at("inputs_embeds", sbp.TopK(2)).values
     for t in range(4):
         paths = res.top_paths(("inputs_embeds", (0, t)), 2)
@@ -443,17 +451,10 @@ def test_llama_top_paths_with_float32_islands():
     assert close(path.value, float(res.at("inputs_embeds", sbp.MaxProduct()).lo[0, 3, 12]), 1e-6)
 
 
+@needs_hf
 def test_hf_second_example_has_no_path():
     """The output reads the first example only: the second one's tokens have no path."""
-    model, output = hf_model("bert-cls", "eager"), HF["bert-cls"][2]
-    ids = torch.tensor([[3, 7, 1, 9], [5, 2, 8, 13]])
-    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
-    res = sbp.backprop(
-        model,
-        kwargs={"input_ids": ids, "attention_mask": mask},
-        output=output,
-        semirings=MODEL_SEMIRINGS,
-    )
+    model, res = hf_model("bert-cls", "eager"), hf_result("bert-cls", "eager")
     emb = _embedding_name(model)
     for source in [(emb, (1,)), (emb, (1, 2)), (emb, (1, 0, 5))]:
         with pytest.raises(sbp.NotFoundError):
@@ -466,10 +467,9 @@ def test_hf_second_example_has_no_path():
     assert path.source.index[0] == 0
 
 
-@pytest.mark.parametrize("norm_first", [False, True], ids=["post_norm", "pre_norm"])
-def test_transformer_encoder_layer_top_path(norm_first):
+def test_transformer_encoder_layer_top_path():
     torch.manual_seed(1)
-    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, norm_first=norm_first)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
     layer = layer.to(F64).eval()
     x = torch.randn(1, 4, 16, dtype=F64)
     res = sbp.backprop(
@@ -554,7 +554,10 @@ def test_compact_collapses_module_runs():
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 1))
     mlp = mlp.to(F64).eval()
-    res = sbp.backprop(mlp, (torch.randn(2, 3, dtype=F64),), output=lambda y: y[0, 0] * y[1, 0],
+    res = sbp.backprop(
+        mlp,
+        (torch.randn(2, 3, dtype=F64),),
+        output=lambda y: y[0, 0] * y[1, 0],
         semirings=[sbp.MaxProduct()],
     )
     path = res.top_path((0, (0, 1)))
@@ -625,3 +628,32 @@ def test_errors_source_without_path(small):
             small.top_paths(source, 2)
     assert small.top_path(0).source.index[0] == 0
     assert small.top_path(1).source.node == small.node(1).name
+
+
+def _unused_input():
+    def f(x, y):
+        return (x * 2).sum()  # y is traced but does not reach the output
+
+    x = torch.randn(2, 3, dtype=F64)
+    return sbp.backprop(f, (x, x.clone()), semirings=[sbp.MaxProduct(), sbp.TopK(2)])
+
+
+def test_errors_input_not_on_any_path():
+    """An input that never reaches the output: one of our errors, naming it."""
+    res = _unused_input()
+    for call in [lambda: res.top_path(1), lambda: res.top_paths((1, (0, 1)), 2)]:
+        with pytest.raises(sbp.SemiringBackpropError, match="args_1"):
+            call()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=sbp.InputError,
+    reason="library inconsistency: a source with no path raises NotFoundError when other "
+    "elements of its tensor have paths, but InputError (from Result.value) when the whole "
+    "tensor is off every path",
+)
+def test_input_not_on_any_path_is_not_found():
+    res = _unused_input()
+    with pytest.raises(sbp.NotFoundError):
+        res.top_path(1)

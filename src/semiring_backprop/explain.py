@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path as FilePath
 
@@ -66,6 +67,13 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
         raise InputError(
             'explain needs transformers: pip install "semiring-backprop[hf]"'
         ) from None
+    if model_id.startswith(("/", "./", "../", "~")) and not os.path.isdir(
+        os.path.expanduser(model_id)
+    ):
+        raise LoadError(
+            f"could not load {model_id!r}: no such directory. Pass a local directory written by "
+            "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), or a hub id."
+        )
     try:
         config = transformers.AutoConfig.from_pretrained(model_id)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_id)
@@ -97,8 +105,8 @@ def _load_hint(model_id, e) -> str:
     )
 
 
-def _kind(config, tokenizer) -> str:
-    arch = " ".join(config.architectures or [])
+def _kind(config, tokenizer, cls_name: str = "") -> str:
+    arch = " ".join([cls_name, *(config.architectures or [])])
     if "MaskedLM" in arch:
         return "masked"
     if "CausalLM" in arch or "LMHead" in arch:
@@ -273,10 +281,13 @@ def _branch_text(layers) -> str:
     if not len(table):
         table = layers[layers.semiring == layers.semiring.iloc[0]]
     sr = table.semiring.iloc[0]
-    out = [f"branches per layer ({sr}, ⊕ over each token's hidden units; * = winner):"]
+    out = [
+        f"branches per layer ({sr}, ⊕ over each token's hidden units; winner: the branch "
+        "holding the token's best value)"
+    ]
     for (layer, sub), part in table.groupby(["layer", "sublayer"], sort=True):
         wide = part.pivot_table(
-            index=["token", "token_text"], columns="branch", values="value", aggfunc="max"
+            index=["token", "token_text"], columns="branch", values="value", aggfunc=_oplus(sr)
         )
         win = part[part.winner].set_index(["token", "token_text"])["branch"]
         wide["winner"] = win.reindex(wide.index).fillna("")
@@ -287,6 +298,17 @@ def _branch_text(layers) -> str:
         out += ["  " + ln for ln in text.splitlines()]
     out.append("(- : no path through that branch reaches the output)")
     return "\n".join(out)
+
+
+def _oplus(name: str):
+    """⊕ on readouts, for rows of one role in a table made per consumer."""
+    if name == "Real":
+        return "sum"
+    if name in ("LogAbs", "PathCount"):
+        return lambda v: float(torch.logsumexp(torch.tensor(list(v), dtype=torch.float64), 0))
+    if name.startswith(("MaxProduct", "MaxAbs", "TopK")):
+        return "max"
+    return "first"  # the explain tables are made per role: one row each
 
 
 def explain(
@@ -311,7 +333,7 @@ def explain(
     elif tokenizer is None:
         raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")
     else:
-        kind = kind or _kind(model.config, tokenizer)
+        kind = kind or _kind(model.config, tokenizer, type(model).__name__)
         model = model.eval()
     model_id = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
     srs = semirings_for(semirings, granularity)
@@ -329,7 +351,7 @@ def explain(
     value = float(res.values[res.graph.output_node])
     ex = Explanation(model_id, kind, text, target, foil, tokens, pos, value, res)
     ex.source = _embedding_path(model)
-    ex.layers = res.layer_table(tokens=tokens)
+    ex.layers = res.layer_table(tokens=tokens, by="role")
     maxes = [s for s in srs if isinstance(s, MaxProduct)]
     if maxes:
         ex.path = res.top_path(ex.source, maxes[0])

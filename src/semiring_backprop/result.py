@@ -118,7 +118,7 @@ class Result:
         return paths.top_paths(self, source, k, semiring)
 
     def branches(self, where, semiring: Semiring | None = None, aggregate: str = "oplus",
-                 roles=None):  # fmt: skip
+                 roles=None, by: str = "consumer"):  # fmt: skip
         """Tidy DataFrame (``token``, ``consumer``, ``role``, ``value``, ``winner``,
         ``semiring``): the ⊕ over paths from ``where`` that leave through each consumer.
 
@@ -126,21 +126,22 @@ class Result:
         marks the branch holding the token's best value). ``"bucket_sum"``: each hidden
         unit's value is added to the branch that wins it (selective semirings only).
         ``roles``: ``{"module regex": "query", ...}`` or a function of the module path,
-        tried before the built-in names.
+        tried before the built-in names. ``by="role"``: one row per role, the ⊕ of the
+        consumers that share it (a gated MLP's ``gate_proj`` and ``up_proj``).
         """
         from .analysis import branches
 
-        return branches.branches(self, where, semiring, aggregate, roles)
+        return branches.branches(self, where, semiring, aggregate, roles, by=by)
 
     def layer_table(self, semirings=None, aggregate: str = "oplus", tokens=None, roles=None,
-                    sublayers=("attention", "mlp")):  # fmt: skip
+                    sublayers=("attention", "mlp"), by: str = "consumer"):  # fmt: skip
         """Tidy DataFrame (``layer``, ``sublayer``, ``token``, ``token_text``, ``branch``,
         ``consumer``, ``value``, ``winner``, ``semiring``) for every attention block:
         branches at the block's input (skip/query/key/value) and at the input of its MLP
         sublayer (skip/mlp). ``tokens``: the token strings, for ``token_text``."""
         from .analysis import branches
 
-        return branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers)
+        return branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers, by)
 
     def _why_missing(self, where, node) -> str:
         val = node.meta.get("val")

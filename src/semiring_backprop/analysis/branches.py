@@ -297,7 +297,8 @@ def _score(sr, value) -> torch.Tensor:
     )
 
 
-def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_dim=-1):
+def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_dim=-1,
+             by="consumer"):  # fmt: skip
     """Tidy DataFrame: the contribution through each consumer of ``where``, per token."""
     import pandas as pd
 
@@ -315,6 +316,10 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
     v, ents = entries(res, where, roles)
     down = _descendants(v)
     parts = [contribution(res, v, e, down) for e in ents]
+    if by == "role":  # ⊕ the branches that share a role (a gated MLP's gate and up)
+        ents, parts = _by_role(res, ents, parts)
+    elif by != "consumer":
+        raise InputError(f"by must be 'consumer' or 'role', got {by!r}")
     frames = [
         _per_token(res, sr, [p[res.semirings.index(sr)] for p in parts], ents, aggregate,
                    hidden_dim)
@@ -323,14 +328,29 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
     return pd.concat(frames, ignore_index=True)
 
 
+def _by_role(res, ents, parts):
+    merged: dict = {}
+    for e, p in zip(ents, parts):
+        if e.role not in merged:
+            merged[e.role] = (e, p)
+            continue
+        e0, p0 = merged[e.role]
+        both = [sr.plus(a, b) for sr, a, b in zip(res.semirings, p0, p)]
+        merged[e.role] = (Entry(e.role, f"{e0.consumer} + {e.consumer}", e0.op, e0.via), both)
+    return [e for e, _ in merged.values()], [p for _, p in merged.values()]
+
+
 def _per_token(res, sr, values, ents, aggregate, hidden_dim):
     import pandas as pd
 
     rows = []
+    zero = sr.zero((1,), values[0][0])[0].reshape(())
     if aggregate == "oplus":
-        per = [scalar(sr, sr.sum(val, (hidden_dim,))) for val in values]
-        stacked = torch.stack(per)  # (branches, *tokens)
+        agg = [sr.sum(val, (hidden_dim,)) for val in values]
+        stacked = torch.stack([scalar(sr, a) for a in agg])  # (branches, *tokens)
         win = stacked.argmax(0)
+        live = torch.stack([a[0] != zero for a in agg])  # a path leaves through it
+        live = live.reshape(*stacked.shape, -1).any(-1).any(0)
     else:
         score = torch.stack([_score(sr, val) for val in values])  # (branches, *shape)
         best = score.argmax(0)
@@ -341,6 +361,7 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim):
         hd = hidden_dim % unit.dim()
         stacked = torch.stack([torch.where(best == b, unit, 0).sum(hd) for b in range(len(values))])
         win = stacked.argmax(0)
+        live = (total[0] != zero).reshape(*unit.shape, -1).any(-1).any(hd)
     stacked = stacked.detach().cpu().double()
     batched = stacked.dim() > 2 and stacked.shape[1] > 1
     for idx in _indices(stacked.shape[1:]):
@@ -351,7 +372,7 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim):
                     "consumer": e.consumer,
                     "role": e.role,
                     "value": float(stacked[(b, *idx)]),
-                    "winner": bool(win[idx] == b),
+                    "winner": bool(win[idx] == b) and bool(live[idx]),
                     "semiring": sr.name,
                 }
             )
@@ -466,7 +487,7 @@ def _next_fanout(r: _Roles, node, limit=8):
 
 
 def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
-                sublayers=("attention", "mlp")):  # fmt: skip
+                sublayers=("attention", "mlp"), by="consumer"):  # fmt: skip
     """Tidy DataFrame of the branch values of every attention block's fan-out points."""
     import pandas as pd
 
@@ -487,7 +508,7 @@ def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
                 srs = [sr for sr in srs if getattr(sr, "selective", False)]
             if not srs:
                 raise InputError("aggregate='bucket_sum' needs a selective semiring (MaxProduct…)")
-            f = branches(res, b.points[sub], srs, aggregate, roles)
+            f = branches(res, b.points[sub], srs, aggregate, roles, by=by)
             f.insert(0, "sublayer", sub)
             f.insert(0, "layer", i)
             frames.append(f)
