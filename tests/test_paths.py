@@ -432,13 +432,6 @@ def test_hf_top_path(name, impl):
 
 
 @needs_hf
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: paths._check compares the path product with the readout at a "
-    "tolerance chosen from the output dtype only (1e-7 for float64), but Llama computes "
-    "RMSNorm/rotary in float32 inside a float64 model, so path products through those nodes "
-    "differ by 1e-7..6e-7 relative and top_paths/top_path raise RuntimeError('internal error')",
-)
 def test_llama_top_paths_with_float32_islands():
     """A float64 Llama runs RMSNorm in float32: paths through it must still be read."""
     res = hf_result("llama", "sdpa")
@@ -646,13 +639,6 @@ def test_errors_input_not_on_any_path():
             call()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=sbp.InputError,
-    reason="library inconsistency: a source with no path raises NotFoundError when other "
-    "elements of its tensor have paths, but InputError (from Result.value) when the whole "
-    "tensor is off every path",
-)
 def test_input_not_on_any_path_is_not_found():
     res = _unused_input()
     with pytest.raises(sbp.NotFoundError):

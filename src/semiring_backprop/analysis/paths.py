@@ -258,7 +258,17 @@ def _raw(res, node, k):
 
 
 def _tol(res) -> float:
-    return 1e-7 if res.values[res.graph.output_node].dtype == torch.float64 else 1e-3
+    """Relative tolerance between a path's recomputed product and the semiring's value:
+    set by the least precise float dtype in the pass (a float64 Llama still runs its
+    RMSNorm in float32)."""
+    if not hasattr(res, "_path_tol"):
+        eps = max(
+            (torch.finfo(v.dtype).eps for v in res.values.values()
+             if isinstance(v, torch.Tensor) and v.is_floating_point()),
+            default=torch.finfo(torch.float64).eps,
+        )  # fmt: skip
+        res._path_tol = min(0.05, 1e4 * eps)
+    return res._path_tol
 
 
 def top_path(res, source, semiring=None, sign: str = "+") -> Path:
@@ -285,7 +295,7 @@ def _pick_source(res, source, semiring, k, score):
     node, mask = resolve_source(res, source)
     group = [n for n in res.graph.aliases.get(node, (node,)) if n in res._store]
     if not group:
-        res.value(node, semiring)  # raises the explanatory error
+        raise _no_value(res, source, node)
     best = None
     for n in group:
         s = score(_raw(res, n, k)).cpu()
@@ -402,7 +412,7 @@ def top_paths(res, source, k: int, semiring=None) -> list[Path]:
     node, mask = resolve_source(res, source)
     group = [n for n in res.graph.aliases.get(node, (node,)) if n in res._store]
     if not group:
-        res.value(node, sr)
+        raise _no_value(res, source, node)
     cands = []  # (log|value|, node, flat element, rank)
     for n in group:
         v = sr._pack(_raw(res, n, s_idx))[0].cpu()  # (..., K)
@@ -472,6 +482,15 @@ def _check(got: float, want: float, res):
             f"internal error: the path product {got!r} read from back-pointers differs from "
             f"the semiring's value {want!r}; please report this with the model"
         )
+
+
+def _no_value(res, source, node):
+    where = source[0] if isinstance(source, tuple) and len(source) == 2 else source
+    source = where if isinstance(where, str) and where == node.name else f"{where} ({node.name})"
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor) and not val.is_floating_point():
+        return InputError(res._why_missing(source, node))
+    return NotFoundError("no path: " + res._why_missing(source, node))
 
 
 def _broken(node):
