@@ -414,11 +414,9 @@ def blocks(res, roles=None) -> list[Block]:
     attn = []
     for path, kind in types.items():
         kids = [p for p in types if p.rsplit(".", 1)[0] == path and p != path]
-        kid_roles = {
-            r.of_module(k)
-            for k in kids
-            if k.rsplit(".", 1)[-1].lower() in _NAMES["query"] | _NAMES["key"] | _NAMES["value"]
-        }
+        builtin = {_builtin_role(k) for k in kids}
+        chosen = {r.of_module(k) for k in kids}  # with the user's roles, if any
+        kid_roles = builtin if {"query", "key", "value"} <= builtin else chosen
         fused = kind == "MultiheadAttention" or any(
             k.rsplit(".", 1)[-1].lower() in _FUSED for k in kids
         )
@@ -443,6 +441,11 @@ def blocks(res, roles=None) -> list[Block]:
                 points["mlp"] = m
         out.append(Block(layer, a, points))
     return out
+
+
+def _builtin_role(path: str) -> str | None:
+    last = path.rsplit(".", 1)[-1].lower()
+    return next((role for role, names in _NAMES.items() if last in names), None)
 
 
 def _layer_of(path: str) -> str:
