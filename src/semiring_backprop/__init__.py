@@ -8,7 +8,7 @@
 """
 
 from .analysis import Path, Step
-from .api import backprop
+from .api import Backprop, backprop
 from .errors import (
     InputError,
     NonFiniteError,
@@ -33,6 +33,7 @@ from .semirings import (
 from .tracing import Graph, trace
 
 __all__ = [
+    "Backprop",
     "Entropy",
     "Graph",
     "InputError",

@@ -40,21 +40,100 @@ def backprop(
     >>> res = backprop(mlp, (x,), output=lambda y: y[0, 1], semirings=[Real(), Entropy()])
     >>> res.at(0, Real())  # == torch.autograd.grad(mlp(x)[0, 1], x)
     """
-    semirings = list(semirings)
-    if not semirings or not all(isinstance(s, Semiring) for s in semirings):
-        raise InputError(
-            f"semirings must be a non-empty list of Semiring instances, got {semirings!r}"
-        )
-    if len(set(semirings)) != len(semirings):
-        raise InputError(f"semirings contains duplicates: {semirings}")
-    args = tuple(args) if isinstance(args, tuple | list) else (args,)
-    kwargs = dict(kwargs or {})
-    graph = trace(model, args, kwargs, output, keep=keep, allow_training=allow_training)
-    _check_output(graph, per_example)
-    with torch.no_grad():
-        values = forward.run(graph, args, kwargs)
-        store = engine.reverse(graph, values, semirings, graph.output_node)
-    return Result(graph, values, store, semirings)
+    return Backprop(
+        model, output, semirings, keep=keep, allow_training=allow_training, per_example=per_example
+    )(args, kwargs)
+
+
+class Backprop:
+    """A reusable explainer: traces once per input signature, then only runs the pass.
+
+    ``output`` is traced into the graph, so it must be a fixed function of the model's
+    output (its indices become constants): make one ``Backprop`` per output function.
+    The model's parameters are checked on every call (same tensors, not modified in
+    place); if they changed, the model is traced again.
+
+    >>> bp = Backprop(model, output=lambda out: out.logits[0, -1, 5], semirings=[Real()])
+    >>> for ids in batches:
+    ...     res = bp(kwargs={"input_ids": ids})
+    """
+
+    def __init__(
+        self,
+        model,
+        output: Callable | None = None,
+        semirings: Sequence[Semiring] = (Real(),),
+        *,
+        keep: tuple[str, ...] = (),
+        allow_training: bool = False,
+        per_example: bool = False,
+    ):
+        semirings = list(semirings)
+        if not semirings or not all(isinstance(s, Semiring) for s in semirings):
+            raise InputError(
+                f"semirings must be a non-empty list of Semiring instances, got {semirings!r}"
+            )
+        if len(set(semirings)) != len(semirings):
+            raise InputError(f"semirings contains duplicates: {semirings}")
+        self.model, self.output, self.semirings = model, output, semirings
+        self.keep, self.allow_training, self.per_example = tuple(keep), allow_training, per_example
+        self._graphs: dict = {}
+
+    def graph(self, args=(), kwargs: dict | None = None):
+        """The traced graph for inputs like these (traced on first use)."""
+        args = tuple(args) if isinstance(args, tuple | list) else (args,)
+        kwargs = dict(kwargs or {})
+        key = _signature(args, kwargs)
+        stamp = _stamp(self.model)
+        hit = self._graphs.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        graph = trace(
+            self.model, args, kwargs, self.output, keep=self.keep,
+            allow_training=self.allow_training,
+        )  # fmt: skip
+        _check_output(graph, self.per_example)
+        self._graphs[key] = (stamp, graph)
+        return graph
+
+    def __call__(self, args=(), kwargs: dict | None = None) -> Result:
+        args = tuple(args) if isinstance(args, tuple | list) else (args,)
+        kwargs = dict(kwargs or {})
+        graph = self.graph(args, kwargs)
+        with torch.no_grad():
+            values = forward.run(graph, args, kwargs)
+            store = engine.reverse(graph, values, self.semirings, graph.output_node)
+        return Result(graph, values, store, self.semirings)
+
+
+def _signature(args, kwargs):
+    """What a traced graph is specialized to: structure, tensor shapes/dtypes/devices,
+    and the values of non-tensor arguments."""
+    from torch.utils import _pytree as pytree
+
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    sig = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sig.append(("T", tuple(leaf.shape), leaf.dtype, leaf.device))
+        else:
+            try:
+                hash(leaf)
+                sig.append(("V", type(leaf).__name__, leaf))
+            except TypeError:
+                sig.append(("I", id(leaf)))
+    return (str(spec), tuple(sig))
+
+
+def _stamp(model):
+    """Identity and in-place version of every parameter and buffer, and the mode."""
+    if not isinstance(model, torch.nn.Module):
+        return (id(model),)
+    tensors = [*model.parameters(), *model.buffers()]
+    return (
+        tuple((id(t), t.data_ptr(), t._version) for t in tensors),
+        tuple(m.training for m in model.modules()),
+    )
 
 
 def _check_output(graph, per_example: bool):

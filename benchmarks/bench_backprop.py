@@ -1,0 +1,258 @@
+"""Semiring backprop against torch.autograd, measured in one run on the same inputs.
+
+For every case, the reference is torch's forward + backward for the gradient with
+respect to the input embeddings (parameters frozen). Our times are for one call of
+``sbp.backprop`` on a model already traced for that input shape ("pass": forward values
++ reverse pass), and separately the one-off trace. Peak memory is the high-water mark of
+the process (CPU: VmHWM, reset before each measurement; CUDA: the allocator's peak)
+above what was in use before, relative to autograd's.
+
+    python benchmarks/bench_backprop.py                      # every case, CPU
+    python benchmarks/bench_backprop.py --cases bert20 mlp   # some of them
+    python benchmarks/bench_backprop.py --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import semiring_backprop as sbp
+
+SETS = {
+    "Real": [sbp.Real()],
+    "MaxProduct(tensor)": [sbp.MaxProduct("tensor")],
+    "Real+MaxProduct+Entropy": [sbp.Real(), sbp.MaxProduct(), sbp.Entropy()],
+}
+
+
+# -- memory -------------------------------------------------------------------------------
+
+
+class Peak:
+    """Peak memory above the level at entry (bytes)."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self.base = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        else:
+            self.peak = _status("VmHWM") - self.base
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+# -- cases --------------------------------------------------------------------------------
+
+
+def _bert(tokens, dtype, device):
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=30522,
+        hidden_size=512,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        intermediate_size=2048,
+    )
+    model = BertForMaskedLM(cfg)
+    pos = tokens // 2
+
+    def output(out):
+        lp = out.logits[0, pos].log_softmax(-1)
+        return lp[2024] - lp[2003]  # log p(are) - log p(is) in the uncased vocabulary
+
+    return model, output
+
+
+def _gpt2(tokens, dtype, device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config())  # GPT-2 small: 12 layers, 768 hidden, 12 heads
+
+    def output(out):
+        lp = out.logits[0, -1].log_softmax(-1)
+        return lp[389] - lp[318]  # " are" - " is"
+
+    return model, output
+
+
+def _llama1b(tokens, dtype, device):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(  # the Llama 3.2 1B shape
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+
+    def output(out):
+        lp = out.logits[0, -1].log_softmax(-1)
+        return lp[527] - lp[374]
+
+    return model, output
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, width=1024, depth=4):
+        super().__init__()
+        layers = []
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(width, 10))
+
+    def forward(self, inputs_embeds):
+        return self.net(inputs_embeds)
+
+
+def _mlp(tokens, dtype, device):
+    return _MLP(), (lambda y: y[0, 3])
+
+
+CASES = {
+    "bert20": ("BERT 6L-512H-8A", _bert, 20),
+    "bert128": ("BERT 6L-512H-8A", _bert, 128),
+    "gpt2": ("GPT-2 small", _gpt2, 64),
+    "mlp": ("MLP 4x1024", _mlp, 1),
+    "llama1b": ("Llama 1B shape", _llama1b, 64),
+}
+
+
+def _inputs(model, tokens, dtype, device):
+    torch.manual_seed(0)
+    if isinstance(model, _MLP):
+        return torch.randn(4, 1024, dtype=dtype, device=device)
+    ids = torch.randint(1000, 20000, (1, tokens), device=device)
+    return model.get_input_embeddings()(ids).detach()
+
+
+def _time(fn, reps, device):
+    times = []
+    for _ in range(reps):
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_case(name, reps, dtype, device, sets):
+    title, build, tokens = CASES[name]
+    torch.manual_seed(0)
+    model, output = build(tokens, dtype, device)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    emb = _inputs(model, tokens, dtype, device)
+
+    def autograd():
+        x = emb.clone().requires_grad_()
+        (g,) = torch.autograd.grad(output(model(inputs_embeds=x)), x)
+        return g
+
+    autograd()  # warm up
+    with Peak(device) as mem:
+        t_ref = _time(autograd, reps, device)
+    rows = [(title, tokens, "torch autograd", t_ref, 1.0, mem.peak, 1.0, None)]
+    for label in sets:
+        semirings = SETS[label]
+        bp = sbp.Backprop(model, output, semirings)
+        call = lambda bp=bp: bp(kwargs={"inputs_embeds": emb})  # noqa: E731
+        t0 = time.perf_counter()
+        res = call()  # traces (once per model and input shape), then runs
+        first = time.perf_counter() - t0
+        del res
+        with Peak(device) as mem:
+            t = _time(lambda c=call: c(), reps, device)
+        rows.append((title, tokens, label, t, t / t_ref, mem.peak, mem.peak / mem_ref(rows), first))
+    return rows
+
+
+def mem_ref(rows):
+    return max(rows[0][5], 1)
+
+
+def bench_sentences(n, device, dtype):
+    """Sentences per second over ``n`` sentences of lengths 10-60 (BERT shape)."""
+    model, _ = _bert(20, dtype, device)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(10, 61, (n,), generator=gen).tolist()
+    from tqdm import tqdm
+
+    bp = {}
+    t = time.perf_counter()
+    for length in tqdm(lengths, desc="sentences", leave=False):
+        ids = torch.randint(1000, 20000, (1, length), generator=gen).to(device)
+        if length not in bp:  # the explained position moves with the length
+            pos = length // 2
+
+            def output(out, pos=pos):
+                lp = out.logits[0, pos].log_softmax(-1)
+                return lp[2024] - lp[2003]
+
+            bp[length] = sbp.Backprop(model, output, [sbp.Real()])
+        bp[length](kwargs={"input_ids": ids})
+    return n / (time.perf_counter() - t), len(set(lengths))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=["mlp", "bert20", "bert128", "gpt2"])
+    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--sentences", type=int, default=0, help="also time N sentences (10-60)")
+    args = p.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    torch.set_grad_enabled(True)
+    print(f"device: {args.device}, dtype: {args.dtype}, torch {torch.__version__}, "
+          f"threads: {torch.get_num_threads()}")  # fmt: skip
+    print("| model | tokens | computed | time (s) | × autograd | peak mem (MB) | × autograd "
+          "| first call incl. trace (s) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.cases:
+        for title, tokens, label, t, ratio, peak, mratio, first in bench_case(
+            name, args.reps, dtype, args.device, args.sets
+        ):
+            f = "" if first is None else f"{first:.2f}"
+            print(f"| {title} | {tokens} | {label} | {t:.3f} | {ratio:.2f} | "
+                  f"{peak / 2**20:.0f} | {mratio:.2f} | {f} |", flush=True)  # fmt: skip
+    if args.sentences:
+        rate, traces = bench_sentences(args.sentences, args.device, dtype)
+        print(f"\n{args.sentences} sentences of 10-60 tokens, Real: {rate:.2f} sentences/s "
+              f"({traces} distinct lengths)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
