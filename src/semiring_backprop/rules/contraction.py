@@ -20,8 +20,31 @@ def _mT(value):
     return fmap(lambda f: f.transpose(-2, -1), value)
 
 
+def _live_matmul(sr, g, w):
+    """``sr.matmul(g, w)`` computing only the rows of ``g`` that carry a path.
+
+    Rows equal to the semiring's zero (positions the output never reads, such as every
+    position but one in a language model's head) give zero rows; skipping them changes
+    no value and saves most of the work there.
+    """
+    x = g[0]
+    if x.dim() != 2 or w.dim() != 2:
+        return sr.matmul(g, w)
+    zero = sr.zero((), x)[0]
+    live = (x != zero).any(-1)
+    n_live = int(live.sum())
+    if n_live == x.shape[0]:
+        return sr.matmul(g, w)
+    rows = live.nonzero().flatten()
+    out = sr.zero((x.shape[0], w.shape[-1]), x)
+    if n_live == 0:
+        return out
+    part = sr.matmul(tuple(f.index_select(0, rows) for f in g), w)
+    return tuple(o.index_copy(0, rows, p) for o, p in zip(out, part))
+
+
 def _matmul_grads(sr, g, op, a, b, i_a, i_b, scale=1):
-    da = sr.matmul(g, b.transpose(-2, -1) * scale) if op.needs(i_a) else None
+    da = _live_matmul(sr, g, b.transpose(-2, -1) * scale) if op.needs(i_a) else None
     db = _mT(sr.matmul(_mT(g), a * scale)) if op.needs(i_b) else None
     return da, db
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import chunk_rows  # noqa: F401  (re-exported for the semirings)
+
 Value = tuple[torch.Tensor, ...]
 
 INF = math.inf
@@ -64,11 +66,6 @@ def reduced_shape(shape, dims, keepdim):
 
 def log_abs(w: torch.Tensor) -> torch.Tensor:
     return torch.log(torch.abs(w))
-
-
-def chunk_rows(n: int, per_row: int, budget: int = 2**24) -> int:
-    """How many rows of a contraction to expand at once under an element budget."""
-    return max(1, min(n, budget // max(per_row, 1)))
 
 
 def node_index(shape, like: torch.Tensor) -> torch.Tensor:

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from .base import (
     INF,
     Semiring,
     _dims,
-    chunk_rows,
     full_int,
     log_abs,
     move_to_end,
@@ -80,15 +80,8 @@ class MaxAbs(Semiring):
 
     def matmul(self, a, w):
         a, w = _batch_broadcast(a, w)
-        lw = log_abs(w)[..., None, :, :]
-        n, m, p = a[0].shape[-2], a[0].shape[-1], w.shape[-1]
-        step = chunk_rows(n, m * p * max(1, w[..., 0, 0].numel()))
-        outs = []
-        for r in range(0, n, step):
-            rows = tuple(f[..., r : r + step, :] for f in a)
-            best, j = (rows[0][..., :, :, None] + lw).max(-2)
-            outs.append((best, *(ptr.gather(-1, j) for ptr in rows[1:])))
-        return tuple(torch.cat(fs, -2) for fs in zip(*outs))
+        best, j = kernels.maxplus(a[0], log_abs(w))
+        return (best, *(ptr.gather(-1, j) for ptr in a[1:]))
 
     def finalize(self, a) -> MaxAbsReadout:
         return MaxAbsReadout(value=torch.exp(a[0]), log=a[0])

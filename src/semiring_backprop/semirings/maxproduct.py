@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..errors import InputError
 from .base import (
     INF,
     Semiring,
     Value,
     _dims,
-    chunk_rows,
     full_int,
     move_to_end,
     node_index,
@@ -186,27 +186,10 @@ class MaxProduct(Semiring):
         a, w = _batch_broadcast(a, w)
         if not self.neuron:
             return self._matmul_tensor(a, w)
-        n, m, p = a[0].shape[-2], a[0].shape[-1], w.shape[-1]
-        step = chunk_rows(n, m * p * max(1, w[..., 0, 0].numel()))
-        outs = [
-            self._matmul_rows(tuple(f[..., r : r + step, :] for f in a), w)
-            for r in range(0, n, step)
-        ]
-        return tuple(torch.cat(fs, -2) for fs in zip(*outs))
-
-    def _matmul_rows(self, a: Value, w: torch.Tensor) -> Value:
         hi, lo, ph, pl = self._split(a)
-        w3 = w[..., None, :, :]  # (..., 1, m, p)
-        pos = w3 >= 0
-        h3, l3 = hi[..., :, :, None], lo[..., :, :, None]  # (..., r, m, 1)
-        out_hi, jh = _nan_to(torch.where(pos, h3 * w3, l3 * w3), -INF).max(-2)
-        out_lo, jl = _nan_to(torch.where(pos, l3 * w3, h3 * w3), INF).min(-2)
-        pos_h = torch.gather(pos.expand(*jh.shape[:-1], *w.shape[-2:]), -2, jh[..., None, :])[
-            ..., 0, :
-        ]
-        pos_l = torch.gather(pos.expand(*jl.shape[:-1], *w.shape[-2:]), -2, jl[..., None, :])[
-            ..., 0, :
-        ]
+        out_hi, jh, out_lo, jl = kernels.maxtimes(hi, lo, w)
+        pos = w >= 0
+        pos_h, pos_l = torch.gather(pos, -2, jh), torch.gather(pos, -2, jl)
 
         def pick(ptrs_if_pos, ptrs_if_neg, j, sel):
             return tuple(
