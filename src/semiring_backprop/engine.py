@@ -90,10 +90,7 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None) -> dict:
             if within is not None and inp not in within:
                 continue
             slot = acc.setdefault(inp, [None] * len(semirings))
-            prev = slot[s]
-            if prev is None:
-                prev = semirings[s].zero(c[0].shape, c[0])
-            slot[s] = semirings[s].plus(prev, c)
+            slot[s] = semirings[s].accumulate(slot[s], c)
     return store
 
 

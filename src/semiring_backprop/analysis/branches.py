@@ -248,7 +248,7 @@ def contribution(res, v, entry: Entry, down=None) -> list:
         if inp in region:
             slot = acc.setdefault(inp, [None] * len(res.semirings))
             sr = res.semirings[s]
-            slot[s] = c if slot[s] is None else sr.plus(slot[s], c)
+            slot[s] = sr.accumulate(slot[s], c)
     for inp, slot in acc.items():
         for s, sr in enumerate(res.semirings):
             if slot[s] is None:

@@ -44,8 +44,10 @@ def _live_matmul(sr, g, w):
 
 
 def _matmul_grads(sr, g, op, a, b, i_a, i_b, scale=1):
-    da = _live_matmul(sr, g, b.transpose(-2, -1) * scale) if op.needs(i_a) else None
-    db = _mT(sr.matmul(_mT(g), a * scale)) if op.needs(i_b) else None
+    if scale != 1:
+        a, b = a * scale, b * scale
+    da = _live_matmul(sr, g, b.transpose(-2, -1)) if op.needs(i_a) else None
+    db = _mT(sr.matmul(_mT(g), a)) if op.needs(i_b) else None
     return da, db
 
 

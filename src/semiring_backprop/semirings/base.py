@@ -102,6 +102,12 @@ class Semiring:
     def times(self, a: Value, w: torch.Tensor) -> Value:
         raise NotImplementedError
 
+    def accumulate(self, prev: Value | None, c: Value) -> Value:
+        """``prev ⊕ c``, where ``prev`` None is the zero (the engine's running sums)."""
+        if prev is None:
+            prev = self.zero(c[0].shape, c[0])
+        return self.plus(prev, c)
+
     def mul(self, a: Value, b: Value) -> Value:
         raise NotImplementedError
 

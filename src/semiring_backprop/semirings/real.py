@@ -27,6 +27,9 @@ class Real(Semiring):
     def plus(self, a: Value, b: Value) -> Value:
         return (a[0] + b[0],)
 
+    def accumulate(self, prev, c):
+        return c if prev is None else (prev[0] + c[0],)
+
     def times(self, a: Value, w: torch.Tensor) -> Value:
         return (a[0] * w,)
 
