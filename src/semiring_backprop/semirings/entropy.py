@@ -38,6 +38,11 @@ class Entropy(Semiring):
         lz = torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
         return (lz, torch.zeros_like(lz))
 
+    def accumulate(self, prev, c):
+        if prev is None:  # zero ⊕ c: c, with no expectation where no path
+            return (c[0], torch.where(c[0] == -INF, 0.0, c[1]).to(c[1].dtype))
+        return self.plus(prev, c)
+
     def plus(self, a: Value, b: Value) -> Value:
         lz = torch.logaddexp(a[0], b[0])
         return (lz, _weights(a[0], lz) * a[1] + _weights(b[0], lz) * b[1])

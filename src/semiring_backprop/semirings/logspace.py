@@ -58,6 +58,9 @@ class MaxAbs(Semiring):
     def tag(self, a, node_id):
         return (a[0], full_int(a[0].shape, node_id, a[0]), node_index(a[0].shape, a[0]))
 
+    def accumulate(self, prev, c):
+        return c if prev is None else self.plus(prev, c)
+
     def plus(self, a, b):
         t = a[0] >= b[0]
         return tuple(torch.where(t, x, y) for x, y in zip(a, b))

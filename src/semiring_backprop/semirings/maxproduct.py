@@ -114,6 +114,9 @@ class MaxProduct(Semiring):
             *(torch.where(swap, x, y) for x, y in zip(ph, pl)),
         )
 
+    def accumulate(self, prev, c):
+        return self._normalize(c) if prev is None else self.plus(prev, c)
+
     def plus(self, a: Value, b: Value) -> Value:
         a, b = self._normalize(a), self._normalize(b)
         ahi, alo, aph, apl = self._split(a)
