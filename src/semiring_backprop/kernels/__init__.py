@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 
@@ -21,7 +22,7 @@ INF = float("inf")
 
 #: below this many (row, inner, column) triples a kernel runs eagerly (compiling would
 #: cost more than it saves)
-MIN_WORK = 2**21
+MIN_WORK = 2**18
 
 _state = {"compile": os.environ.get("SEMIRING_BACKPROP_COMPILE", "1") != "0", "failed": set()}
 
@@ -71,8 +72,10 @@ def _run(name, a, b):
     work = a[0].shape[0] * n * m * p
     key = (name, a[0].dtype, a[0].device.type)
     if _state["compile"] and work >= MIN_WORK and key not in _state["failed"]:
-        try:
-            return _compiled(name)(*a, b)
+        try:  # contiguous inputs: one compiled graph for every shape (no stride guards)
+            with warnings.catch_warnings():  # torch's own deprecations, raised while compiling
+                warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
+                return _compiled(name)(*(f.contiguous() for f in a), b.contiguous())
         except Exception as e:  # no compiler, unsupported device: same formulas, eagerly
             _state["failed"].add(key)
             log.warning("compiled %s kernel unavailable (%s); using the eager one", name, e)
