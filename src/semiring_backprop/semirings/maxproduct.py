@@ -95,7 +95,8 @@ class MaxProduct(Semiring):
 
     @staticmethod
     def _is_zero(a: Value) -> torch.Tensor:
-        return (a[0] == -INF) & (a[1] == INF)
+        # hi is -inf only for the zero: any path has a finite product
+        return a[0] == -INF
 
     def _split(self, a: Value):
         n = (len(a) - 2) // 2
@@ -107,6 +108,8 @@ class MaxProduct(Semiring):
             return a
         hi, lo, ph, pl = self._split(a)
         swap = (hi < lo) & ~self._is_zero(a)
+        if not bool(swap.any()):
+            return a
         return (
             torch.where(swap, lo, hi),
             torch.where(swap, hi, lo),
