@@ -67,6 +67,13 @@ class Graph:
         return path or None
 
 
+def mark_module(node: torch.fx.Node) -> str | None:
+    """The module path a ``mark`` node stands for (its input or output), else None."""
+    if node.op == "call_function" and node.target is mark_op:
+        return node.args[1].split("@")[0].removesuffix(":input")
+    return None
+
+
 class _Explained(torch.nn.Module):
     def __init__(self, model, output: Callable):
         super().__init__()

@@ -22,8 +22,7 @@ import torch
 
 from .. import engine
 from ..errors import InputError, NotFoundError
-from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
-from ..tracing import mark_op
+from ..tracing import mark_module, mark_op
 
 aten = torch.ops.aten
 
@@ -72,9 +71,7 @@ class _Roles:
         self.store = res._store
 
     def module(self, node) -> str:
-        if node.target is mark_op:
-            return node.args[1].split("@")[0].removesuffix(":input")
-        return self.res.graph.module_of(node) or ""
+        return mark_module(node) or self.res.graph.module_of(node) or ""
 
     def of_module(self, path: str) -> str | None:
         if self.user is not None:
@@ -238,7 +235,7 @@ def _ancestors(t, stop):
 def contribution(res, v, entry: Entry, down=None) -> list:
     """⊕ over the paths from ``v`` that leave through ``entry``: one value per semiring."""
     graph, values, needed = res.graph, res.values, res.needed
-    u_id = graph.nodes.index(entry.op) if not hasattr(res, "_ids") else res._ids[entry.op]
+    u_id = graph.nodes.index(entry.op)
     down = down if down is not None else _descendants(v)
     region = _ancestors(entry.via, down)
     acc: dict = {}
@@ -263,38 +260,14 @@ def contribution(res, v, entry: Entry, down=None) -> list:
 # -- readouts and tables --------------------------------------------------------------
 
 
-def scalar(sr, value) -> torch.Tensor:
-    """The number a table shows for a semiring value (per element)."""
-    ro = sr.finalize(value)
-    if isinstance(sr, Real):
-        return ro
-    if isinstance(sr, MaxProduct):
-        return ro.hi
-    if isinstance(sr, MaxAbs):
-        return ro.value
-    if isinstance(sr, PathCount):
-        return ro.log_count
-    if isinstance(sr, LogAbs):
-        return ro.log
-    if isinstance(sr, Entropy):
-        return ro.entropy
-    if isinstance(sr, TopK):
-        return ro.values[..., 0]
-    raise InputError(f"no table readout for {sr}")
-
-
-def _score(sr, value) -> torch.Tensor:
+def _rank(sr, value) -> torch.Tensor:
     """What bucket_sum ranks branches by (the quantity ⊕ selects on)."""
-    if isinstance(sr, MaxProduct):
-        return sr.finalize(value).hi
-    if isinstance(sr, MaxAbs):
-        return value[0]
-    if isinstance(sr, TopK):
-        return sr.finalize(value).log_abs[..., 0]
-    raise InputError(
-        f"aggregate='bucket_sum' assigns each hidden unit to the branch that wins its ⊕; "
-        f"that needs a selective semiring (MaxProduct, MaxAbs, TopK), not {sr}"
-    )
+    if not sr.selective:
+        raise InputError(
+            f"aggregate='bucket_sum' assigns each hidden unit to the branch that wins its ⊕; "
+            f"that needs a selective semiring (MaxProduct, MaxAbs, TopK), not {sr}"
+        )
+    return sr.rank(value)
 
 
 def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_dim=-1,
@@ -347,17 +320,17 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim):
     zero = sr.zero((1,), values[0][0])[0].reshape(())
     if aggregate == "oplus":
         agg = [sr.sum(val, (hidden_dim,)) for val in values]
-        stacked = torch.stack([scalar(sr, a) for a in agg])  # (branches, *tokens)
+        stacked = torch.stack([sr.scalar(a) for a in agg])  # (branches, *tokens)
         win = stacked.argmax(0)
         live = torch.stack([a[0] != zero for a in agg])  # a path leaves through it
         live = live.reshape(*stacked.shape, -1).any(-1).any(0)
     else:
-        score = torch.stack([_score(sr, val) for val in values])  # (branches, *shape)
+        score = torch.stack([_rank(sr, val) for val in values])  # (branches, *shape)
         best = score.argmax(0)
         total = values[0]
         for val in values[1:]:
             total = sr.plus(total, val)
-        unit = scalar(sr, total)
+        unit = sr.scalar(total)
         hd = hidden_dim % unit.dim()
         stacked = torch.stack([torch.where(best == b, unit, 0).sum(hd) for b in range(len(values))])
         win = stacked.argmax(0)

@@ -19,6 +19,7 @@ import torch
 from .. import engine
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxAbs, MaxProduct, Real, TopK
+from ..tracing import mark_module
 
 _REAL = Real()
 _MARK_NAME = "semiring_backprop.mark.default"
@@ -176,14 +177,7 @@ def _node_label(res, node) -> tuple[str | None, str]:
 
 def _step(res, node, index, w, running, slot=None) -> Step:
     module, op = _node_label(res, node)
-    if (
-        node.target is not None
-        and node.op == "call_function"
-        and node.args
-        and isinstance(node.args[-1], str)
-        and op == "semiring_backprop.mark.default"
-    ):
-        module = node.args[-1].removesuffix(":input")
+    module = mark_module(node) or module  # a mark belongs to the module it marks
     return Step(
         node=node.name,
         module=module,

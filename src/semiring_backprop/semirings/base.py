@@ -123,6 +123,14 @@ class Semiring:
     def tag(self, a: Value, node_id: int) -> Value:
         return a
 
+    def scalar(self, a: Value) -> torch.Tensor:
+        """The one number per element that tables show (the readout's headline)."""
+        raise NotImplementedError
+
+    def rank(self, a: Value) -> torch.Tensor:
+        """What ⊕ selects on, per element (selective semirings only)."""
+        raise TypeError(f"{self.name} does not select: ⊕ combines, so nothing wins")
+
     @property
     def name(self) -> str:
         return type(self).__name__

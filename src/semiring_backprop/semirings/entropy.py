@@ -86,6 +86,9 @@ class Entropy(Semiring):
             torch.where(live, num / safe_z, torch.zeros_like(z)),
         )
 
+    def scalar(self, a: Value) -> torch.Tensor:
+        return self.finalize(a).entropy
+
     def finalize(self, a: Value) -> EntropyReadout:
         live = a[0] > -INF
         return EntropyReadout(

@@ -86,6 +86,12 @@ class MaxAbs(Semiring):
         best, j = kernels.maxplus(a[0], log_abs(w))
         return (best, *(ptr.gather(-1, j) for ptr in a[1:]))
 
+    def scalar(self, a) -> torch.Tensor:
+        return torch.exp(a[0])
+
+    def rank(self, a) -> torch.Tensor:
+        return a[0]
+
     def finalize(self, a) -> MaxAbsReadout:
         return MaxAbsReadout(value=torch.exp(a[0]), log=a[0])
 
@@ -125,6 +131,9 @@ class LogAbs(Semiring):
 
     def matmul(self, a, w):
         return (shifted_logmatmul(a[0], torch.abs(w)),)
+
+    def scalar(self, a) -> torch.Tensor:
+        return a[0]  # log Σ |w(π)| (log #paths for PathCount)
 
     def finalize(self, a) -> LogAbsReadout:
         return LogAbsReadout(log=a[0])

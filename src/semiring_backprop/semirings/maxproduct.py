@@ -218,6 +218,12 @@ class MaxProduct(Semiring):
             *(p.amax(-1, keepdim=True).expand(shape) for p in (*ph, *pl)),
         )
 
+    def scalar(self, a: Value) -> torch.Tensor:
+        return self.finalize(a).hi
+
+    def rank(self, a: Value) -> torch.Tensor:
+        return self.finalize(a).hi
+
     def finalize(self, a: Value) -> MaxProductReadout:
         a = self._normalize(a)
         return MaxProductReadout(hi=a[0], lo=a[1])

@@ -45,3 +45,6 @@ class Real(Semiring):
 
     def finalize(self, a: Value) -> torch.Tensor:
         return a[0]
+
+    def scalar(self, a: Value) -> torch.Tensor:
+        return a[0]

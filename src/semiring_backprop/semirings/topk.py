@@ -145,6 +145,12 @@ class TopK(Semiring):
             outs.append([best, sign, *(take(g) for g in ptrs)])
         return self._unpack([torch.cat(gs, -3) for gs in zip(*outs)])
 
+    def scalar(self, a) -> torch.Tensor:
+        return self.finalize(a).values[..., 0]
+
+    def rank(self, a) -> torch.Tensor:
+        return self._pack(a)[0][..., 0]
+
     def finalize(self, a) -> TopKReadout:
         v, s, *_ = self._pack(a)
         return TopKReadout(
