@@ -23,6 +23,8 @@ import torch
 import semiring_backprop as sbp
 
 SETS = {
+    "MaxProduct": [sbp.MaxProduct()],
+    "Entropy": [sbp.Entropy()],
     "Real": [sbp.Real()],
     "MaxProduct(tensor)": [sbp.MaxProduct("tensor")],
     "Real+MaxProduct+Entropy": [sbp.Real(), sbp.MaxProduct(), sbp.Entropy()],

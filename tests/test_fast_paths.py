@@ -55,24 +55,33 @@ def compiled(monkeypatch):
 def test_compiled_maxtimes_equals_eager(compiled, batch):
     hi, lo = _fields(5, 7, batch)
     w = _weights(7, 4, batch)
-    fast = kernels.maxtimes(hi, lo, w)
+    fast = kernels.maxtimes(hi, lo, w.transpose(-2, -1))
     kernels.set_compile(False)
-    slow = kernels.maxtimes(hi, lo, w)
+    slow = kernels.maxtimes(hi, lo, w.transpose(-2, -1))
     for a, b in zip(fast, slow, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     # and the eager formulas are the definition: max over j of the sign-aware products
     h = torch.where(w[..., None, :, :] >= 0, hi[..., :, :, None], lo[..., :, :, None])
     prod = h * w[..., None, :, :]
-    want = torch.where(torch.isnan(prod), -INF, prod).amax(-2)  # 0 · inf: no path
-    torch.testing.assert_close(slow[0], want)
+    prod = torch.where(torch.isnan(prod), -INF, prod)  # 0 · inf: no path
+    torch.testing.assert_close(slow[0], prod.amax(-2))
+    # the arg-max is the first index where the maximum is attained
+    hit = prod == prod.amax(-2, keepdim=True)
+    first = hit.to(torch.int64).argmax(-2)
+    assert torch.equal(slow[1], first)
+    lo_h = torch.where(w[..., None, :, :] >= 0, lo[..., :, :, None], hi[..., :, :, None])
+    lprod = lo_h * w[..., None, :, :]
+    lprod = torch.where(torch.isnan(lprod), INF, lprod)
+    torch.testing.assert_close(slow[2], lprod.amin(-2))
+    assert torch.equal(slow[3], (lprod == lprod.amin(-2, keepdim=True)).to(torch.int64).argmax(-2))
 
 
 def test_compiled_maxplus_equals_eager(compiled):
     m, _ = _fields(6, 5)
     lw = torch.log(_weights(5, 3).abs())
-    fast = kernels.maxplus(m, lw)
+    fast = kernels.maxplus(m, lw.mT)
     kernels.set_compile(False)
-    slow = kernels.maxplus(m, lw)
+    slow = kernels.maxplus(m, lw.mT)
     for a, b in zip(fast, slow, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

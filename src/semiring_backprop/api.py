@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import engine, forward
+from . import engine, forward, rules
 from .errors import InputError
 from .result import Result
 from .semirings import Real, Semiring
@@ -41,8 +41,9 @@ def backprop(
     >>> res.at(0, Real())  # == torch.autograd.grad(mlp(x)[0, 1], x)
     """
     return Backprop(
-        model, output, semirings, keep=keep, allow_training=allow_training, per_example=per_example
-    )(args, kwargs)
+        model, output, semirings, keep=keep, allow_training=allow_training,
+        per_example=per_example, weight_cache=0,
+    )(args, kwargs)  # fmt: skip
 
 
 class Backprop:
@@ -52,6 +53,11 @@ class Backprop:
     output (its indices become constants): make one ``Backprop`` per output function.
     The model's parameters are checked on every call (same tensors, not modified in
     place); if they changed, the model is traced again.
+
+    ``weight_cache`` (bytes, default 1 GiB; 0 turns it off): what contractions derive
+    from a weight alone (``log |w|`` for ``Entropy`` and ``MaxAbs``, a transposed copy for
+    ``MaxProduct``) is kept across calls, up to this size. It trades memory for time;
+    the values are the same either way.
 
     >>> bp = Backprop(model, output=lambda out: out.logits[0, -1, 5], semirings=[Real()])
     >>> for ids in batches:
@@ -67,6 +73,7 @@ class Backprop:
         keep: tuple[str, ...] = (),
         allow_training: bool = False,
         per_example: bool = False,
+        weight_cache: int = 2**30,
     ):
         semirings = list(semirings)
         if not semirings or not all(isinstance(s, Semiring) for s in semirings):
@@ -78,6 +85,8 @@ class Backprop:
         self.model, self.output, self.semirings = model, output, semirings
         self.keep, self.allow_training, self.per_example = tuple(keep), allow_training, per_example
         self._graphs: dict = {}
+        self.weight_cache = int(weight_cache)
+        self._prepared = None
 
     def graph(self, args=(), kwargs: dict | None = None):
         """The traced graph for inputs like these (traced on first use)."""
@@ -88,11 +97,16 @@ class Backprop:
         hit = self._graphs.get(key)
         if hit is not None and hit[0] == stamp:
             return hit[1]
+        if self._prepared is None or self._prepared_stamp != stamp:  # new weights
+            self._graphs = {k: v for k, v in self._graphs.items() if v[0] == stamp}
+            self._prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
+            self._prepared_stamp = stamp
         graph = trace(
             self.model, args, kwargs, self.output, keep=self.keep,
             allow_training=self.allow_training,
         )  # fmt: skip
         _check_output(graph, self.per_example)
+        graph.prepared = self._prepared
         self._graphs[key] = (stamp, graph)
         return graph
 

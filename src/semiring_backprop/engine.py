@@ -15,6 +15,7 @@ from torch.fx.node import map_arg
 
 from . import rules
 from .errors import InputError, UnsupportedOpError, where
+from .rules.routing import reshape_back
 from .semirings.base import stack
 
 
@@ -86,12 +87,26 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None) -> dict:
             inputs = [n for n in inputs if n in within]
         if node.op != "call_function" or not inputs:
             continue
+        if _reshapes(node):  # views, copies, marks: D(x) is d in x's shape (no rule call)
+            x = node.args[0]
+            shape = values[x].shape
+            slot = acc.setdefault(x, [None] * len(semirings))
+            for s, sr in enumerate(semirings):
+                c = tuple(f.reshape(shape) for f in sr.tag(d[s], node_id))
+                slot[s] = sr.accumulate(slot[s], c)
+            continue
         for inp, s, c in contributions(graph, values, semirings, node_id, d, needed):
             if within is not None and inp not in within:
                 continue
             slot = acc.setdefault(inp, [None] * len(semirings))
             slot[s] = semirings[s].accumulate(slot[s], c)
     return store
+
+
+def _reshapes(node) -> bool:
+    """Ops whose rule only reshapes D back to the input (one tensor argument)."""
+    rule = rules.lookup(node.target)
+    return rule is not None and rule.fn is reshape_back
 
 
 def contributions(graph, values, semirings, node_id: int, d: list, needed, op=None):
@@ -105,7 +120,7 @@ def contributions(graph, values, semirings, node_id: int, d: list, needed, op=No
     if rule is None:
         raise _unsupported(graph, node)
     if op is None:
-        op = make_op(node, values, needed)
+        op = make_op(node, values, needed, graph)
     for s, (sr, g) in enumerate(zip(semirings, d)):
         per_input: dict = {}
         res = rule.fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
@@ -125,18 +140,21 @@ def slot_values(graph, values, sr, node_id: int, g, needed, op=None):
     if rule is None:
         raise _unsupported(graph, node)
     if op is None:
-        op = make_op(node, values, needed)
+        op = make_op(node, values, needed, graph)
     res = rule.fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
     return [(inp, c) for inp, c in _pair(node.args, res) if inp in needed and c is not None]
 
 
-def make_op(node, values, needed) -> rules.Op:
+def make_op(node, values, needed, graph=None) -> rules.Op:
+    prepared = getattr(graph, "prepared", None)
     return rules.Op(
         node,
         map_arg(node.args, values.__getitem__),
         map_arg(node.kwargs, values.__getitem__),
         values[node],
         needed,
+        prepared=prepared,
+        static=graph.static if prepared is not None else frozenset(),
     )
 
 

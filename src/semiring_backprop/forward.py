@@ -30,19 +30,29 @@ def run(graph: Graph, args: tuple, kwargs: dict) -> dict:
             raise InputError(f"input {key!r} was traced but is missing from this call")
         values[node] = given[key]
     values.update(graph.constants)
-    for node in graph.nodes:
-        if node.op != "call_function":
-            continue
+    checked = []  # (node, sum of its value): one reduction per node, one sync at the end
+    for node, check in _plan(graph):
         a = map_arg(node.args, values.__getitem__)
         k = map_arg(node.kwargs, values.__getitem__)
-        if node.target is mark_op:
-            out = a[0]  # identity: no copy
-        else:
-            out = node.target(*a, **k)
+        out = a[0] if node.target is mark_op else node.target(*a, **k)
         values[node] = out
-        if not _moves_only(node):
-            _check_finite(graph, node, out, a)
+        if check and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+            checked.append((node, out.sum()))
+    finite = torch.isfinite(torch.stack([s.float() for _, s in checked])) if checked else None
+    if finite is not None and not bool(finite.all()):
+        for (node, _), ok in zip(checked, finite.tolist()):  # in graph order: the first
+            if not ok:  # a mask may hold -inf, and a sum may overflow: look closer
+                _check_finite(graph, node, values[node], map_arg(node.args, values.__getitem__))
     return values
+
+
+def _plan(graph: Graph) -> list:
+    """``[(node, whether its value is checked for NaN / inf)]`` for the graph's ops."""
+    plan = getattr(graph, "_forward_plan", None)
+    if plan is None:
+        plan = [(n, not _moves_only(n)) for n in graph.nodes if n.op == "call_function"]
+        graph._forward_plan = plan
+    return plan
 
 
 def _moves_only(node) -> bool:
@@ -61,8 +71,7 @@ def _moves_only(node) -> bool:
 def _check_finite(graph, node, out, args):
     if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
         return
-    # one reduction decides the common case; a sum can overflow, so look closer then
-    if out.numel() == 0 or bool(torch.isfinite(out.sum())) or bool(torch.isfinite(out).all()):
+    if out.numel() == 0 or bool(torch.isfinite(out).all()):
         return
     module = graph.module_of(node)
     if bool(torch.isnan(out).any()):

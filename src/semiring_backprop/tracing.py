@@ -8,6 +8,7 @@ finds exactly that module's output in the graph.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import warnings
@@ -41,6 +42,8 @@ class Graph:
     aliases: dict = field(default_factory=dict)
     #: module path -> class name, for every submodule of the traced model
     module_types: dict = field(default_factory=dict)
+    #: prepared contraction weights kept across calls (``rules.Prepared``), if any
+    prepared: object = None
     nodes: list = field(init=False)
 
     def __post_init__(self):
@@ -49,6 +52,21 @@ class Graph:
     @property
     def graph(self) -> torch.fx.Graph:
         return self.program.graph_module.graph
+
+    @functools.cached_property
+    def static(self) -> frozenset:
+        """Nodes whose value is the same on every call: computed from the model's
+        parameters, buffers and constants alone, by ops that draw no random numbers."""
+        out = set(self.constants)
+        for node in self.nodes:
+            if (
+                node.op == "call_function"
+                and node.all_input_nodes
+                and all(a in out for a in node.all_input_nodes)
+                and not _random(node)
+            ):
+                out.add(node)
+        return frozenset(out)
 
     @property
     def output_node(self) -> torch.fx.Node:
@@ -65,6 +83,11 @@ class Graph:
         # the traced wrapper holds the user's model as ``model``
         path = "" if path == "model" else path.removeprefix("model.")
         return path or None
+
+
+def _random(node) -> bool:
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
 
 
 def mark_module(node: torch.fx.Node) -> str | None:

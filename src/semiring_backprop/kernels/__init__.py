@@ -37,23 +37,40 @@ def set_compile(enabled: bool) -> None:
     _state["compile"] = bool(enabled)
 
 
-def _nan_to(t, fill):
-    return torch.where(torch.isnan(t), fill, t)
+def _first(hit):
+    """Index of the first True along the last dim.
+
+    A max over float ranks: unlike ``argmax``, it vectorizes (float32 counts exactly
+    to 2**24, whatever the values' dtype).
+    """
+    m = hit.shape[-1]
+    rank = m - torch.arange(m, dtype=torch.float32, device=hit.device)
+    return (m - (hit.to(torch.float32) * rank).amax(-1)).long()
 
 
-def _maxtimes(hi, lo, w):
-    """(B, n, m) x (B, m, p) -> max / min over m of the sign-aware products + argmax."""
-    w4 = w[:, None, :, :]
-    pos = w4 >= 0
-    h4, l4 = hi[:, :, :, None], lo[:, :, :, None]
-    out_hi, jh = _nan_to(torch.where(pos, h4 * w4, l4 * w4), -INF).max(2)
-    out_lo, jl = _nan_to(torch.where(pos, l4 * w4, h4 * w4), INF).min(2)
-    return out_hi, jh, out_lo, jl
+def _maxtimes(hs, ls, pen, wt):
+    """(B, n, m) fields x (B, p, m) weights (transposed) -> (B, n, p): max / min over m
+    of the sign-aware products, with the first arg-max / arg-min.
+
+    ``hs``, ``ls`` hold 0 where there is no path and ``pen`` holds -inf there (0
+    elsewhere), so that no ``0 * inf`` arises. For a path, ``hi >= lo``, so the
+    sign-aware candidate ``w * (hi if w >= 0 else lo)`` is ``max(w * hi, w * lo)``: no
+    branch in the loop.
+    """
+    w = wt[:, None, :, :]
+    a, b, p = hs[:, :, None, :] * w, ls[:, :, None, :] * w, pen[:, :, None, :]
+    ch = torch.maximum(a, b) + p
+    cl = torch.minimum(a, b) - p
+    hi = ch.amax(-1, keepdim=True)
+    lo = cl.amin(-1, keepdim=True)
+    return hi[..., 0], _first(ch >= hi), lo[..., 0], _first(cl <= lo)
 
 
-def _maxplus(m, lw):
-    """(B, n, m) x (B, m, p) -> max over m of m + lw, and its argmax."""
-    return (m[:, :, :, None] + lw[:, None, :, :]).max(2)
+def _maxplus(m, lwt):
+    """(B, n, m) x (B, p, m) (transposed) -> max over m of m + lw, and its first arg-max."""
+    c = m[:, :, None, :] + lwt[:, None, :, :]
+    best = c.amax(-1, keepdim=True)
+    return best[..., 0], _first(c >= best)
 
 
 _EAGER = {"maxtimes": _maxtimes, "maxplus": _maxplus}
@@ -66,41 +83,50 @@ def _compiled(name):
     return _COMPILED[name]
 
 
-def _run(name, a, b):
-    """Run kernel ``name`` on batched (B, n, m) fields and (B, m, p) weights."""
-    n, m, p = a[0].shape[-2], a[0].shape[-1], b.shape[-1]
+def _run(name, a, wt):
+    """Run kernel ``name`` on batched (B, n, m) fields and (B, p, m) transposed weights."""
+    n, m, p = a[0].shape[-2], a[0].shape[-1], wt.shape[-2]
     work = a[0].shape[0] * n * m * p
     key = (name, a[0].dtype, a[0].device.type)
     if _state["compile"] and work >= MIN_WORK and key not in _state["failed"]:
         try:  # contiguous inputs: one compiled graph for every shape (no stride guards)
             with warnings.catch_warnings():  # torch's own deprecations, raised while compiling
                 warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
-                return _compiled(name)(*(f.contiguous() for f in a), b.contiguous())
+                return _compiled(name)(*(f.contiguous() for f in a), wt.contiguous())
         except Exception as e:  # no compiler, unsupported device: same formulas, eagerly
             _state["failed"].add(key)
             log.warning("compiled %s kernel unavailable (%s); using the eager one", name, e)
-    step = chunk_rows(n, m * p * a[0].shape[0])
-    outs = [_EAGER[name](*(f[:, r : r + step] for f in a), b) for r in range(0, n, step)]
+    step = chunk_rows(n, 4 * m * p * a[0].shape[0])
+    outs = [_EAGER[name](*(f[:, r : r + step] for f in a), wt) for r in range(0, n, step)]
     return tuple(torch.cat(parts, 1) for parts in zip(*outs))
 
 
-def _flat(fields, w):
-    batch = torch.broadcast_shapes(fields[0].shape[:-2], w.shape[:-2])
+def _flat(fields, wt):
+    batch = torch.broadcast_shapes(fields[0].shape[:-2], wt.shape[:-2])
     fields = [f.expand(*batch, *f.shape[-2:]).reshape(-1, *f.shape[-2:]) for f in fields]
-    w = w.expand(*batch, *w.shape[-2:]).reshape(-1, *w.shape[-2:])
-    return batch, fields, w
+    wt = wt.expand(*batch, *wt.shape[-2:]).reshape(-1, *wt.shape[-2:])
+    return batch, fields, wt
 
 
-def maxtimes(hi, lo, w):
+def maxtimes(hi, lo, wt):
     """``out_hi[..., i, k] = max_j hi|lo[..., i, j] * w[..., j, k]`` (hi where w >= 0, lo
-    where w < 0), ``out_lo`` likewise with min; with the argmax / argmin ``j``."""
-    batch, (hi, lo), w = _flat((hi, lo), w)
-    outs = _run("maxtimes", (hi, lo), w)
+    where w < 0), ``out_lo`` likewise with min; with the first argmax / argmin ``j``.
+
+    The weights come transposed, ``wt[..., k, j] = w[..., j, k]`` (the reduced dim
+    contiguous). ``(hi, lo) = (-inf, +inf)`` is "no path": it never wins, even against a
+    zero weight.
+    """
+    batch, (hi, lo), wt = _flat((hi, lo), wt)
+    live = hi != -INF
+    pen = torch.zeros_like(hi).masked_fill_(~live, -INF)
+    hs, ls = hi.masked_fill(~live, 0), lo.masked_fill(~live, 0)
+    outs = _run("maxtimes", (hs, ls, pen), wt)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 
-def maxplus(m, lw):
-    """``out[..., i, k] = max_j m[..., i, j] + lw[..., j, k]`` and its argmax ``j``."""
-    batch, (m,), lw = _flat((m,), lw)
-    outs = _run("maxplus", (m,), lw)
+def maxplus(m, lwt):
+    """``out[..., i, k] = max_j m[..., i, j] + lw[..., j, k]`` and its first argmax ``j``,
+    for the transposed ``lwt[..., k, j] = lw[..., j, k]``."""
+    batch, (m,), lwt = _flat((m,), lwt)
+    outs = _run("maxplus", (m,), lwt)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)

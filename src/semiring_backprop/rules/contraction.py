@@ -20,7 +20,7 @@ def _mT(value):
     return fmap(lambda f: f.transpose(-2, -1), value)
 
 
-def _live_matmul(sr, g, w):
+def _live_matmul(sr, g, w, prep=None):
     """``sr.matmul(g, w)`` computing only the rows of ``g`` that carry a path.
 
     Rows equal to the semiring's zero (positions the output never reads, such as every
@@ -29,25 +29,27 @@ def _live_matmul(sr, g, w):
     """
     x = g[0]
     if x.dim() != 2 or w.dim() != 2:
-        return sr.matmul(g, w)
+        return sr.matmul(g, w, prep)
     zero = sr.zero((), x)[0]
     live = (x != zero).any(-1)
     n_live = int(live.sum())
     if n_live == x.shape[0]:
-        return sr.matmul(g, w)
+        return sr.matmul(g, w, prep)
     rows = live.nonzero().flatten()
     out = sr.zero((x.shape[0], w.shape[-1]), x)
     if n_live == 0:
         return out
-    part = sr.matmul(tuple(f.index_select(0, rows) for f in g), w)
+    part = sr.matmul(tuple(f.index_select(0, rows) for f in g), w, prep)
     return tuple(o.index_copy(0, rows, p) for o, p in zip(out, part))
 
 
 def _matmul_grads(sr, g, op, a, b, i_a, i_b, scale=1):
-    if scale != 1:
-        a, b = a * scale, b * scale
-    da = _live_matmul(sr, g, b.transpose(-2, -1)) if op.needs(i_a) else None
-    db = _mT(sr.matmul(_mT(g), a)) if op.needs(i_b) else None
+    da = db = None
+    if op.needs(i_a):  # b is usually a weight: its prepared form is kept across calls
+        w, prep = op.weight(sr, i_b, lambda: (b if scale == 1 else b * scale).transpose(-2, -1))
+        da = _live_matmul(sr, g, w, prep)
+    if op.needs(i_b):
+        db = _mT(sr.matmul(_mT(g), a if scale == 1 else a * scale))
     return da, db
 
 

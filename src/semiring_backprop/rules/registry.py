@@ -81,6 +81,29 @@ def registered() -> dict[object, Rule]:
     return dict(_RULES)
 
 
+class Prepared:
+    """Weight-only work of contractions (``Semiring.prepare``: ``log |w|``, a transposed
+    copy), kept across calls for weights that are constants of the model, up to
+    ``budget`` bytes; past it, the work is redone on every call."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used, self.items = int(budget), 0, {}
+
+    def get(self, key, make, base: torch.Tensor):
+        hit = self.items.get(key)
+        if hit is None:
+            hit = make()
+            size = sum(
+                t.numel() * t.element_size()
+                for t in torch.utils._pytree.tree_leaves(hit)
+                if isinstance(t, torch.Tensor) and t.data_ptr() != base.data_ptr()
+            )
+            if self.used + size <= self.budget:
+                self.items[key] = hit
+                self.used += size
+        return hit
+
+
 @dataclass
 class Op:
     """What a rule sees of one graph node: forward values and a per-pass memo shared by
@@ -92,12 +115,29 @@ class Op:
     out: object
     needed: frozenset
     memo: dict = field(default_factory=dict)
+    #: cross-call store of prepared weights, and the nodes constant across calls
+    prepared: Prepared | None = None
+    static: frozenset = frozenset()
 
     def needs(self, i: int) -> bool:
         a = self.node.args[i] if i < len(self.node.args) else None
         if isinstance(a, list | tuple):
             return any(x in self.needed for x in a)
         return a in self.needed
+
+    def weight(self, sr, i: int, make: Callable):
+        """``(w, sr.prepare(w))`` for a contraction weight ``w = make()`` read from
+        argument ``i``; kept across calls when that argument is a constant of the model
+        (same parameters, so the same value on every call)."""
+        if self.prepared is None or self.node.args[i] not in self.static:
+            w = make()
+            return w, sr.prepare(w)
+
+        def both():
+            w = make()
+            return w, sr.prepare(w)
+
+        return self.prepared.get((sr, self.node, i), both, self.args[i])
 
     def cached(self, key, fn):
         if key not in self.memo:

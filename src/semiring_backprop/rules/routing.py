@@ -19,7 +19,7 @@ from .registry import register
 aten = torch.ops.aten
 
 
-def _reshape_back(sr, g, op, x, *args, **kwargs):
+def reshape_back(sr, g, op, x, *args, **kwargs):
     return [tuple(f.reshape(x.shape) for f in g)]
 
 
@@ -40,7 +40,7 @@ register(
         torch.ops.semiring_backprop.mark.default,
     ],
     "routing",
-)(_reshape_back)
+)(reshape_back)
 
 
 @register([aten._to_copy.default, aten.to.dtype], "routing")

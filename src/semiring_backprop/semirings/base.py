@@ -12,7 +12,9 @@ The operations (pytorch-struct style):
 - ``times(a, w)``: ``a ⊗ lift(w)`` for a real tensor ``w`` (broadcasts).
 - ``mul(a, b)``: ``a ⊗ b`` for two values.
 - ``sum(a, dims)``: ⊕-reduce over ``dims`` inside one op.
-- ``matmul(a, w)``: ``out[..., i, k] = ⊕_j a[..., i, j] ⊗ lift(w[..., j, k])``.
+- ``matmul(a, w, prep=None)``: ``out[..., i, k] = ⊕_j a[..., i, j] ⊗ lift(w[..., j, k])``;
+  ``prep`` is ``prepare(w)``, the work that depends on ``w`` alone (``log |w|``, a
+  transposed copy), which callers may keep across calls for a constant ``w``.
 - ``finalize(a)``: the readout users see.
 - ``tag(a, node_id)``: stamp back-pointers (selective semirings only).
 """
@@ -114,7 +116,11 @@ class Semiring:
     def sum(self, a: Value, dims, keepdim: bool = False) -> Value:
         raise NotImplementedError
 
-    def matmul(self, a: Value, w: torch.Tensor) -> Value:
+    def prepare(self, w: torch.Tensor):
+        """What :meth:`matmul` derives from ``w`` alone (default: nothing)."""
+        return None
+
+    def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         raise NotImplementedError
 
     def finalize(self, a: Value):

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 from .base import INF, Semiring, Value, _dims, log_abs, move_to_end, reduced_shape
-from .maxproduct import _batch_broadcast
 
 
 @dataclass(frozen=True)
@@ -66,23 +65,26 @@ class Entropy(Semiring):
         m = (_weights(lz, total) * m).sum(-1)
         return (total[..., 0].reshape(shape), m.reshape(shape))
 
-    def matmul(self, a: Value, w: torch.Tensor) -> Value:
-        a, w = _batch_broadcast(a, w)
+    def prepare(self, w: torch.Tensor):
+        wa = torch.abs(w)
+        c = wa.amax(-2, keepdim=True)  # columns scaled by their max: no overflow
+        c = torch.where(c > 0, c, torch.ones_like(c))
+        wn = wa / c
+        return wn, torch.xlogy(wn, wa), torch.log(c)  # |w|/c · log|w|: 0 where w == 0
+
+    def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
+        wn, w_log_w, log_c = self.prepare(w) if prep is None else prep
         lz, m = a
         s = lz.amax(-1, keepdim=True)
         s = torch.where(torch.isfinite(s), s, torch.zeros_like(s))
         e = _weights(lz, s)  # exp(lz - s), 0 for empty terms
-        wa = torch.abs(w)
-        c = wa.amax(-2, keepdim=True)
-        c = torch.where(c > 0, c, torch.ones_like(c))
-        wn = wa / c
-        w_log_w = torch.where(wa > 0, wn * log_abs(w), torch.zeros_like(wn))
-        z = torch.matmul(e, wn)
-        num = torch.matmul(e * m, wn) - torch.matmul(e, w_log_w)
+        n = e.shape[-2]
+        zm = torch.matmul(torch.cat([e, e * m], -2), wn)  # one pass over the weights
+        z, num = zm[..., :n, :], zm[..., n:, :] - torch.matmul(e, w_log_w)
         live = z > 0
         safe_z = torch.where(live, z, torch.ones_like(z))
         return (
-            torch.where(live, torch.log(safe_z) + s + torch.log(c), -INF),
+            torch.where(live, torch.log(safe_z) + s + log_c, -INF),
             torch.where(live, num / safe_z, torch.zeros_like(z)),
         )
 

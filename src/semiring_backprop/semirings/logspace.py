@@ -20,18 +20,26 @@ from .base import (
 from .maxproduct import _batch_broadcast
 
 
-def shifted_logmatmul(la: torch.Tensor, w_abs: torch.Tensor) -> torch.Tensor:
-    """``log Σ_j exp(la[i, j]) · w_abs[j, k]`` with ordinary (BLAS) matmuls.
-
-    Rows of ``la`` are shifted by their max and columns of ``w_abs`` scaled by theirs,
-    so neither overflows nor underflows; an all ``-inf`` row gives ``-inf``.
-    """
-    s = la.amax(-1, keepdim=True)
-    s = torch.where(torch.isfinite(s), s, torch.zeros_like(s))
+def scaled_abs(w: torch.Tensor):
+    """``(|w| / c, log c)`` with ``c`` the column max of ``|w|`` (1 for a zero column)."""
+    w_abs = torch.abs(w)
     c = w_abs.amax(-2, keepdim=True)
     c = torch.where(c > 0, c, torch.ones_like(c))
-    out = torch.matmul(torch.exp(la - s), w_abs / c)
-    return torch.log(out) + s + torch.log(c)
+    return w_abs / c, torch.log(c)
+
+
+def shifted_logmatmul(la: torch.Tensor, scaled) -> torch.Tensor:
+    """``log Σ_j exp(la[i, j]) · |w[j, k]|`` with ordinary (BLAS) matmuls, for
+    ``scaled = scaled_abs(w)``.
+
+    Rows of ``la`` are shifted by their max and columns of ``|w|`` scaled by theirs,
+    so neither overflows nor underflows; an all ``-inf`` row gives ``-inf``.
+    """
+    wn, log_c = scaled
+    s = la.amax(-1, keepdim=True)
+    s = torch.where(torch.isfinite(s), s, torch.zeros_like(s))
+    out = torch.matmul(torch.exp(la - s), wn)
+    return torch.log(out) + s + log_c
 
 
 @dataclass(frozen=True)
@@ -81,9 +89,13 @@ class MaxAbs(Semiring):
         ptrs = (move_to_end(p, dims).gather(-1, j[..., None])[..., 0] for p in a[1:])
         return tuple(f.reshape(shape) for f in (m, *ptrs))
 
-    def matmul(self, a, w):
+    def prepare(self, w):
+        return log_abs(w).transpose(-2, -1).contiguous()  # the kernel reads it transposed
+
+    def matmul(self, a, w, prep=None):
+        lwt = self.prepare(w) if prep is None else prep
+        best, j = kernels.maxplus(a[0], lwt)
         a, w = _batch_broadcast(a, w)
-        best, j = kernels.maxplus(a[0], log_abs(w))
         return (best, *(ptr.gather(-1, j) for ptr in a[1:]))
 
     def scalar(self, a) -> torch.Tensor:
@@ -129,8 +141,11 @@ class LogAbs(Semiring):
         dims = _dims(dims, a[0].dim())
         return (torch.logsumexp(a[0], dims, keepdim=keepdim) if dims else a[0],)
 
-    def matmul(self, a, w):
-        return (shifted_logmatmul(a[0], torch.abs(w)),)
+    def prepare(self, w):
+        return scaled_abs(w)
+
+    def matmul(self, a, w, prep=None):
+        return (shifted_logmatmul(a[0], self.prepare(w) if prep is None else prep),)
 
     def scalar(self, a) -> torch.Tensor:
         return a[0]  # log Σ |w(π)| (log #paths for PathCount)
@@ -151,7 +166,10 @@ class PathCount(LogAbs):
     def _edge(self, w):
         return torch.zeros_like(w)
 
-    def matmul(self, a, w):
+    def prepare(self, w):
+        return None
+
+    def matmul(self, a, w, prep=None):
         a0, w = _batch_broadcast(a, w)
         lse = torch.logsumexp(a0[0], -1, keepdim=True)
         return (lse.expand(*lse.shape[:-1], w.shape[-1]),)

@@ -188,14 +188,19 @@ class MaxProduct(Semiring):
             pl = tuple(p.amax(-1) for p in pl)
         return tuple(f.reshape(out_shape) for f in (hi, lo, *ph, *pl))
 
-    def matmul(self, a: Value, w: torch.Tensor) -> Value:
-        a, w = _batch_broadcast(a, w)
+    def prepare(self, w: torch.Tensor):
+        # the kernels read the weights transposed (the reduced dim contiguous)
+        return w.transpose(-2, -1).contiguous() if self.neuron else None
+
+    def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         if not self.neuron:
-            return self._matmul_tensor(a, w)
+            return self._matmul_tensor(*_batch_broadcast(a, w))
+        wt = self.prepare(w) if prep is None else prep
         hi, lo, ph, pl = self._split(a)
-        out_hi, jh, out_lo, jl = kernels.maxtimes(hi, lo, w)
-        pos = w >= 0
-        pos_h, pos_l = torch.gather(pos, -2, jh), torch.gather(pos, -2, jl)
+        out_hi, jh, out_lo, jl = kernels.maxtimes(hi, lo, wt)
+        a, w = _batch_broadcast(a, w)
+        hi, lo, ph, pl = self._split(a)
+        pos_h, pos_l = torch.gather(w, -2, jh) >= 0, torch.gather(w, -2, jl) >= 0
 
         def pick(ptrs_if_pos, ptrs_if_neg, j, sel):
             return tuple(

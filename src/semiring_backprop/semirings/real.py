@@ -40,7 +40,7 @@ class Real(Semiring):
         dims = _dims(dims, a[0].dim())
         return (a[0].sum(dims, keepdim=keepdim) if dims else a[0],)
 
-    def matmul(self, a: Value, w: torch.Tensor) -> Value:
+    def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         return (torch.matmul(a[0], w),)
 
     def finalize(self, a: Value) -> torch.Tensor:

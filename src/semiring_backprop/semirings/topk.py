@@ -119,7 +119,7 @@ class TopK(Semiring):
         out = self._select(flat[1:], flat[0])
         return self._unpack([g.reshape(*shape, self.k) for g in out])
 
-    def matmul(self, a, w):
+    def matmul(self, a, w, prep=None):
         k = self.k
         groups = self._pack(a)  # (..., n, m, k)
         *batch_groups, w = _batch_broadcast_groups(groups, w)
