@@ -307,9 +307,7 @@ def _check_layers(ex, n_tokens):
     wins = groups.winner.sum()
     counts = layers[layers.semiring == "PathCount"].groupby(["layer", "sublayer", "token"])
     has_path = counts.value.apply(lambda v: bool((v > -math.inf).any()))
-    reach = pd.Series(
-        [bool(has_path[key[:3]]) for key in wins.index], index=wins.index, dtype=bool
-    )
+    reach = pd.Series([bool(has_path[key[:3]]) for key in wins.index], index=wins.index, dtype=bool)
     assert (wins[reach] == 1).all()
     assert (wins[~reach] == 0).all()
     won = layers[layers.winner].set_index(["layer", "sublayer", "token", "semiring"]).value
