@@ -1,15 +1,17 @@
 """Semiring backprop against torch.autograd, measured in one run on the same inputs.
 
 For every case, the reference is torch's forward + backward for the gradient with
-respect to the input embeddings (parameters frozen). Our times are for one call of
-``sbp.backprop`` on a model already traced for that input shape ("pass": forward values
-+ reverse pass), and separately the one-off trace. Peak memory is the high-water mark of
-the process (CPU: VmHWM, reset before each measurement; CUDA: the allocator's peak)
-above what was in use before, relative to autograd's.
+respect to the input embeddings (parameters frozen). Our times are for one call of an
+``sbp.Backprop`` already traced ("pass": forward values + reverse pass), and separately
+the first call, which traces. Peak memory is the high-water mark of the process (CPU:
+VmHWM, reset before each measurement; CUDA: the allocator's peak) above what was in use
+before, relative to autograd's; prepared weights (``weight_cache``) are made on the
+first call and so are not in it (their size is printed).
 
     python benchmarks/bench_backprop.py                      # every case, CPU
     python benchmarks/bench_backprop.py --cases bert20 mlp   # some of them
     python benchmarks/bench_backprop.py --device cuda --dtype bfloat16
+    python benchmarks/bench_backprop.py --cases --sentences 200 --sentences-sets Real
 """
 
 from __future__ import annotations
@@ -22,13 +24,24 @@ import torch
 
 import semiring_backprop as sbp
 
-SETS = {
-    "MaxProduct": [sbp.MaxProduct()],
-    "Entropy": [sbp.Entropy()],
-    "Real": [sbp.Real()],
-    "MaxProduct(tensor)": [sbp.MaxProduct("tensor")],
-    "Real+MaxProduct+Entropy": [sbp.Real(), sbp.MaxProduct(), sbp.Entropy()],
+SETS = {  # label -> (semirings, Backprop options)
+    "Real": ([sbp.Real()], {}),
+    "MaxProduct(tensor)": ([sbp.MaxProduct("tensor")], {}),
+    "MaxProduct": ([sbp.MaxProduct()], {}),
+    "Entropy": ([sbp.Entropy()], {}),
+    "Real+MaxProduct+Entropy": ([sbp.Real(), sbp.MaxProduct(), sbp.Entropy()], {}),
+    # the same pass keeping only the readouts at the input embeddings (frees the rest)
+    "Real+MaxProduct+Entropy, keep=inputs": (
+        [sbp.Real(), sbp.MaxProduct(), sbp.Entropy()],
+        {"keep": ("inputs_embeds",)},
+    ),
 }
+DEFAULT_SETS = [
+    "Real",
+    "MaxProduct(tensor)",
+    "Real+MaxProduct+Entropy",
+    "Real+MaxProduct+Entropy, keep=inputs",
+]
 
 
 # -- memory -------------------------------------------------------------------------------
@@ -151,7 +164,7 @@ CASES = {
 def _inputs(model, tokens, dtype, device):
     torch.manual_seed(0)
     if isinstance(model, _MLP):
-        return torch.randn(4, 1024, dtype=dtype, device=device)
+        return torch.randn(4, 1024, dtype=dtype, device=device)  # (batch, features)
     ids = torch.randint(1000, 20000, (1, tokens), device=device)
     return model.get_input_embeddings()(ids).detach()
 
@@ -184,18 +197,20 @@ def bench_case(name, reps, dtype, device, sets):
     autograd()  # warm up
     with Peak(device) as mem:
         t_ref = _time(autograd, reps, device)
-    rows = [(title, tokens, "torch autograd", t_ref, 1.0, mem.peak, 1.0, None)]
+    rows = [(title, tokens, "torch autograd", t_ref, 1.0, mem.peak, 1.0, None, 0)]
     for label in sets:
-        semirings = SETS[label]
-        bp = sbp.Backprop(model, output, semirings)
+        semirings, options = SETS[label]
+        bp = sbp.Backprop(model, output, semirings, **options)
         call = lambda bp=bp: bp(kwargs={"inputs_embeds": emb})  # noqa: E731
         t0 = time.perf_counter()
         res = call()  # traces (once per model and input shape), then runs
         first = time.perf_counter() - t0
         del res
+        cache = bp._prepared.used if bp._prepared is not None else 0
         with Peak(device) as mem:
             t = _time(lambda c=call: c(), reps, device)
-        rows.append((title, tokens, label, t, t / t_ref, mem.peak, mem.peak / mem_ref(rows), first))
+        ratio = mem.peak / mem_ref(rows)
+        rows.append((title, tokens, label, t, t / t_ref, mem.peak, ratio, first, cache))
     return rows
 
 
@@ -203,57 +218,58 @@ def mem_ref(rows):
     return max(rows[0][5], 2**20)  # under 1 MiB the ratio says nothing
 
 
-def bench_sentences(n, device, dtype):
-    """Sentences per second over ``n`` sentences of lengths 10-60 (BERT shape)."""
+def bench_sentences(n, device, dtype, label):
+    """Sentences per second over ``n`` sentences of lengths 10-60 (BERT shape), one
+    ``Backprop`` (so one trace: the sequence length is symbolic)."""
     model, _ = _bert(20, dtype, device)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(10, 61, (n,), generator=gen).tolist()
     from tqdm import tqdm
 
-    bp = {}
+    def output(out):  # the last position, whatever the length
+        lp = out.logits[0, -1].log_softmax(-1)
+        return lp[2024] - lp[2003]
+
+    semirings, options = SETS[label]
+    bp = sbp.Backprop(model, output, semirings, **options)
     t = time.perf_counter()
-    for length in tqdm(lengths, desc="sentences", leave=False):
+    for length in tqdm(lengths, desc=f"sentences ({label})", leave=False):
         ids = torch.randint(1000, 20000, (1, length), generator=gen).to(device)
-        if length not in bp:  # the explained position moves with the length
-            pos = length // 2
-
-            def output(out, pos=pos):
-                lp = out.logits[0, pos].log_softmax(-1)
-                return lp[2024] - lp[2003]
-
-            bp[length] = sbp.Backprop(model, output, [sbp.Real()])
-        bp[length](kwargs={"input_ids": ids})
-    return n / (time.perf_counter() - t), len(set(lengths))
+        bp(kwargs={"input_ids": ids})
+    return n / (time.perf_counter() - t), len(set(lengths)), bp.traces
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cases", nargs="+", default=["mlp", "bert20", "bert128", "gpt2"])
-    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    p.add_argument("--sets", nargs="+", default=DEFAULT_SETS, choices=list(SETS))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--sentences", type=int, default=0, help="also time N sentences (10-60)")
+    p.add_argument("--sentences-sets", nargs="+", default=["Real"], choices=list(SETS))
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.set_grad_enabled(True)
     print(f"device: {args.device}, dtype: {args.dtype}, torch {torch.__version__}, "
           f"threads: {torch.get_num_threads()}")  # fmt: skip
     print("| model | tokens | computed | time (s) | × autograd | peak mem (MB) | × autograd "
-          "| first call incl. trace (s) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+          "| first call incl. trace (s) | prepared weights (MB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in args.cases:
-        for title, tokens, label, t, ratio, peak, mratio, first in bench_case(
+        for title, tokens, label, t, ratio, peak, mratio, first, cache in bench_case(
             name, args.reps, dtype, args.device, args.sets
         ):
             f = "" if first is None else f"{first:.2f}"
             print(f"| {title} | {tokens} | {label} | {t:.3f} | {ratio:.2f} | "
-                  f"{peak / 2**20:.0f} | {mratio:.2f} | {f} |", flush=True)  # fmt: skip
-    if args.sentences:
-        rate, traces = bench_sentences(args.sentences, args.device, dtype)
-        print(f"\n{args.sentences} sentences of 10-60 tokens, Real: {rate:.2f} sentences/s "
-              f"({traces} distinct lengths)")  # fmt: skip
+                  f"{peak / 2**20:.0f} | {mratio:.2f} | {f} | {cache / 2**20:.0f} |",
+                  flush=True)  # fmt: skip
+    for label in args.sentences_sets if args.sentences else ():
+        rate, lengths, traces = bench_sentences(args.sentences, args.device, dtype, label)
+        print(f"{args.sentences} sentences of 10-60 tokens ({lengths} distinct lengths), "
+              f"{label}: {rate:.2f} sentences/s, {traces} trace(s) incl. in the time",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

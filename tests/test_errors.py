@@ -270,7 +270,7 @@ def test_bad_semiring_list(semirings):
 
 def test_keep_an_op_that_cannot_be_kept():
     with raises(sbp.InputError, "'conv'", "softmax", "layer_norm"):
-        sbp.backprop(torch.tanh, args=(x34(),), output=total, keep=("conv",))
+        sbp.backprop(torch.tanh, args=(x34(),), output=total, whole=("conv",))
 
 
 # -- Result.at --------------------------------------------------------------------------------

@@ -154,11 +154,16 @@ def test_backprop_object_reuses_its_trace_and_stays_exact():
     torch.testing.assert_close(r2.at(0, sbp.Real()), _grad(model, x2, output))
     fresh = sbp.backprop(model, (x2,), output=output, semirings=[sbp.MaxProduct()])
     torch.testing.assert_close(r2.at(0, sbp.MaxProduct()).hi, fresh.at(0, sbp.MaxProduct()).hi)
-    # another shape: another trace, still exact
+    # another batch size: the same (symbolic) trace, still exact
     x3 = torch.randn(5, 4, dtype=F64)
     r3 = bp((x3,))
-    assert r3.graph is not r1.graph
+    assert r3.graph is r1.graph and bp.traces == 1
     torch.testing.assert_close(r3.at(0, sbp.Real()), _grad(model, x3, output))
+    # traced for fixed shapes: another shape is another trace
+    fixed = sbp.Backprop(model, output, [sbp.Real()], dynamic=False)
+    f1, f3 = fixed((x1,)), fixed((x3,))
+    assert f1.graph is not f3.graph and fixed.traces == 2
+    torch.testing.assert_close(f3.at(0, sbp.Real()), _grad(model, x3, output))
 
 
 def test_backprop_object_follows_parameter_changes():
@@ -173,3 +178,79 @@ def test_backprop_object_follows_parameter_changes():
     torch.testing.assert_close(bp((x,)).at(0, sbp.Real()), _grad(model, x, output))
     model.b = torch.nn.Linear(8, 3).to(F64).eval()  # a new module object
     torch.testing.assert_close(bp((x,)).at(0, sbp.Real()), _grad(model, x, output))
+
+
+def _same(sr, a, b):
+    for x, y in zip(_readouts(sr, a), _readouts(sr, b), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_prepared_weights_give_the_same_values_and_follow_weight_changes():
+    """Weight-only work kept across calls (weight_cache) changes no value, and is
+    dropped when the weights change in place."""
+    torch.manual_seed(2)
+    model = _Net().to(F64).eval()
+    output = lambda y: y[0, 1] - y[1, 2]  # noqa: E731
+    x = torch.randn(2, 4, dtype=F64)
+    cached = sbp.Backprop(model, output, SEMIRINGS)
+    cached((x,))  # fills the store
+    assert cached._prepared.used > 0
+    plain = sbp.Backprop(model, output, SEMIRINGS, weight_cache=0)
+    got, want = cached((x,)), plain((x,))
+    for sr in SEMIRINGS:
+        _same(sr, got.value(0, sr), want.value(0, sr))
+    with torch.no_grad():
+        model.a.weight.mul_(-0.5)
+    got, want = cached((x,)), sbp.backprop(model, (x,), output=output, semirings=SEMIRINGS)
+    for sr in SEMIRINGS:
+        _same(sr, got.value(0, sr), want.value(0, sr))
+
+
+def _tiny_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(3)
+    return BertForMaskedLM(cfg).to(F64).eval()
+
+
+def test_keep_stores_only_the_kept_places_with_the_same_values():
+    model = _tiny_bert()
+    emb = model.get_input_embeddings()(torch.randint(1, 40, (1, 6))).detach()
+    output = lambda out: out.logits[0, 2].log_softmax(-1)[5]  # noqa: E731
+    kw = {"inputs_embeds": emb}
+    full = sbp.Backprop(model, output, SEMIRINGS)(kwargs=kw)
+    lean = sbp.Backprop(model, output, SEMIRINGS, keep=("inputs_embeds", "*.attention:input"))
+    res = lean(kwargs=kw)
+    places = ["inputs_embeds", *(f"bert.encoder.layer.{i}.attention:input" for i in (0, 1))]
+    assert res.kept == {res.node(p) for p in places}
+    for place in places:
+        for sr in SEMIRINGS:
+            _same(sr, res.value(place, sr), full.value(place, sr))
+    with pytest.raises(sbp.errors.InputError, match="not kept"):
+        res.at("bert.encoder.layer.0.output", sbp.Real())
+    with pytest.raises(sbp.errors.InputError, match="keep=None"):
+        res.top_path("inputs_embeds")
+    with pytest.raises(sbp.errors.NotFoundError, match="matches no module"):
+        sbp.Backprop(model, output, [sbp.Real()], keep=("*.nothing",))(kwargs=kw)
+
+
+def test_keep_frees_values_during_the_pass():
+    from semiring_backprop import engine, forward
+
+    model = _tiny_bert()
+    emb = model.get_input_embeddings()(torch.randint(1, 40, (1, 5))).detach()
+    bp = sbp.Backprop(model, lambda out: out.logits[0, 1, 3], [sbp.Real()])
+    graph = bp.graph((), {"inputs_embeds": emb})
+    values = forward.run(graph, (), {"inputs_embeds": emb})
+    computed = [n for n in values if getattr(n, "op", None) == "call_function"]
+    kept = frozenset([graph.user_inputs["inputs_embeds"]])
+    store = engine.reverse(graph, values, [sbp.Real()], graph.output_node, kept)
+    assert set(store) == set(kept)
+    left = [n for n in values if getattr(n, "op", None) == "call_function"]
+    # only values no rule reads (off every path: masks, ids) can be left
+    assert len(left) < len(computed) // 4, (len(left), len(computed))
+    assert not set(left) & engine.needed_nodes(graph, graph.output_node)

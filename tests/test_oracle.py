@@ -284,7 +284,7 @@ class Run:
         self.model, self.args, self.output, self.wheres = CASES[name]()
         self.keep = KEEP.get(name, ())
         self.res = sbp.backprop(
-            self.model, self.args, output=self.output, semirings=SEMIRINGS, keep=self.keep
+            self.model, self.args, output=self.output, semirings=SEMIRINGS, whole=self.keep
         )
         self.oracle = oracles.build(self.res)
 
@@ -575,7 +575,7 @@ def test_generic_pointwise_rule_matches_oracle():
 
     x = randn(2, 3)
     res = sbp.backprop(
-        f, (x,), output=lambda y: y[0].sum() - y[1, 2], semirings=SEMIRINGS, keep=("gelu",)
+        f, (x,), output=lambda y: y[0].sum() - y[1, 2], semirings=SEMIRINGS, whole=("gelu",)
     )
     assert {aten.gelu.default, aten.expm1.default} <= {n.target for n in res.graph.nodes}
     oracle = oracles.build(res)

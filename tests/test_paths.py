@@ -94,7 +94,7 @@ class Run:
         torch.manual_seed(0)
         model, args, output, _ = ALL_CASES[name]()
         self.res = sbp.backprop(
-            model, args, output=output, semirings=SEMIRINGS, keep=KEEP.get(name, ())
+            model, args, output=output, semirings=SEMIRINGS, whole=KEEP.get(name, ())
         )
         self.dag = oracles.scalar_dag(self.res)
         self.sources = self._sources(name)

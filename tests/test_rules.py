@@ -64,7 +64,7 @@ def ids(*values):
 class Traced:
     fn: Callable
     inputs: Callable[[], tuple]
-    keep: tuple = ()
+    whole: tuple = ()
     paths: float | None = None  # expected log #paths at every element of input 0
     rtol: float = 1e-10
 
@@ -106,32 +106,32 @@ XY = lambda: (r(3, 4), r(4, seed=1))  # noqa: E731
 X3 = lambda: (r(2, 3, 4),)  # noqa: E731
 
 CASES: dict[object, list] = {
-    # -- composite ops kept whole (keep=...) -------------------------------------------
+    # -- composite ops kept whole (whole=...) -------------------------------------------
     aten.softmax.int: [
-        Traced(lambda x: torch.softmax(x, -1), X3, keep=("softmax",)),
-        Traced(lambda x: torch.softmax(x, 1) * x, X3, keep=("softmax",)),
+        Traced(lambda x: torch.softmax(x, -1), X3, whole=("softmax",)),
+        Traced(lambda x: torch.softmax(x, 1) * x, X3, whole=("softmax",)),
     ],
     aten._softmax.default: [
-        Traced(lambda x: aten._softmax(x, 0, False), X3, keep=("softmax",)),
+        Traced(lambda x: aten._softmax(x, 0, False), X3, whole=("softmax",)),
     ],
     aten.log_softmax.int: [
-        Traced(lambda x: torch.log_softmax(x, -1), X3, keep=("log_softmax",)),
-        Traced(lambda x: torch.log_softmax(x, 1), X3, keep=("log_softmax",)),
+        Traced(lambda x: torch.log_softmax(x, -1), X3, whole=("log_softmax",)),
+        Traced(lambda x: torch.log_softmax(x, 1), X3, whole=("log_softmax",)),
     ],
     aten._log_softmax.default: [
-        Traced(lambda x: aten._log_softmax(x, 0, False), X3, keep=("log_softmax",)),
+        Traced(lambda x: aten._log_softmax(x, 0, False), X3, whole=("log_softmax",)),
     ],
     aten.layer_norm.default: [
         Traced(
             lambda x, w, b: F.layer_norm(x, (4,), w, b),
             lambda: (r(2, 3, 4), r(4, seed=1), r(4, seed=2)),
-            keep=("layer_norm",),
+            whole=("layer_norm",),
         ),
-        Traced(lambda x: F.layer_norm(x, (3, 4), eps=1e-3), X3, keep=("layer_norm",)),
+        Traced(lambda x: F.layer_norm(x, (3, 4), eps=1e-3), X3, whole=("layer_norm",)),
         Traced(
             lambda x, w: F.layer_norm(x, (3, 4), w),
             lambda: (r(2, 3, 4), r(3, 4, seed=1)),
-            keep=("layer_norm",),
+            whole=("layer_norm",),
         ),
     ],
     # -- pointwise (formula table) ------------------------------------------------------
@@ -343,8 +343,8 @@ CASES: dict[object, list] = {
 # handles because they carry torch.Tag.pointwise.
 GENERIC: dict[object, list] = {
     aten.gelu.default: [
-        Traced(F.gelu, X, keep=("gelu",)),
-        Traced(lambda x: F.gelu(x, approximate="tanh"), X, keep=("gelu",)),
+        Traced(F.gelu, X, whole=("gelu",)),
+        Traced(lambda x: F.gelu(x, approximate="tanh"), X, whole=("gelu",)),
     ],
     aten.hardtanh.default: [Traced(F.hardtanh, lambda: (r(3, 4) * 2,)), Traced(F.relu6, X)],
     aten.clamp.default: [Traced(lambda x: x.clamp(-0.5, 0.5), X)],
@@ -417,7 +417,7 @@ def _check_traced(op, case: Traced, require_op: bool = True):
         shape = case.fn(*inputs).shape
     weight = r(*shape, seed=99)
     output = lambda y: (y * weight).sum()  # noqa: E731
-    res = sbp.backprop(case.fn, args=inputs, output=output, semirings=ALL, keep=case.keep)
+    res = sbp.backprop(case.fn, args=inputs, output=output, semirings=ALL, whole=case.whole)
     targets = {n.target for n in res.graph.nodes}
     assert op in targets or not require_op, (
         f"the case does not exercise {op}; the traced graph has {targets}"
@@ -496,7 +496,7 @@ def _check_direct(op, case: Direct):
         torch.testing.assert_close(v[0], g, rtol=1e-10, atol=1e-12)
 
 
-# -- keep= on every keepable composite -------------------------------------------------------
+# -- whole= on every keepable composite -------------------------------------------------------
 
 KEEPABLE = {
     "softmax": (lambda x: torch.softmax(x @ x.transpose(-1, -2), -1) @ x, aten.softmax.int),
@@ -519,7 +519,7 @@ def test_keep_composite(name, kept):
     x = r(2, 3, 4)
     weight = r(*fn(x).shape, seed=3)
     keep = (name,) if kept else ()
-    res = sbp.backprop(fn, args=(x,), output=lambda y: (y * weight).sum(), keep=keep)
+    res = sbp.backprop(fn, args=(x,), output=lambda y: (y * weight).sum(), whole=keep)
     assert (op in {n.target for n in res.graph.nodes}) == kept
     want = _autograd(fn, (x,), weight)[0]
     torch.testing.assert_close(res.at(0, sbp.Real()), want, rtol=1e-10, atol=1e-12)
@@ -527,7 +527,7 @@ def test_keep_composite(name, kept):
 
 def test_keep_unknown_name_is_an_error():
     with pytest.raises(ValueError, match="softmax"):
-        sbp.backprop(torch.tanh, args=(r(3),), output=lambda y: y.sum(), keep=("conv",))
+        sbp.backprop(torch.tanh, args=(r(3),), output=lambda y: y.sum(), whole=("conv",))
 
 
 def test_no_grad_block_carries_no_edges():

@@ -8,9 +8,9 @@ import torch
 
 from . import engine, forward, rules
 from .errors import InputError
-from .result import Result
+from .result import Result, resolve_keep
 from .semirings import Real, Semiring
-from .tracing import trace
+from .tracing import input_tensors, trace
 
 
 def backprop(
@@ -20,7 +20,8 @@ def backprop(
     output: Callable | None = None,
     semirings: Sequence[Semiring] = (Real(),),
     *,
-    keep: tuple[str, ...] = (),
+    whole: tuple[str, ...] = (),
+    keep: Sequence | None = None,
     allow_training: bool = False,
     per_example: bool = False,
 ) -> Result:
@@ -31,8 +32,12 @@ def backprop(
         args, kwargs: example inputs, exactly as the model takes them.
         output: picks the scalar to explain from the model's output.
         semirings: computed together in one pass.
-        keep: composite ops to keep whole (``"softmax"``, ``"log_softmax"``,
+        whole: composite ops to keep whole (``"softmax"``, ``"log_softmax"``,
             ``"layer_norm"``, ``"gelu"``); by default they are decomposed.
+        keep: the places whose values the result keeps (inputs, module paths, with
+            ``:input`` and ``*`` wildcards: ``("inputs_embeds", "*.attention:input")``);
+            everything else is freed during the pass. ``None`` (default) keeps every
+            node, which paths and branch tables need.
         allow_training: explain a model in training mode as it is (random edges).
         per_example: allow a 1-D output of per-example scalars (examples must not
             interact); all are seeded at once.
@@ -41,18 +46,26 @@ def backprop(
     >>> res.at(0, Real())  # == torch.autograd.grad(mlp(x)[0, 1], x)
     """
     return Backprop(
-        model, output, semirings, keep=keep, allow_training=allow_training,
-        per_example=per_example, weight_cache=0,
+        model, output, semirings, whole=whole, keep=keep, allow_training=allow_training,
+        per_example=per_example, weight_cache=0, dynamic=False,
     )(args, kwargs)  # fmt: skip
 
 
 class Backprop:
-    """A reusable explainer: traces once per input signature, then only runs the pass.
+    """A reusable explainer: traces once, then only runs the pass.
 
-    ``output`` is traced into the graph, so it must be a fixed function of the model's
-    output (its indices become constants): make one ``Backprop`` per output function.
+    The trace has symbolic sizes (``dynamic=True``): one graph serves inputs of any
+    sequence length (and batch size, when traced with a batch of 2 or more) with the
+    same structure, dtypes and devices. ``output`` is traced into the graph, so it must
+    be a fixed function of the model's output (its indices become constants; a negative
+    index such as ``logits[0, -1]`` follows the length): make one ``Backprop`` per
+    output function, or pass a varying position as a tensor input of a wrapper.
     The model's parameters are checked on every call (same tensors, not modified in
     place); if they changed, the model is traced again.
+
+    ``keep`` (places, as for :meth:`Result.at`, with ``*`` wildcards) keeps only those
+    values and frees the rest during the pass, for memory; paths and branch tables
+    need every value (``keep=None``, the default).
 
     ``weight_cache`` (bytes, default 1 GiB; 0 turns it off): what contractions derive
     from a weight alone (``log |w|`` for ``Entropy`` and ``MaxAbs``, a transposed copy for
@@ -70,10 +83,12 @@ class Backprop:
         output: Callable | None = None,
         semirings: Sequence[Semiring] = (Real(),),
         *,
-        keep: tuple[str, ...] = (),
+        whole: tuple[str, ...] = (),
+        keep: Sequence | None = None,
         allow_training: bool = False,
         per_example: bool = False,
         weight_cache: int = 2**30,
+        dynamic: bool = True,
     ):
         semirings = list(semirings)
         if not semirings or not all(isinstance(s, Semiring) for s in semirings):
@@ -83,53 +98,71 @@ class Backprop:
         if len(set(semirings)) != len(semirings):
             raise InputError(f"semirings contains duplicates: {semirings}")
         self.model, self.output, self.semirings = model, output, semirings
-        self.keep, self.allow_training, self.per_example = tuple(keep), allow_training, per_example
-        self._graphs: dict = {}
-        self.weight_cache = int(weight_cache)
-        self._prepared = None
+        self.whole, self.allow_training = tuple(whole), allow_training
+        self.per_example = per_example
+        if isinstance(keep, str | int):
+            keep = (keep,)
+        self.keep = None if keep is None else tuple(keep)
+        self.weight_cache, self.dynamic = int(weight_cache), dynamic
+        self._graphs: dict = {}  # signature -> graphs traced for it
+        self._stamp = self._prepared = None
 
     def graph(self, args=(), kwargs: dict | None = None):
-        """The traced graph for inputs like these (traced on first use)."""
+        """The traced graph for inputs like these (traced on first use).
+
+        With ``dynamic`` (default), a graph is traced with symbolic sizes and serves
+        every input of the same structure, dtypes and devices whose sizes fit it
+        (sentences of any length, usually); inputs that do not fit are traced again.
+        """
         args = tuple(args) if isinstance(args, tuple | list) else (args,)
         kwargs = dict(kwargs or {})
         key = _signature(args, kwargs)
         stamp = _stamp(self.model)
-        hit = self._graphs.get(key)
-        if hit is not None and hit[0] == stamp:
-            return hit[1]
-        if self._prepared is None or self._prepared_stamp != stamp:  # new weights
-            self._graphs = {k: v for k, v in self._graphs.items() if v[0] == stamp}
+        if stamp != self._stamp:  # new or modified weights: every trace is stale
+            self._graphs, self._stamp = {}, stamp
             self._prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
-            self._prepared_stamp = stamp
+        given = input_tensors(args, kwargs)
+        for graph in self._graphs.get(key, ()):
+            if graph.accepts(given):
+                return graph
         graph = trace(
-            self.model, args, kwargs, self.output, keep=self.keep,
-            allow_training=self.allow_training,
+            self.model, args, kwargs, self.output, whole=self.whole,
+            allow_training=self.allow_training, dynamic=self.dynamic,
         )  # fmt: skip
         _check_output(graph, self.per_example)
         graph.prepared = self._prepared
-        self._graphs[key] = (stamp, graph)
+        self._graphs.setdefault(key, []).append(graph)
         return graph
+
+    @property
+    def traces(self) -> int:
+        """How many graphs are traced now (for the current weights)."""
+        return sum(len(graphs) for graphs in self._graphs.values())
 
     def __call__(self, args=(), kwargs: dict | None = None) -> Result:
         args = tuple(args) if isinstance(args, tuple | list) else (args,)
         kwargs = dict(kwargs or {})
         graph = self.graph(args, kwargs)
+        kept = None if self.keep is None else resolve_keep(graph, self.keep)
         with torch.no_grad():
             values = forward.run(graph, args, kwargs)
-            store = engine.reverse(graph, values, self.semirings, graph.output_node)
-        return Result(graph, values, store, self.semirings)
+            store = engine.reverse(graph, values, self.semirings, graph.output_node, kept)
+        if kept is not None:
+            values = {n: v for n, v in values.items() if n in kept}
+        return Result(graph, values, store, self.semirings, kept=kept)
 
 
 def _signature(args, kwargs):
-    """What a traced graph is specialized to: structure, tensor shapes/dtypes/devices,
-    and the values of non-tensor arguments."""
+    """What every graph traced for these inputs shares: structure, tensor ranks, dtypes
+    and devices, and the values of non-tensor arguments (sizes are checked by
+    ``Graph.accepts``)."""
     from torch.utils import _pytree as pytree
 
     leaves, spec = pytree.tree_flatten((args, kwargs))
     sig = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            sig.append(("T", tuple(leaf.shape), leaf.dtype, leaf.device))
+            sig.append(("T", leaf.dim(), leaf.dtype, leaf.device))
         else:
             try:
                 hash(leaf)

@@ -193,18 +193,18 @@ _OURS = {
 _NEVER_DECOMPOSE = (aten.detach.default,)
 
 
-def table(keep: tuple[str, ...] = ()) -> dict:
+def table(whole: tuple[str, ...] = ()) -> dict:
     """The decomposition table for ``ExportedProgram.run_decompositions``."""
-    unknown = set(keep) - set(KEEPABLE)
+    unknown = set(whole) - set(KEEPABLE)
     if unknown:
         raise InputError(
-            f"keep={sorted(unknown)}: only these composite ops can be kept whole: "
+            f"whole={sorted(unknown)}: only these composite ops can be kept whole: "
             f"{', '.join(KEEPABLE)}"
         )
     t = torch.export.default_decompositions()
     for name, ops in _OURS.items():
         for op, fn in ops.items():
-            if name in keep:
+            if name in whole:
                 t.pop(op, None)
             else:
                 t[op] = fn

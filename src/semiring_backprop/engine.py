@@ -56,8 +56,12 @@ def _is_complex(node) -> bool:
     return isinstance(val, torch.Tensor) and val.is_complex()
 
 
-def reverse(graph, values: dict, semirings: list, seed_node) -> dict:
-    """D(v) for every needed node v, as ``{node: [value per semiring]}``."""
+def reverse(graph, values: dict, semirings: list, seed_node, keep=None) -> dict:
+    """D(v) for every needed node v, as ``{node: [value per semiring]}``.
+
+    With ``keep`` (a set of nodes), D is stored for those nodes only, and the forward
+    values in ``values`` are dropped as soon as no rule needs them any more.
+    """
     needed = needed_nodes(graph, seed_node)
     if seed_node not in needed:
         raise InputError(
@@ -65,10 +69,10 @@ def reverse(graph, values: dict, semirings: list, seed_node) -> dict:
         )
     out = values[seed_node]
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
-    return propagate(graph, values, semirings, acc, needed)
+    return propagate(graph, values, semirings, acc, needed, keep=keep)
 
 
-def propagate(graph, values, semirings, acc: dict, needed, within=None) -> dict:
+def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=None) -> dict:
     """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
 
     With ``within`` (a set of nodes), only paths inside it are followed: the pass then
@@ -76,12 +80,16 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None) -> dict:
     ``within`` alone (used for the contribution of one branch).
     """
     store = {}
+    free = _last_uses(graph, needed, keep) if keep is not None else {}
     for node_id in range(len(graph.nodes) - 1, -1, -1):
+        for n in free.get(node_id, ()):  # no rule still to run reads these values
+            values.pop(n, None)
         node = graph.nodes[node_id]
         d = acc.pop(node, None)
         if d is None:
             continue
-        store[node] = d
+        if keep is None or node in keep:
+            store[node] = d
         inputs = [n for n in node.all_input_nodes if n in needed]
         if within is not None:
             inputs = [n for n in inputs if n in within]
@@ -101,6 +109,19 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None) -> dict:
             slot = acc.setdefault(inp, [None] * len(semirings))
             slot[s] = semirings[s].accumulate(slot[s], c)
     return store
+
+
+def _last_uses(graph, needed, keep) -> dict:
+    """``{i: nodes}``: values no rule reads once the pass has moved below node ``i``
+    (a node's value is read by its own rule and by its consumers' rules)."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    free: dict = {}
+    for i, node in enumerate(graph.nodes):
+        if node in keep or node.op != "call_function":
+            continue
+        last = min([i, *(index[u] for u in node.users if u in needed)])
+        free.setdefault(last - 1, []).append(node)
+    return free
 
 
 def _reshapes(node) -> bool:
@@ -129,7 +150,7 @@ def contributions(graph, values, semirings, node_id: int, d: list, needed, op=No
                 per_input.setdefault(inp, []).append(c)
         for inp, cs in per_input.items():
             c = cs[0] if len(cs) == 1 else sr.sum(stack(cs), 0)
-            _check_shape(graph, node, inp, c)
+            _check_shape(graph, node, inp, c, values)
             yield inp, s, c
 
 
@@ -171,8 +192,8 @@ def _is_value(res) -> bool:
     return isinstance(res, tuple) and len(res) > 0 and isinstance(res[0], torch.Tensor)
 
 
-def _check_shape(graph, node, inp, c):
-    want = tuple(inp.meta["val"].shape)
+def _check_shape(graph, node, inp, c, values):
+    want = tuple(values[inp].shape)
     if tuple(c[0].shape) != want:
         raise RuntimeError(
             f"internal error: the rule of {node.target} at {where(node, graph.module_of(node))} "

@@ -7,7 +7,7 @@ from torch.fx.node import map_arg
 
 from . import rules
 from .errors import InputError, NonFiniteError, where
-from .tracing import Graph, mark_op
+from .tracing import Graph, input_tensors, mark_op
 
 # ops that may pass inf through or write it on purpose (masks): not an overflow
 _INF_OK_KINDS = ("routing", "nondifferentiable")
@@ -15,15 +15,7 @@ _INF_OK_KINDS = ("routing", "nondifferentiable")
 
 def run(graph: Graph, args: tuple, kwargs: dict) -> dict:
     """Values of every node for these inputs (inputs must match the traced ones' kinds)."""
-    from torch.utils import _pytree as pytree
-
-    from .tracing import _key
-
-    given = {
-        _key(path): leaf
-        for path, leaf in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
-        if isinstance(leaf, torch.Tensor)
-    }
+    given = input_tensors(args, kwargs)
     values: dict = {}
     for key, node in graph.user_inputs.items():
         if key not in given:

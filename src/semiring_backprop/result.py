@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import fnmatch
 
 import torch
 
@@ -19,45 +20,26 @@ class Result:
     >>> res.aggregate("embeddings", MaxProduct(), dims=(-1,))  # ⊕ over hidden units
     """
 
-    def __init__(self, graph, values: dict, store: dict, semirings: list):
+    def __init__(self, graph, values: dict, store: dict, semirings: list, kept=None):
         self.graph = graph
         self.values = values
         self.semirings = list(semirings)
         self._store = store
+        #: the nodes whose values were kept (``Backprop(keep=...)``); None: all of them
+        self.kept = kept
+
+    def _require_all(self, what: str):
+        if self.kept is not None:
+            raise InputError(
+                f"{what} reads values at every node, but this pass kept only "
+                f"{len(self.kept)} places (Backprop(keep=...)). Make the Backprop with "
+                "keep=None (the default) for paths and branch tables."
+            )
 
     # -- lookup -----------------------------------------------------------------
     def node(self, where) -> torch.fx.Node:
         """The graph node for an input position/keyword, a module path or a node name."""
-        g = self.graph
-        if isinstance(where, torch.fx.Node):
-            return where
-        if where in g.user_inputs:
-            return g.user_inputs[where]
-        if isinstance(where, int):
-            raise NotFoundError(
-                f"args[{where}] is not a tensor input of the traced call "
-                f"(tensor inputs: {_keys(g.user_inputs)})"
-            )
-        if not isinstance(where, str):
-            raise InputError(f"at() takes an int, an input name or a module path, got {where!r}")
-        if where in g.tags:
-            return g.tags[where]
-        suffix = [t for t in g.tags if t.endswith("." + where)]
-        if len(suffix) == 1:
-            return g.tags[suffix[0]]
-        if len(suffix) > 1:
-            raise NotFoundError(
-                f"{where!r} matches several modules: {suffix[:8]}; give the full path"
-            )
-        by_name = {n.name: n for n in g.nodes}
-        if where in by_name:
-            return by_name[where]
-        near = difflib.get_close_matches(where, list(g.tags) + list(map(str, g.user_inputs)), n=5)
-        hint = f" Did you mean: {', '.join(near)}?" if near else ""
-        raise NotFoundError(
-            f"no input, module or node named {where!r} in the traced graph.{hint} Module paths "
-            "are those of model.named_modules(); add ':input' for a module's first input."
-        )
+        return find_node(self.graph, where)
 
     def value(self, where, semiring: Semiring):
         """The raw semiring value (tuple of fields) at ``where``."""
@@ -69,6 +51,11 @@ class Result:
                 f"{semiring} was not computed in this pass; computed: {self.semirings}"
             ) from None
         group = [n for n in self.graph.aliases.get(node, (node,)) if n in self._store]
+        if not group and self.kept is not None and node not in self.kept:
+            raise InputError(
+                f"{where!r} was not kept: this pass kept only the places given in "
+                "Backprop(keep=...); add it there, or use keep=None to keep everything"
+            )
         if not group:
             raise InputError(self._why_missing(where, node))
         value = self._store[group[0]][k]
@@ -109,12 +96,14 @@ class Result:
         """
         from .analysis import paths
 
+        self._require_all("top_path")
         return paths.top_path(self, source, semiring, sign)
 
     def top_paths(self, source, k: int, semiring: Semiring | None = None) -> list:
         """The ``k`` heaviest distinct paths by |product| from ``source`` (needs ``TopK``)."""
         from .analysis import paths
 
+        self._require_all("top_paths")
         return paths.top_paths(self, source, k, semiring)
 
     def branches(self, where, semiring: Semiring | None = None, aggregate: str = "oplus",
@@ -131,6 +120,7 @@ class Result:
         """
         from .analysis import branches
 
+        self._require_all("branches")
         return branches.branches(self, where, semiring, aggregate, roles, by=by)
 
     def layer_table(self, semirings=None, aggregate: str = "oplus", tokens=None, roles=None,
@@ -141,6 +131,7 @@ class Result:
         sublayer (skip/mlp). ``tokens``: the token strings, for ``token_text``."""
         from .analysis import branches
 
+        self._require_all("layer_table")
         return branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers, by)
 
     def _why_missing(self, where, node) -> str:
@@ -163,3 +154,51 @@ class Result:
 
 def _keys(d):
     return ", ".join(repr(k) for k in d) or "none"
+
+
+def find_node(g, where) -> torch.fx.Node:
+    """The graph node for an input position/keyword, a module path or a node name."""
+    if isinstance(where, torch.fx.Node):
+        return where
+    if where in g.user_inputs:
+        return g.user_inputs[where]
+    if isinstance(where, int):
+        raise NotFoundError(
+            f"args[{where}] is not a tensor input of the traced call "
+            f"(tensor inputs: {_keys(g.user_inputs)})"
+        )
+    if not isinstance(where, str):
+        raise InputError(f"at() takes an int, an input name or a module path, got {where!r}")
+    if where in g.tags:
+        return g.tags[where]
+    suffix = [t for t in g.tags if t.endswith("." + where)]
+    if len(suffix) == 1:
+        return g.tags[suffix[0]]
+    if len(suffix) > 1:
+        raise NotFoundError(f"{where!r} matches several modules: {suffix[:8]}; give the full path")
+    by_name = {n.name: n for n in g.nodes}
+    if where in by_name:
+        return by_name[where]
+    near = difflib.get_close_matches(where, list(g.tags) + list(map(str, g.user_inputs)), n=5)
+    hint = f" Did you mean: {', '.join(near)}?" if near else ""
+    raise NotFoundError(
+        f"no input, module or node named {where!r} in the traced graph.{hint} Module paths "
+        "are those of model.named_modules(); add ':input' for a module's first input."
+    )
+
+
+def resolve_keep(g, places) -> frozenset:
+    """The nodes named by ``keep=``: places as for :meth:`Result.at`; a string with
+    ``*``, ``?`` or ``[`` is matched against every module path (``*.attention:input``)."""
+    nodes = set()
+    for where in places:
+        if isinstance(where, str) and any(c in where for c in "*?["):
+            hits = [n for tag, n in g.tags.items() if fnmatch.fnmatchcase(tag, where)]
+            if not hits:
+                raise NotFoundError(
+                    f"keep={where!r} matches no module path (e.g. {next(iter(g.tags), '')!r})"
+                )
+            nodes.update(hits)
+        else:
+            nodes.add(find_node(g, where))
+    return frozenset(m for n in nodes for m in g.aliases.get(n, (n,)))

@@ -9,7 +9,7 @@ finds exactly that module's output in the graph.
 from __future__ import annotations
 
 import functools
-import math
+import logging
 import operator
 import warnings
 from collections.abc import Callable
@@ -27,6 +27,8 @@ from .errors import InputError, TracingError, TrainingModeError
 
 mark_op = torch.ops.semiring_backprop.mark.default
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Graph:
@@ -36,7 +38,7 @@ class Graph:
     user_inputs: dict  # key (position or keyword) -> placeholder node, in flatten order
     constants: dict  # placeholder node -> parameter / buffer / constant tensor
     tags: dict  # "module.path" / "module.path:input" -> mark node
-    keep: tuple = ()
+    whole: tuple = ()  #: composite ops kept whole
     #: placeholder -> every placeholder fed the same tensor object (``mha(x, x, x)``):
     #: torch.export may read only one of them, so an input's value is their ⊕
     aliases: dict = field(default_factory=dict)
@@ -67,6 +69,44 @@ class Graph:
             ):
                 out.add(node)
         return frozenset(out)
+
+    @functools.cached_property
+    def input_shapes(self) -> dict:
+        """Input key -> its traced shape: an int per fixed dim, a symbol name per dim that
+        may vary; and the symbols' ranges ``{name: (low, high or None)}``."""
+        ranges = {}
+        for sym, vr in self.program.range_constraints.items():
+            high = int(vr.upper) if getattr(vr.upper, "is_Integer", False) else None
+            low = int(vr.lower) if getattr(vr.lower, "is_Integer", False) else 0
+            ranges[str(sym)] = (low, high)  # high None: unbounded
+        shapes = {}
+        for key, node in self.user_inputs.items():
+            dims = []
+            for d in node.meta["val"].shape:
+                expr = d.node.expr if isinstance(d, torch.SymInt) else d
+                dims.append(int(expr) if getattr(expr, "is_number", True) else str(expr))
+            shapes[key] = tuple(dims)
+        return {"shapes": shapes, "ranges": ranges}
+
+    def accepts(self, given: dict) -> bool:
+        """Whether input tensors ``{key: tensor}`` fit this graph: fixed dims equal, and
+        each varying size consistent across inputs and within its traced range."""
+        spec, bound = self.input_shapes, {}
+        for key, dims in spec["shapes"].items():
+            x = given.get(key)
+            if not isinstance(x, torch.Tensor) or x.dim() != len(dims):
+                return False
+            for want, got in zip(dims, x.shape):
+                if isinstance(want, int):
+                    if want != got:
+                        return False
+                    continue
+                if bound.setdefault(want, got) != got:
+                    return False
+                low, high = spec["ranges"].get(want, (0, None))
+                if got < low or (high is not None and got > high):
+                    return False
+        return True
 
     @property
     def output_node(self) -> torch.fx.Node:
@@ -106,7 +146,7 @@ class _Explained(torch.nn.Module):
             self._fn = model
         self._output = output
 
-    def forward(self, *args, **kwargs):
+    def forward(self, args, kwargs):  # two explicit inputs: dynamic shapes match them
         fn = self.model if hasattr(self, "model") else self._fn
         return self._output(fn(*args, **kwargs))
 
@@ -192,10 +232,18 @@ def trace(
     kwargs: dict | None = None,
     output: Callable | None = None,
     *,
-    keep: tuple[str, ...] = (),
+    whole: tuple[str, ...] = (),
     allow_training: bool = False,
+    dynamic: bool = True,
 ) -> Graph:
-    """Trace ``output(model(*args, **kwargs))`` to a :class:`Graph`."""
+    """Trace ``output(model(*args, **kwargs))`` to a :class:`Graph`.
+
+    With ``dynamic`` (default), every dimension of every tensor input may vary:
+    torch.export keeps those it can symbolic (a sequence length, usually) and fixes the
+    others (hidden sizes; any size-1 dimension), so one graph serves inputs of many
+    lengths (:meth:`Graph.accepts`). If the model cannot be traced that way, it is
+    traced for these exact shapes.
+    """
     kwargs = dict(kwargs or {})
     args = tuple(args) if isinstance(args, tuple | list) else (args,)
     if output is None:
@@ -203,13 +251,13 @@ def trace(
     if not callable(model):
         raise InputError(f"model must be an nn.Module or a callable, got {type(model).__name__}")
     _check_mode(model, allow_training)
-    table = decompositions.table(tuple(keep))
+    table = decompositions.table(tuple(whole))
     handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
     try:
         with warnings.catch_warnings():
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            program = torch.export.export(_Explained(model, output), args, kwargs, strict=False)
+            program = _export(_Explained(model, output), args, kwargs, dynamic)
             _detach_no_grad_blocks(program)
             program = program.run_decompositions(table)
     except (TracingError, InputError):
@@ -226,7 +274,7 @@ def trace(
     finally:
         for h in handles:
             h.remove()
-    graph = _build_graph(program, args, kwargs, tuple(keep))
+    graph = _build_graph(program, args, kwargs, tuple(whole))
     if isinstance(model, torch.nn.Module):
         graph.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
     return graph
@@ -234,6 +282,29 @@ def trace(
 
 def _identity(out):
     return out
+
+
+def _export(wrapper, args, kwargs, dynamic):
+    inputs = (args, kwargs)  # the two positional inputs of _Explained.forward
+    if dynamic:
+        auto = torch.export.Dim.AUTO
+        shapes = pytree.tree_map(
+            lambda x: {i: auto for i in range(x.dim())} if isinstance(x, torch.Tensor) else None,
+            (args, kwargs),
+        )
+        quiet = logging.getLogger("torch._export.non_strict_utils")  # "0/1 specialized"
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            return torch.export.export(wrapper, inputs, dynamic_shapes=shapes, strict=False)
+        except (TracingError, InputError):
+            raise
+        except Exception as e:  # noqa: BLE001  (symbolic sizes failed: trace these shapes)
+            log.info("dynamic-shape export failed (%s: %s); tracing static shapes",
+                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+        finally:
+            quiet.setLevel(level)
+    return torch.export.export(wrapper, inputs, strict=False)
 
 
 def _detach_no_grad_blocks(program) -> None:
@@ -260,7 +331,7 @@ def _detach_no_grad_blocks(program) -> None:
         program.graph_module.recompile()
 
 
-def _build_graph(program, args, kwargs, keep) -> Graph:
+def _build_graph(program, args, kwargs, whole) -> Graph:
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     constants, user_specs = {}, []
     for spec in program.graph_signature.input_specs:
@@ -294,7 +365,16 @@ def _build_graph(program, args, kwargs, keep) -> Graph:
     for n in program.graph.nodes:
         if n.op == "call_function" and n.target is mark_op:
             tags.setdefault(n.args[1], n)
-    return Graph(program, user_inputs, constants, tags, keep, aliases)
+    return Graph(program, user_inputs, constants, tags, whole, aliases)
+
+
+def input_tensors(args, kwargs) -> dict:
+    """``{key: tensor}`` for the tensors among the inputs (keys as in ``Graph.user_inputs``)."""
+    return {
+        _key(path): leaf
+        for path, leaf in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
+        if isinstance(leaf, torch.Tensor)
+    }
 
 
 def _key(path):
@@ -309,8 +389,3 @@ def _key(path):
         if len(rest) == 1
         else (key, *(getattr(p, "idx", getattr(p, "key", None)) for p in rest[1:]))
     )
-
-
-def numel(node) -> int:
-    val = node.meta.get("val")
-    return math.prod(val.shape) if isinstance(val, torch.Tensor) else 0

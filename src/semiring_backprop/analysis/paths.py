@@ -154,7 +154,7 @@ def resolve_source(res, source):
     else:
         where, index = source, ()
     node = res.node(where)
-    val = node.meta.get("val")
+    val = res.values.get(node)
     if not isinstance(val, torch.Tensor):
         raise InputError(f"{where!r} is not a tensor in the traced graph")
     index = index if isinstance(index, tuple) else (index,)

@@ -1,4 +1,4 @@
-"""Composite ops kept whole (``keep=`` in tracing): their dense per-row Jacobian
+"""Composite ops kept whole (``whole=``): their dense per-row Jacobian
 defines the edges, one edge from every input element of a row to every output element
 of that row."""
 
