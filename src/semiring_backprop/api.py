@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.utils import _pytree as pytree
 
 from . import engine, forward, rules
 from .errors import InputError
@@ -122,8 +123,9 @@ class Backprop:
             self._graphs, self._stamp = {}, stamp
             self._prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
         given = input_tensors(args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
         for graph in self._graphs.get(key, ()):
-            if graph.accepts(given):
+            if graph.accepts(given, leaves):
                 return graph
         graph = trace(
             self.model, args, kwargs, self.output, whole=self.whole,
@@ -156,13 +158,11 @@ def _signature(args, kwargs):
     """What every graph traced for these inputs shares: structure, tensor ranks, dtypes
     and devices, and the values of non-tensor arguments (sizes are checked by
     ``Graph.accepts``)."""
-    from torch.utils import _pytree as pytree
-
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    sig = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            sig.append(("T", leaf.dim(), leaf.dtype, leaf.device))
+    sig, first = [], {}
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):  # and which inputs are one tensor (mha(x, x, x))
+            sig.append(("T", leaf.dim(), leaf.dtype, leaf.device, first.setdefault(id(leaf), i)))
         else:
             try:
                 hash(leaf)

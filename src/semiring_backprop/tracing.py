@@ -88,9 +88,29 @@ class Graph:
             shapes[key] = tuple(dims)
         return {"shapes": shapes, "ranges": ranges}
 
-    def accepts(self, given: dict) -> bool:
+    @functools.cached_property
+    def _guards(self):
+        """torch.export's checks on the inputs beyond size ranges (``size()[1] != 5``
+        where the model branched on a size), as a function of the flat inputs."""
+        if not getattr(self.program, "_guards_code", None):
+            return None
+        return getattr(self.program.module(), "_guards_fn", None)
+
+    def accepts(self, given: dict, leaves: list | None = None) -> bool:
         """Whether input tensors ``{key: tensor}`` fit this graph: fixed dims equal, and
-        each varying size consistent across inputs and within its traced range."""
+        each varying size consistent across inputs and within its traced range; with
+        ``leaves`` (every input, flattened), also the other checks torch.export
+        recorded, such as a size the model branched on."""
+        if not self._fits(given):
+            return False
+        if leaves is not None and self._guards is not None:
+            try:
+                self._guards(*leaves)
+            except Exception:  # noqa: BLE001  (a failed guard: another trace is needed)
+                return False
+        return True
+
+    def _fits(self, given: dict) -> bool:
         spec, bound = self.input_shapes, {}
         for key, dims in spec["shapes"].items():
             x = given.get(key)
