@@ -129,14 +129,12 @@ class Op:
         """``(w, sr.prepare(w))`` for a contraction weight ``w = make()`` read from
         argument ``i``; kept across calls when that argument is a constant of the model
         (same parameters, so the same value on every call)."""
-        if self.prepared is None or self.node.args[i] not in self.static:
-            w = make()
-            return w, sr.prepare(w)
-
         def both():
             w = make()
             return w, sr.prepare(w)
 
+        if self.prepared is None or self.node.args[i] not in self.static:
+            return both()
         return self.prepared.get((sr, self.node, i), both, self.args[i])
 
     def cached(self, key, fn):
