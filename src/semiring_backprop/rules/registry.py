@@ -129,6 +129,7 @@ class Op:
         """``(w, sr.prepare(w))`` for a contraction weight ``w = make()`` read from
         argument ``i``; kept across calls when that argument is a constant of the model
         (same parameters, so the same value on every call)."""
+
         def both():
             w = make()
             return w, sr.prepare(w)

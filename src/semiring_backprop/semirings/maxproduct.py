@@ -31,6 +31,10 @@ def _nan_to(t: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.where(torch.isnan(t), torch.full_like(t, fill), t)
 
 
+class _Normal(tuple):
+    """A tensor-granularity value already normalized (hi ≥ lo wherever there is a path)."""
+
+
 def _batch_broadcast(fields, w):
     batch = torch.broadcast_shapes(fields[0].shape[:-2], w.shape[:-2])
     fields = tuple(f.expand(*batch, *f.shape[-2:]) for f in fields)
@@ -87,11 +91,14 @@ class MaxProduct(Semiring):
 
     def tag(self, a: Value, node_id: int) -> Value:
         hi, lo = a[0], a[1]
-        node = full_int(hi.shape, node_id, hi)
         if self.neuron:
+            node = full_int(hi.shape, node_id, hi)
             idx = node_index(hi.shape, hi)
             return (hi, lo, node, idx, node, idx)
-        return (hi, lo, node, node)
+        # one pointer for the whole tensor: a broadcast scalar, not a filled tensor
+        node = torch.tensor(node_id, device=hi.device).expand(hi.shape)
+        out = (hi, lo, node, node)
+        return _Normal(out) if isinstance(a, _Normal) else out
 
     @staticmethod
     def _is_zero(a: Value) -> torch.Tensor:
@@ -104,17 +111,19 @@ class MaxProduct(Semiring):
 
     def _normalize(self, a: Value) -> Value:
         """Tensor granularity keeps hi and lo unswapped inside an op; swap at its end."""
-        if self.neuron:
+        if self.neuron or isinstance(a, _Normal):
             return a
         hi, lo, ph, pl = self._split(a)
         swap = (hi < lo) & ~self._is_zero(a)
         if not bool(swap.any()):
-            return a
-        return (
-            torch.where(swap, lo, hi),
-            torch.where(swap, hi, lo),
-            *(torch.where(swap, y, x) for x, y in zip(ph, pl)),
-            *(torch.where(swap, x, y) for x, y in zip(ph, pl)),
+            return _Normal(a)
+        return _Normal(
+            (
+                torch.where(swap, lo, hi),
+                torch.where(swap, hi, lo),
+                *(torch.where(swap, y, x) for x, y in zip(ph, pl)),
+                *(torch.where(swap, x, y) for x, y in zip(ph, pl)),
+            )
         )
 
     def accumulate(self, prev, c):
@@ -126,12 +135,13 @@ class MaxProduct(Semiring):
         bhi, blo, bph, bpl = self._split(b)
         th = ahi >= bhi
         tl = alo <= blo
-        return (
+        out = (
             torch.where(th, ahi, bhi),
             torch.where(tl, alo, blo),
             *(torch.where(th, x, y) for x, y in zip(aph, bph)),
             *(torch.where(tl, x, y) for x, y in zip(apl, bpl)),
         )
+        return out if self.neuron else _Normal(out)
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         hi, lo, ph, pl = self._split(a)
