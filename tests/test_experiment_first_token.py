@@ -1,0 +1,194 @@
+"""The first-token-repeated experiment (paper §5.1), the demo, results on disk and the CLI.
+
+Oracles: token classes from a plain loop over the sequences; the recorded branch values
+against an independent one-example ``sbp.backprop`` per example; ``summary.json`` against
+a pandas group-by of the written CSV; resuming against functions that must not run.
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("pandas")
+
+import pandas as pd  # noqa: E402
+import torch  # noqa: E402
+
+import semiring_backprop as sbp  # noqa: E402
+from semiring_backprop import experiments  # noqa: E402
+from semiring_backprop.cli import main  # noqa: E402
+from semiring_backprop.data import make_task  # noqa: E402
+from semiring_backprop.experiments import common  # noqa: E402
+from semiring_backprop.experiments import first_token as ft  # noqa: E402
+
+TINY = dict(n=400, max_epochs=2, explain_limit=12, explain_batch=5)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ftr")
+    result = experiments.run("first-token-repeated", out, progress=False, **TINY)
+    return out, result
+
+
+def test_token_classes_follow_the_data():
+    task = make_task("FirstTokenRepeatedOnce", 200, length=10, vocab_size=20, seed=3)
+    classes = ft.token_classes(task.train.x, task.train.y)
+    for ids, label, row in zip(task.train.x.tolist(), task.train.y.tolist(), classes):
+        assert row[0] == "first"
+        repeats = [t for t in range(1, 10) if ids[t] == ids[0]]
+        assert len(repeats) == (1 if label else 0)
+        for t in range(1, 10):
+            assert row[t] == ("repeated" if t in repeats else "other")
+
+
+def test_files_and_summary_shape(tiny_run):
+    out, result = tiny_run
+    for name in ("branches.csv", "summary.json", "values.jsonl", "config.json", "figure.png"):
+        assert (out / name).exists(), name
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"oplus", "bucket_sum"}
+    for agg in summary.values():
+        assert set(agg) == {"neuron", "tensor"}
+        for gran in agg.values():
+            assert set(gran) <= {"first", "repeated", "other"} and "first" in gran
+            for branches in gran.values():
+                assert set(branches) == {"skip", "query", "key", "value"}
+    assert result["explained"] == TINY["explain_limit"]
+
+
+def test_summary_is_the_mean_of_the_csv(tiny_run):
+    out, _ = tiny_run
+    frame = pd.read_csv(out / "branches.csv")
+    summary = json.loads((out / "summary.json").read_text())
+    assert frame["example"].nunique() == TINY["explain_limit"]
+    for (agg, gran, cls, branch), group in frame.groupby(
+        ["aggregation", "granularity", "token_class", "branch"]
+    ):
+        vals = group["value"].dropna()
+        want = summary[agg][gran][cls][branch]
+        if len(vals) == 0:
+            assert want is None
+        else:
+            assert want == pytest.approx(sum(vals) / len(vals), rel=1e-9)
+
+
+def test_readout_never_queries_later_tokens(tiny_run):
+    # the pooler reads position 0 only: a later token reaches it through keys and values,
+    # never through its own query or skip connection (the semiring zero: no path)
+    out, _ = tiny_run
+    frame = pd.read_csv(out / "branches.csv")
+    later = frame[(frame["token"] > 0) & frame["branch"].isin(["query", "skip"])]
+    oplus = later[later["aggregation"] == "oplus"]
+    assert oplus["value"].isna().all()
+    assert (later[later["aggregation"] == "bucket_sum"]["value"] == 0).all()
+
+
+def test_values_equal_one_example_passes(tiny_run):
+    out, _ = tiny_run
+    cfg = experiments.config("first-token-repeated", **TINY)
+    task = make_task("FirstTokenRepeatedOnce", cfg.n, length=10, vocab_size=20, seed=0)
+    model = common.bert_classifier(20, 2, hidden=16, heads=2, intermediate=32, layers=1,
+                                   length=10)  # fmt: skip
+    model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
+    model.eval()
+    frame = pd.read_csv(out / "branches.csv")
+    for i in (0, 7):  # from different explain batches
+        x, y = task.val.x[i : i + 1], task.val.y[i : i + 1]
+        gold = int(y[0])
+        srs = [sbp.MaxProduct("neuron"), sbp.MaxProduct("tensor")]
+        res = sbp.backprop(model, kwargs={"input_ids": x},
+                           output=lambda out, g=gold: out.logits[0, g], semirings=srs)  # fmt: skip
+        for sr in srs:
+            for agg in ("oplus", "bucket_sum"):
+                want = res.branches(ft.WHERE, sr, aggregate=agg)
+                got = frame[(frame["example"] == i) & (frame["granularity"] == sr.granularity)
+                            & (frame["aggregation"] == agg)]  # fmt: skip
+                for r in want[want["role"].isin(ft.BRANCHES)].itertuples():
+                    v = got[(got["token"] == r.token) & (got["branch"] == r.role)]["value"]
+                    assert len(v) == 1
+                    if r.value == float("-inf"):
+                        assert pd.isna(v.iloc[0])
+                    else:
+                        assert v.iloc[0] == pytest.approx(r.value, rel=1e-4, abs=1e-7)
+
+
+def test_rerun_resumes_without_training_or_explaining(tiny_run, monkeypatch):
+    out, first = tiny_run
+
+    def fail(*a, **k):
+        raise AssertionError("a rerun must reuse what is on disk")
+
+    monkeypatch.setattr(ft, "train", fail)
+    monkeypatch.setattr(sbp.Backprop, "__call__", fail)
+    again = experiments.run("first-token-repeated", out, progress=False, **TINY)
+    assert again["summary"] == first["summary"]
+
+
+def test_interrupted_explanation_resumes(tmp_path, monkeypatch):
+    cfg = dict(TINY, explain_limit=10, explain_batch=5)
+    calls = []
+    real = sbp.Backprop.__call__
+
+    def counting(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(sbp.Backprop, "__call__", counting)
+    with pytest.raises(KeyboardInterrupt):
+        experiments.run("first-token-repeated", tmp_path, progress=False, **cfg)
+    lines = (tmp_path / "values.jsonl").read_text().splitlines()
+    assert len(lines) == 5  # the first batch was written before the interruption
+    calls.clear()
+    monkeypatch.setattr(sbp.Backprop, "__call__", real)
+    result = experiments.run("first-token-repeated", tmp_path, progress=False, **cfg)
+    assert result["explained"] == 10
+    lines = (tmp_path / "values.jsonl").read_text().splitlines()
+    keys = [json.loads(line)["key"] for line in lines]
+    assert sorted(keys) == list(range(10))
+
+
+def test_records_drop_a_cut_off_last_line_and_refuse_a_broken_one(tmp_path):
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"key": 1}\n{"key": 2}\n{"key": 3, "x"')
+    rec = common.Records(path)
+    assert [r["key"] for r in rec.rows] == [1, 2] and rec.has(2) and not rec.has(3)
+    rec.add({"key": 3, "v": float("inf")})
+    assert json.loads(path.read_text().splitlines()[-1]) == {"key": 3, "v": None}
+    path.write_text('{"key": 1}\nnot json\n{"key": 2}\n')
+    with pytest.raises(sbp.InputError, match="r.jsonl:2"):
+        common.Records(path)
+
+
+def test_unknown_experiment_and_option_are_clear_errors():
+    with pytest.raises(sbp.InputError, match="first-token-repeated"):
+        experiments.run("first-token", "/tmp/x")
+    with pytest.raises(sbp.InputError, match="no option epochs"):
+        experiments.config("first-token-repeated", epochs=3)
+
+
+def test_cli_experiment_and_set(tmp_path, capsys):
+    out = tmp_path / "cli"
+    argv = ["experiment", "first-token-repeated", "--out", str(out), "--set"]
+    argv += [f"{k}={v}" for k, v in TINY.items()]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "oplus" in printed and (out / "summary.json").exists()
+    assert json.loads((out / "config.json").read_text())["n"] == TINY["n"]
+    assert main(["experiment", "first-token-repeated", "--set", "n=many"]) == 2
+    assert "expected a int" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_reaches_full_accuracy_and_explains(tmp_path):
+    lines = []
+    result = ft.demo(tmp_path, progress=False, print_fn=lines.append)
+    assert result["val_accuracy"] == 1.0
+    text = "\n".join(lines)
+    assert "Reading:" in text and "tensor granularity" in text
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == result["summary"]
+    assert (tmp_path / "figure.png").stat().st_size > 0
