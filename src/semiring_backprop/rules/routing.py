@@ -167,6 +167,28 @@ def _embedding_sources(w, ids, padding_idx=-1, *args, **kwargs):
 _index_put_copy = _source_rule(data_slots=(0, 2))
 
 
+def _select(sr, g, keep, shape):
+    """D of an input read where ``keep`` holds (the zero elsewhere), ⊕-reduced over the
+    dims the op broadcast it along."""
+    zero = sr.zero((1,), g[0])
+    picked = tuple(torch.where(keep, f, z) for f, z in zip(g, zero))
+    return _unbroadcast(sr, picked, shape)
+
+
+@register(aten.where.self, "routing")
+def _where(sr, g, op, cond, a, b):
+    out = [None, None, None]
+    for i, x, keep in ((1, a, cond), (2, b, ~cond)):
+        if op.needs(i) and isinstance(x, torch.Tensor) and x.is_floating_point():
+            out[i] = _select(sr, g, keep, x.shape)
+    return out
+
+
+@register(aten.masked_fill.Scalar, "routing")
+def _masked_fill(sr, g, op, x, mask, value):
+    return [_select(sr, g, ~mask, x.shape) if op.needs(0) else None, None, None]
+
+
 @register(aten.index_put.default, "routing")
 def _index_put(sr, g, op, x, indices, values, accumulate=False):
     """``accumulate=True`` adds: each output element reads itself and every value put there."""
@@ -185,8 +207,6 @@ routing(aten.flip.default)
 routing(aten.roll.default)
 routing(aten.diagonal.default)
 routing(aten.embedding.default, index_fn=_embedding_sources)
-routing(aten.where.self, data_slots=(1, 2))
-routing(aten.masked_fill.Scalar, index_fn=lambda x, mask, value: aten.masked_fill(x, mask, -1))
 routing(aten.masked_fill.Tensor, data_slots=(0, 2))
 routing(
     aten.constant_pad_nd.default,
