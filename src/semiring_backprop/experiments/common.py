@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -156,6 +157,23 @@ class Records:
         import pandas as pd
 
         return pd.DataFrame(self.rows)
+
+
+def same_settings(out: Path, config, free=()) -> None:
+    """Write ``config.json`` into ``out``; if an earlier run left one there whose settings
+    differ (other than the ``free`` fields, which only choose what to compute or
+    report), its records would be stale: raise instead of mixing them."""
+    path = out / "config.json"
+    now = json.loads(json.dumps(asdict(config)))  # tuples as JSON lists
+    if path.exists():
+        before = json.loads(path.read_text())
+        changed = sorted(k for k in now if k not in free and before.get(k, now[k]) != now[k])
+        if changed:
+            raise InputError(
+                f"{out} holds results of a run with other settings ({', '.join(changed)}); "
+                "write into a new output directory, or delete this one to start over"
+            )
+    write_json(path, now)
 
 
 def write_json(path: Path, obj) -> Path:

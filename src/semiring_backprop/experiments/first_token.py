@@ -10,14 +10,14 @@ repeated token's through the key (the largest value of all).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..api import Backprop
 from ..semirings import MaxProduct
-from .common import Records, bert_classifier, train, trained, write_json
+from .common import Records, bert_classifier, same_settings, train, trained, write_json
 
 BRANCHES = ("skip", "query", "key", "value")
 CLASSES = ("first", "repeated", "other")
@@ -77,7 +77,8 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     config = config or Config()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", asdict(config))
+    # which examples are explained, and how many per pass, change no result on disk
+    same_settings(out, config, free=("explain_batch", "explain_limit"))
     task = make_task("FirstTokenRepeatedOnce", config.n, length=config.length,
                      vocab_size=config.vocab_size, seed=config.seed)  # fmt: skip
     model = bert_classifier(

@@ -1,0 +1,371 @@
+"""The ``entropy-sanity`` and ``sva`` experiments, on tiny random models.
+
+Each experiment runs once per module-scoped fixture (tracing dominates the runtime);
+the tests read what it wrote and check it against independent computations: a direct
+``sbp.backprop`` on the plain Hugging Face model with constant indices, a brute-force path
+enumeration for the MLP, ``scipy.stats.spearmanr`` on the written CSV, and token
+positions worked out by hand from the vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pd = pytest.importorskip("pandas")
+scipy_stats = pytest.importorskip("scipy.stats")
+pytest.importorskip("matplotlib")
+
+import huggingface_hub.constants  # noqa: E402
+
+import semiring_backprop as sbp  # noqa: E402
+from semiring_backprop import experiments  # noqa: E402
+from semiring_backprop.data import first_feature  # noqa: E402
+from semiring_backprop.experiments import entropy_sanity, sva  # noqa: E402
+
+TINY_BERT = dict(bert_hidden=16, bert_layers=1, bert_heads=2, bert_intermediate=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _offline_quiet():
+    was = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+    if was:
+        transformers.utils.logging.enable_progress_bar()
+
+
+def _vocab(model_dir) -> list[str]:
+    return (model_dir / "vocab.txt").read_text().split()
+
+
+def _direct(model_dir, ids, position, good, bad, semirings):
+    """An independent pass: the plain model, the score with constant indices."""
+    model = transformers.BertForMaskedLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([ids])
+
+    def score(out):
+        logp = out.logits[0, position].log_softmax(-1)
+        return logp[good] - logp[bad]
+
+    kwargs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    res = sbp.backprop(model, kwargs=kwargs, output=score, semirings=semirings)
+    with torch.no_grad():
+        expected = float(score(model(**kwargs)))
+    return res, expected
+
+
+# -- entropy-sanity ---------------------------------------------------------------------
+
+SANITY = entropy_sanity.Config(lengths=(4, 9), per_length=1, vocab_words=30, hidden_sizes=(4,),
+                               n=100, epochs=2, **TINY_BERT)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sanity(tmp_path_factory, _offline_quiet):
+    out = tmp_path_factory.mktemp("sanity")
+    return out, entropy_sanity.run(out, SANITY, progress=False)
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sanity_writes_its_files(sanity):
+    out, result = sanity
+    names = {p.rsplit("/", 1)[-1] for p in result["files"]}
+    assert names == {"length.csv", "hidden.csv", "summary.json", "figure.png"}
+    assert all((out / n).stat().st_size > 0 for n in names)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["length"]["by_length"]) == {"4", "9"}
+    assert set(summary["hidden"]["4"]) >= {"relevant", "irrelevant"}
+    length = pd.read_csv(out / "length.csv")
+    assert sorted(length["length"]) == [4, 9]
+    assert (length["entropy"] > 0).all() and (length["normalized"] <= 1 + 1e-9).all()
+
+
+def test_sanity_sentence_entropy_equals_a_direct_pass(sanity):
+    out, _ = sanity
+    row = next(r for r in _lines(out / "length.jsonl") if r["length"] == 9)
+    vocab = _vocab(out / "model")
+    ids = row["input_ids"]
+    # [CLS], nine words one of which is [MASK], [SEP]
+    assert [vocab[ids[0]], vocab[ids[-1]]] == ["[CLS]", "[SEP]"] and len(ids) == 11
+    assert [vocab[i] for i in ids].count("[MASK]") == 1 and vocab[ids[row["position"]]] == "[MASK]"
+    good, bad = vocab.index(SANITY.target), vocab.index(SANITY.foil)
+    res, score = _direct(out / "model", ids, row["position"], good, bad,
+                         [sbp.Entropy(), sbp.PathCount()])  # fmt: skip
+    place = "bert.embeddings.word_embeddings"
+    h = res.at(place, sbp.Entropy()).entropy.double()
+    log_n = res.at(place, sbp.PathCount()).log_count.double()
+    assert row["score"] == pytest.approx(score, abs=1e-5)
+    assert row["entropy"] == pytest.approx(float(h.mean()), rel=1e-5)
+    assert row["normalized"] == pytest.approx(float((h / log_n).mean()), rel=1e-5)
+
+
+def _brute_force_entropy(mlp, x, gold) -> torch.Tensor:
+    """Entropy of p(π) ∝ |w(π)| over the paths x_j -> hidden k -> logit ``gold``."""
+    first, last = mlp[0], mlp[2]
+    active = (first(x) > 0).double()  # ReLU's local derivative
+    out = []
+    for j in range(x.shape[-1]):
+        w = [float(first.weight[k, j] * active[k] * last.weight[gold, k])
+             for k in range(first.out_features)]  # fmt: skip
+        p = np.abs(w) / np.abs(w).sum()
+        out.append(-sum(q * math.log(q) for q in p if q > 0))
+    return torch.tensor(out)
+
+
+def test_sanity_mlp_entropy_equals_a_direct_pass(sanity):
+    out, _ = sanity
+    row = next(r for r in _lines(out / "hidden.jsonl") if r["hidden"] == 4)
+    mlp = entropy_sanity.mlp(4)
+    mlp.load_state_dict(torch.load(out / "mlp-4" / "model.pt", weights_only=True))
+    val = first_feature(SANITY.n, seed=SANITY.seed).val
+    x, gold = val.x[:1], int(val.y[0])
+    res = sbp.backprop(mlp.eval(), args=(x,), output=lambda y: y[0, gold],
+                       semirings=[sbp.Entropy()])  # fmt: skip
+    direct = res.at(0, sbp.Entropy()).entropy[0].double()
+    recorded = torch.tensor(row["per_example"][0], dtype=torch.float64)
+    torch.testing.assert_close(recorded, direct, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        brute = _brute_force_entropy(mlp, x[0], gold)
+    torch.testing.assert_close(recorded, brute, rtol=1e-4, atol=1e-5)
+    # the summary's means are over the validation examples, as written
+    per = np.array(row["per_example"])
+    assert len(per) == len(val)
+    hidden = pd.read_csv(out / "hidden.csv").set_index("hidden")
+    assert hidden.loc[4, "relevant"] == pytest.approx(per[:, 0].mean())
+    assert hidden.loc[4, "irrelevant"] == pytest.approx(per[:, 1:].mean())
+
+
+def test_sanity_rerun_resumes_without_recomputing(sanity, monkeypatch):
+    out, first = sanity
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a rerun recomputed finished work")
+
+    for name in ("Backprop", "train", "random_masked_lm"):
+        monkeypatch.setattr(entropy_sanity, name, fail)
+    again = entropy_sanity.run(out, SANITY, progress=False)
+    assert again["summary"] == first["summary"]
+
+
+# -- sva --------------------------------------------------------------------------------
+
+SVA = sva.Config(limit=8, synthetic=20, length_bins=(0, 14, 1000),
+                 aggregation=("oplus", "bucket_sum"), **TINY_BERT)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory, _offline_quiet):
+    out = tmp_path_factory.mktemp("sva")
+    return out, sva.run(out, SVA, progress=False)
+
+
+def test_sva_writes_its_files(synthetic_run):
+    out, result = synthetic_run
+    names = {p.rsplit("/", 1)[-1] for p in result["files"]}
+    assert names == {"branches.csv", "entropy.csv", "summary.json", "branches.png",
+                     "attractors.png"}  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["skipped"] == 0 and summary["explained"] == 8
+    assert "random" in summary["note"]
+    assert set(summary["branches"]["all"]) == {"0.attention", "0.mlp"}
+    assert set(summary["branches"]["subject"]["0.attention"]) == {"skip", "query", "key", "value"}
+    assert set(summary["attractors"]) == {"0-13", "14-999"}
+    branches = pd.read_csv(out / "branches.csv")
+    assert set(branches["aggregation"]) == {"oplus", "bucket_sum"}
+    assert set(branches["token_group"]) == {"subject", "attractor", "all"}
+
+
+def _group_mean(table, semiring, layer, sublayer, branch, tokens, dead):
+    vals = []
+    for t in tokens:
+        row = table[(table.semiring == semiring) & (table.layer == layer)
+                    & (table.sublayer == sublayer) & (table.branch == branch)
+                    & (table.token == t)]  # fmt: skip
+        v = float(row["value"].iloc[0])
+        if math.isfinite(v) and (layer, sublayer, branch, t) not in dead:
+            vals.append(v)
+    return sum(vals) / len(vals) if vals else None
+
+
+def test_sva_branch_values_equal_a_direct_layer_table(synthetic_run):
+    out, _ = synthetic_run
+    row = _lines(out / "examples.jsonl")[1]
+    line = json.loads((out / "synthetic.jsonl").read_text().splitlines()[1])
+    vocab = _vocab(out / "model")
+    assert line["attractors"]  # all three token groups are checked
+    # one token per word here: word i is token i + 1 (after [CLS])
+    assert row["subject_tokens"] == [line["subject"] + 1]
+    assert row["attractor_tokens"] == [a + 1 for a in line["attractors"]]
+    assert row["good"] == vocab.index(line["one_prefix_word_good"])
+    top = sbp.MaxProduct()
+    res, score = _direct(out / "model", row["input_ids"], row["position"], row["good"],
+                         row["bad"], [top, sbp.Entropy()])  # fmt: skip
+    assert row["score"] == pytest.approx(score, abs=1e-5)
+    groups = {"subject": row["subject_tokens"], "attractor": row["attractor_tokens"],
+              "all": list(range(len(row["input_ids"])))}  # fmt: skip
+    recorded = {tuple(v[:6]): v[6] for v in row["values"]}
+    checked = 0
+    for agg in ("oplus", "bucket_sum"):
+        table = res.layer_table(aggregate=agg, by="role")
+        mp = table[table.semiring == top.name]
+        dead = {(r.layer, r.sublayer, r.branch, r.token)
+                for r in mp.itertuples() if r.value == -math.inf}  # fmt: skip
+        for (sr, layer, sub, branch) in table[["semiring", "layer", "sublayer", "branch"]] \
+                .drop_duplicates().itertuples(index=False):  # fmt: skip
+            for group, tokens in groups.items():
+                if not tokens:
+                    continue
+                expected = _group_mean(table, sr, layer, sub, branch, tokens,
+                                       dead if agg == "oplus" else set())  # fmt: skip
+                got = recorded[(sr, agg, layer, sub, branch, group)]
+                if expected is None:
+                    assert got is None
+                else:
+                    assert got == pytest.approx(expected, rel=1e-4, abs=1e-12)
+                checked += 1
+    assert checked == len(recorded) > 0
+
+
+def test_sva_branches_csv_is_the_mean_of_the_records(synthetic_run):
+    out, _ = synthetic_run
+    rows = _lines(out / "examples.jsonl")
+    branches = pd.read_csv(out / "branches.csv")
+    assert branches.loc[branches["n"] == 0, "value"].isna().all()  # never a path: no value
+    live = branches[branches["n"] > 0]
+    assert len(live) > 0
+    for r in live.sample(8, random_state=0).itertuples():
+        key = [r.semiring, r.aggregation, r.layer, r.sublayer, r.branch, r.token_group]
+        vals = [v[6] for row in rows for v in row["values"] if v[:6] == key and v[6] is not None]
+        assert r.n == len(vals)
+        assert r.value == pytest.approx(np.mean(vals))
+
+
+def test_sva_spearman_equals_scipy_on_the_csv(synthetic_run):
+    out, result = synthetic_run
+    entropy = pd.read_csv(out / "entropy.csv")
+    embeddings = {r["key"]: r["entropy"] for r in _lines(out / "examples.jsonl")}
+    assert entropy["entropy"].tolist() == [embeddings[k] for k in entropy["example"]]
+    found = 0
+    for label, stats in result["summary"]["attractors"].items():
+        part = entropy[entropy["length_bin"] == label]
+        assert stats["n"] == len(part)
+        if stats["spearman_rho"] is None:
+            assert len(part) < 3 or part["attractors"].nunique() < 2
+            continue
+        expected = scipy_stats.spearmanr(part["attractors"], part["entropy"])
+        assert stats["spearman_rho"] == pytest.approx(expected.statistic)
+        assert stats["p"] == pytest.approx(expected.pvalue)
+        found += 1
+    assert found >= 1
+
+
+WORDS = "the dog ##s near key cabinet cabinets of is are here".split()
+
+
+@pytest.fixture(scope="module")
+def word_piece_model(tmp_path_factory, _offline_quiet):
+    """A saved random BERT whose vocabulary splits "dogs" into "dog ##s" and lacks "run"."""
+    d = tmp_path_factory.mktemp("bert")
+    (d / "vocab.txt").write_text("\n".join(list(entropy_sanity.SPECIAL) + WORDS) + "\n")
+    transformers.BertTokenizer(str(d / "vocab.txt")).save_pretrained(d)
+    cfg = transformers.BertConfig(vocab_size=len(WORDS) + 5, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32,
+                                  max_position_embeddings=32)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(cfg).save_pretrained(d)
+    return d
+
+
+def _blimp(prefix, good, bad, rest, subject, attractors) -> str:
+    return json.dumps({
+        "sentence_good": f"{prefix} {good} {rest}", "sentence_bad": f"{prefix} {bad} {rest}",
+        "one_prefix_prefix": prefix, "one_prefix_word_good": good, "one_prefix_word_bad": bad,
+        "subject": subject, "attractors": attractors,
+    })  # fmt: skip
+
+
+def test_sva_on_a_blimp_file_maps_words_to_pieces_and_skips(word_piece_model, tmp_path):
+    data = tmp_path / "agreement.jsonl"
+    data.write_text("\n".join([
+        _blimp("the dogs near the key", "are", "is", "here", 1, [4]),
+        _blimp("the dog near the cabinets", "run", "runs", "here", 1, [4]),  # not in vocab
+        _blimp("the key of the cabinets", "is", "are", "here", 1, [4]),
+    ]) + "\n")  # fmt: skip
+    out = tmp_path / "out"
+    result = experiments.run("sva", out, model=str(word_piece_model), data=str(data),
+                             aggregation=("oplus",), progress=False)  # fmt: skip
+    summary = result["summary"]
+    assert summary["skipped"] == 1 and summary["explained"] == 2 and "note" not in summary
+    (reason,) = summary["skip_reasons"]
+    assert "'run'" in reason and "vocabulary" in reason
+    rows = _lines(out / "examples.jsonl")
+    assert rows[1]["skipped"] == reason
+    # [CLS] the dog ##s near the key [MASK] here [SEP]
+    assert rows[0]["subject_tokens"] == [2, 3] and rows[0]["attractor_tokens"] == [6]
+    assert rows[0]["position"] == 7 and rows[2]["subject_tokens"] == [2]
+    assert pd.read_csv(out / "entropy.csv")["example"].tolist() == [0, 2]
+
+
+class _SlowTokenizer:
+    """A tokenizer seen as slow: ``word_pieces`` must tokenize word by word."""
+
+    is_fast = False
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __call__(self, *args, **kwargs):
+        return self._tok(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_word_pieces_fast_and_word_by_word(word_piece_model):
+    tok = transformers.AutoTokenizer.from_pretrained(word_piece_model)
+    words = ["the", "dogs", tok.mask_token, "here"]
+    ids = tok.convert_tokens_to_ids(["[CLS]", "the", "dog", "##s", "[MASK]", "here", "[SEP]"])
+    expected = (ids, [[1], [2, 3], [4], [5]])
+    assert sva.word_pieces(tok, words) == expected
+    assert sva.word_pieces(_SlowTokenizer(tok), words) == expected
+
+
+def test_sva_linzen_without_positions_needs_spacy(tmp_path):
+    try:
+        import spacy  # noqa: F401
+
+        pytest.skip("spaCy is installed: the error path is not reachable")
+    except ImportError:
+        pass
+    data = tmp_path / "agreement.tsv"
+    data.write_text("1\tthe keys to the cabinet are here\tthe keys to the cabinet ***mask*** "
+                    "here\tare\tis\n")  # fmt: skip
+    with pytest.raises(sbp.InputError, match="spaCy"):
+        experiments.run("sva", tmp_path / "out", data=str(data), progress=False)
+    assert not (tmp_path / "out" / "model").exists()  # failed before building a model
+
+
+def test_sva_refuses_to_mix_settings(synthetic_run):
+    out, _ = synthetic_run
+    with pytest.raises(sbp.InputError, match="granularity"):
+        sva.run(out, replace(SVA, granularity="tensor"), progress=False)
+
+
+def test_sva_config_errors(tmp_path):
+    with pytest.raises(sbp.InputError, match="aggregation"):
+        experiments.run("sva", tmp_path, aggregation=("sum",), progress=False)
+    with pytest.raises(sbp.InputError, match="length_bins"):
+        experiments.run("sva", tmp_path, length_bins=(10, 5), progress=False)
