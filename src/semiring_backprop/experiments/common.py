@@ -49,6 +49,19 @@ def logits(model, x: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
+class GoldLogit(torch.nn.Module):
+    """The gold-class logit of each example of a batch (a per-example scalar to explain:
+    ``Backprop(GoldLogit(model), output=lambda y: y, per_example=True)``); the gold
+    class is a tensor input, so one trace serves every batch."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, gold):
+        return logits(self.model, x).gather(-1, gold[:, None])[:, 0]
+
+
 @torch.no_grad()
 def accuracy(model, split, batch_size: int = 1024) -> float:
     was = model.training

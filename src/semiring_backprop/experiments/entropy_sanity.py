@@ -26,7 +26,7 @@ import torch
 from ..api import Backprop
 from ..errors import InputError
 from ..semirings import Entropy, PathCount
-from .common import Records, same_settings, train, trained, write_json
+from .common import GoldLogit, Records, same_settings, train, trained, write_json
 
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _WORD = re.compile(r"^[a-z]{2,}$")  # whole lowercase words of a WordPiece vocabulary
@@ -272,17 +272,6 @@ def mlp(hidden: int, features: int = 4) -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(features, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 2)
     )
-
-
-class GoldLogit(torch.nn.Module):
-    """The gold-class logit of each example of a batch of feature vectors."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x, gold):
-        return self.model(x).gather(-1, gold[:, None])[:, 0]
 
 
 def widths(out: Path, config: Config, progress: bool = True) -> list[dict]:

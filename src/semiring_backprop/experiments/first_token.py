@@ -17,7 +17,7 @@ import torch
 
 from ..api import Backprop
 from ..semirings import MaxProduct
-from .common import Records, bert_classifier, same_settings, train, trained, write_json
+from .common import GoldLogit, Records, bert_classifier, same_settings, train, trained, write_json
 
 BRANCHES = ("skip", "query", "key", "value")
 CLASSES = ("first", "repeated", "other")
@@ -44,17 +44,6 @@ class Config:
     @classmethod
     def quick(cls) -> Config:
         return replace(cls(), explain_limit=200)  # the same model: training takes ~20 s
-
-
-class GoldLogit(torch.nn.Module):
-    """The gold-class logit of each example (a per-example scalar)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, gold):
-        return self.model(input_ids=input_ids).logits.gather(-1, gold[:, None])[:, 0]
 
 
 def token_classes(x: torch.Tensor, y: torch.Tensor) -> list[list[str]]:
