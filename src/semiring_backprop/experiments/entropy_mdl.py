@@ -44,7 +44,8 @@ Files: ``runs.jsonl`` / ``runs.csv`` (one row per task × seed), ``mdl_blocks.js
 (bits per block), ``entropy.jsonl`` (per validation example), ``summary.json``,
 ``figure.png``, and the trained models under ``models/``. Every row is written when it is
 computed; a rerun into the same directory skips finished runs, blocks and examples and
-reloads trained models (it assumes the same config: use a new directory for another).
+reloads trained models (other settings, apart from more tasks or seeds, are refused: use
+a new directory).
 
 >>> from semiring_backprop import experiments
 >>> result = experiments.run("entropy-vs-mdl", "runs/mdl", quick=True)
@@ -57,7 +58,7 @@ import inspect
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -71,6 +72,7 @@ from .common import (
     accuracy,
     bert_classifier,
     logits,
+    same_settings,
     train,
     trained,
     write_json,
@@ -287,7 +289,8 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     out = Path(out)
     data = _make_data(config)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "config.json", asdict(config))
+    # more tasks or seeds add runs; any other change would make the rows on disk stale
+    same_settings(out, config, free=("tasks", "seeds"))
     records = {name: Records(out / f"{name}.jsonl") for name in ("runs", "mdl_blocks", "entropy")}
     keys = [run_key(spec, seed) for spec in config.tasks for seed in config.seeds]
     todo = [k for k in keys if not records["runs"].has(k)]
