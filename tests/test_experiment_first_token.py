@@ -183,7 +183,7 @@ def test_cli_experiment_and_set(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_demo_reaches_full_accuracy_and_explains(tmp_path):
+def test_demo_reaches_full_accuracy_and_explains(tmp_path, capsys):
     lines = []
     result = ft.demo(tmp_path, progress=False, print_fn=lines.append)
     assert result["val_accuracy"] == 1.0
@@ -192,3 +192,7 @@ def test_demo_reaches_full_accuracy_and_explains(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary == result["summary"]
     assert (tmp_path / "figure.png").stat().st_size > 0
+    # the CLI's demo into the same directory reuses the trained model and the records
+    assert main(["demo", "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "100% validation accuracy" in printed and "repeated" in printed
