@@ -19,6 +19,7 @@ import torch
 from .. import engine
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxAbs, MaxProduct, Real, TopK
+from ..semirings.maxproduct import unpack_pointer
 from ..tracing import mark_module
 
 _REAL = Real()
@@ -320,8 +321,7 @@ def _top_path_maxproduct(res, source, sr: MaxProduct, sign: str) -> Path:
     running = 1.0
     while node is not out_node:
         a = _raw(res, node, k)
-        c_id = int(a[2 + 2 * f].reshape(-1)[e])
-        c_idx = int(a[3 + 2 * f].reshape(-1)[e])
+        c_id, c_idx = unpack_pointer(int(a[2 + f].reshape(-1)[e]))
         if c_id < 0:
             raise _broken(node)
         c = graph.nodes[c_id]

@@ -15,9 +15,17 @@ from .base import (
     _dims,
     full_int,
     move_to_end,
-    node_index,
     reduced_shape,
 )
+
+#: a neuron-granularity back-pointer packs (consumer node id, element index) into one
+#: int64: node << PTR_SHIFT | index (-1: none). Half the pointer work of two fields.
+PTR_SHIFT = 40
+
+
+def unpack_pointer(p: int) -> tuple[int, int]:
+    """``(node id, element index)`` of a packed neuron pointer; ``(-1, ...)`` for none."""
+    return p >> PTR_SHIFT, p & ((1 << PTR_SHIFT) - 1)
 
 
 @dataclass(frozen=True)
@@ -67,8 +75,8 @@ class MaxProduct(Semiring):
 
     @property
     def fields(self):
-        if self.neuron:
-            return ("hi", "lo", "hi_node", "hi_idx", "lo_node", "lo_idx")
+        if self.neuron:  # (consumer node, element of its output), packed: see PTR_SHIFT
+            return ("hi", "lo", "hi_ptr", "lo_ptr")
         return ("hi", "lo", "hi_node", "lo_node")
 
     @property
@@ -92,9 +100,9 @@ class MaxProduct(Semiring):
     def tag(self, a: Value, node_id: int) -> Value:
         hi, lo = a[0], a[1]
         if self.neuron:
-            node = full_int(hi.shape, node_id, hi)
-            idx = node_index(hi.shape, hi)
-            return (hi, lo, node, idx, node, idx)
+            base = node_id << PTR_SHIFT
+            ptr = torch.arange(base, base + hi.numel(), device=hi.device).view(hi.shape)
+            return (hi, lo, ptr, ptr)
         # one pointer for the whole tensor: a broadcast scalar, not a filled tensor
         node = torch.tensor(node_id, device=hi.device).expand(hi.shape)
         out = (hi, lo, node, node)
