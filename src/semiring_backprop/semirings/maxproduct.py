@@ -36,7 +36,7 @@ class MaxProductReadout:
 
 def _nan_to(t: torch.Tensor, fill: float) -> torch.Tensor:
     # 0 · ±inf arises only from a zero-weight edge times the semiring zero: still zero
-    return torch.where(torch.isnan(t), torch.full_like(t, fill), t)
+    return torch.nan_to_num(t, nan=fill, posinf=INF, neginf=-INF)
 
 
 class _Normal(tuple):
