@@ -554,6 +554,9 @@ def test_branches_against_brute_force_paths(norm_first):
                 for k in range(len(ents))
             ]  # fmt: skip
             np.testing.assert_allclose(rows["value"].to_numpy(), branch_best, rtol=1e-12)
+            # ``path``: some path from the token's units leaves through the branch
+            leaves = [any(len(buckets[k][i]) for i in per_tok[t]) for k in range(len(ents))]
+            assert rows["path"].tolist() == leaves
             winners = list(rows[rows["winner"]].itertuples())
             if not any(len(all_paths[i]) for i in per_tok[t]):
                 # no path from this token at all: no branch wins
@@ -575,7 +578,7 @@ def test_roles_discovered_at_each_layer(key):
     table = res.layer_table(semirings=[sbp.MaxProduct()], tokens=TOKENS)
     assert set(table.columns) == {
         "layer", "sublayer", "token", "token_text", "branch", "consumer", "value", "winner",
-        "semiring",
+        "path", "semiring",
     }  # fmt: skip
     assert "example" not in table.columns
     assert sorted(table["layer"].unique()) == list(range(n_layers))

@@ -109,7 +109,10 @@ class Result:
     def branches(self, where, semiring: Semiring | None = None, aggregate: str = "oplus",
                  roles=None, by: str = "consumer"):  # fmt: skip
         """Tidy DataFrame (``token``, ``consumer``, ``role``, ``value``, ``winner``,
-        ``semiring``): the ⊕ over paths from ``where`` that leave through each consumer.
+        ``path``, ``semiring``): the ⊕ over paths from ``where`` that leave through each
+        consumer. ``path`` is False where the value is the semiring's zero: no path
+        leaves the token through that branch (for ``Entropy``, ``LogAbs``, no path of
+        nonzero weight), which a value of 0 alone cannot tell apart from a real 0.
 
         ``aggregate="oplus"``: ⊕ over each token's hidden units, per branch (``winner``
         marks the branch holding the token's best value). ``"bucket_sum"``: each hidden
@@ -126,7 +129,7 @@ class Result:
     def layer_table(self, semirings=None, aggregate: str = "oplus", tokens=None, roles=None,
                     sublayers=("attention", "mlp"), by: str = "consumer"):  # fmt: skip
         """Tidy DataFrame (``layer``, ``sublayer``, ``token``, ``token_text``, ``branch``,
-        ``consumer``, ``value``, ``winner``, ``semiring``) for every attention block:
+        ``consumer``, ``value``, ``winner``, ``path``, ``semiring``) for every attention block:
         branches at the block's input (skip/query/key/value) and at the input of its MLP
         sublayer (skip/mlp). ``tokens``: the token strings, for ``token_text``."""
         from .analysis import branches

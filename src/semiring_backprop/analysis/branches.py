@@ -322,8 +322,9 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim):
         agg = [sr.sum(val, (hidden_dim,)) for val in values]
         stacked = torch.stack([sr.scalar(a) for a in agg])  # (branches, *tokens)
         win = stacked.argmax(0)
-        live = torch.stack([a[0] != zero for a in agg])  # a path leaves through it
-        live = live.reshape(*stacked.shape, -1).any(-1).any(0)
+        has = torch.stack([a[0] != zero for a in agg])  # a path leaves through it
+        has = has.reshape(*stacked.shape, -1).any(-1)
+        live = has.any(0)
     else:
         score = torch.stack([_rank(sr, val) for val in values])  # (branches, *shape)
         best = score.argmax(0)
@@ -335,6 +336,8 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim):
         stacked = torch.stack([torch.where(best == b, unit, 0).sum(hd) for b in range(len(values))])
         win = stacked.argmax(0)
         live = (total[0] != zero).reshape(*unit.shape, -1).any(-1).any(hd)
+        has = torch.stack([(v[0] != zero).reshape(*unit.shape, -1).any(-1).any(hd)
+                           for v in values])  # fmt: skip
     stacked = stacked.detach().cpu().double()
     batched = stacked.dim() > 2 and stacked.shape[1] > 1
     for idx in _indices(stacked.shape[1:]):
@@ -346,6 +349,7 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim):
                     "role": e.role,
                     "value": float(stacked[(b, *idx)]),
                     "winner": bool(win[idx] == b) and bool(live[idx]),
+                    "path": bool(has[(b, *idx)]),
                     "semiring": sr.name,
                 }
             )
