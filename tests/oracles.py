@@ -363,3 +363,12 @@ def local_derivative(result, node, slot: int, out_flat: int) -> torch.Tensor:
         seed[out_flat] = 1.0
         (g,) = torch.autograd.grad(out, x, seed.view(out.shape), allow_unused=True)
     return torch.zeros(x.numel(), dtype=torch.float64) if g is None else g.reshape(-1)
+
+
+def all_semirings() -> list:
+    """Every semiring the library ships, both MaxProduct granularities included."""
+    sbp = semiring_backprop
+    return [
+        sbp.Real(), sbp.MaxProduct(), sbp.MaxProduct("tensor"), sbp.MaxAbs(), sbp.LogAbs(),
+        sbp.Entropy(), sbp.PathCount(), sbp.TopK(3),
+    ]  # fmt: skip

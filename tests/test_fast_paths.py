@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 
+import oracles
 import semiring_backprop as sbp
 from semiring_backprop import kernels
 from semiring_backprop.rules import contraction
@@ -86,16 +87,7 @@ def test_compiled_maxplus_equals_eager(compiled):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-SEMIRINGS = [
-    sbp.Real(),
-    sbp.MaxProduct(),
-    sbp.MaxProduct("tensor"),
-    sbp.MaxAbs(),
-    sbp.LogAbs(),
-    sbp.Entropy(),
-    sbp.PathCount(),
-    sbp.TopK(3),
-]
+SEMIRINGS = oracles.all_semirings()
 
 
 @pytest.mark.parametrize("sr", SEMIRINGS, ids=lambda s: s.name)

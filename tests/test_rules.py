@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils import _pytree as pytree
 
+import oracles
 import semiring_backprop as sbp
 from semiring_backprop import rules
 from semiring_backprop.engine import _pair
@@ -36,16 +37,7 @@ from semiring_backprop.engine import _pair
 aten = torch.ops.aten
 sbp_ops = torch.ops.semiring_backprop
 
-ALL = [
-    sbp.Real(),
-    sbp.MaxProduct(),
-    sbp.MaxProduct("tensor"),
-    sbp.MaxAbs(),
-    sbp.LogAbs(),
-    sbp.Entropy(),
-    sbp.PathCount(),
-    sbp.TopK(3),
-]
+ALL = oracles.all_semirings()
 
 
 def r(*shape, seed=0, low=None):

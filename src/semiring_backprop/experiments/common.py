@@ -189,6 +189,17 @@ def same_settings(out: Path, config, free=()) -> None:
     write_json(path, now)
 
 
+def spearman(x, y) -> dict:
+    """Spearman's ρ, its p-value and n; ρ is None when either side is constant or n < 3
+    (scipy would warn and return NaN)."""
+    from scipy.stats import spearmanr
+
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return {"spearman_rho": None, "p": None, "n": len(x)}
+    r = spearmanr(x, y)
+    return {"spearman_rho": float(r.statistic), "p": float(r.pvalue), "n": len(x)}
+
+
 def write_json(path: Path, obj) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

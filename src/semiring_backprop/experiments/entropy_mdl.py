@@ -73,6 +73,7 @@ from .common import (
     bert_classifier,
     logits,
     same_settings,
+    spearman,
     train,
     trained,
     write_json,
@@ -450,26 +451,23 @@ def _summary(rows: list[dict], config: Config) -> dict:
             "mdl_bits": mean([r["mdl_bits"] for r in ok]),
             "mean_entropy": mean([r["mean_entropy"] for r in ok]),
         }  # fmt: skip
-    spearman = None
-    xs, ys = [r["mdl_bits"] for r in kept], [r["mean_entropy"] for r in kept]
-    if len(kept) >= 3 and len(set(xs)) > 1 and len(set(ys)) > 1:
-        from scipy.stats import spearmanr
-
-        rho, p = spearmanr(xs, ys)
-        spearman = {"rho": float(rho), "p_value": float(p), "n": len(kept)}
+    rank = spearman([r["mdl_bits"] for r in kept], [r["mean_entropy"] for r in kept])
+    corr = None
+    if rank["spearman_rho"] is not None:
+        corr = {"rho": rank["spearman_rho"], "p_value": rank["p"], "n": rank["n"]}
     threshold = f"{config.min_accuracy:.0%} validation accuracy"
     if not kept:
         note = (f"ALL {len(rows)} runs were dropped (under {threshold}): nothing is plotted "
                 "or correlated; the data is in runs.jsonl / runs.csv")  # fmt: skip
-    elif spearman is None:
+    elif corr is None:
         why = "Spearman's rho needs at least 3" if len(kept) < 3 else "one side is constant"
         note = f"{len(kept)} of {len(rows)} runs reached {threshold}; no correlation ({why})"
     else:
-        rho, p = spearman["rho"], spearman["p_value"]
+        rho, p = corr["rho"], corr["p_value"]
         note = (f"{len(kept)} of {len(rows)} runs reached {threshold}; Spearman's rho "
                 f"between MDL and mean entropy {rho:.3f} (p={p:.3g})")  # fmt: skip
     return {"runs": len(rows), "kept": len(kept), "dropped": len(rows) - len(kept),
-            "min_accuracy": config.min_accuracy, "spearman": spearman, "note": note,
+            "min_accuracy": config.min_accuracy, "spearman": corr, "note": note,
             "tasks": tasks}  # fmt: skip
 
 

@@ -26,7 +26,7 @@ import torch
 from ..api import Backprop
 from ..errors import InputError
 from ..semirings import Entropy, PathCount
-from .common import GoldLogit, Records, same_settings, train, trained, write_json
+from .common import GoldLogit, Records, same_settings, spearman, train, trained, write_json
 
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _WORD = re.compile(r"^[a-z]{2,}$")  # whole lowercase words of a WordPiece vocabulary
@@ -170,18 +170,6 @@ def embedding_entropy(res, place: str) -> dict:
     norm = torch.where(log_n > 0, h / log_n, torch.zeros_like(h))
     return {"entropy": float(h.mean()), "log_paths": float(log_n.mean()),
             "normalized": float(norm.mean())}  # fmt: skip
-
-
-def spearman(x, y) -> dict:
-    """Spearman's ρ, its p-value and n; ρ is None when either side is constant or n < 3
-    (scipy would warn and return NaN)."""
-    from scipy.stats import spearmanr
-
-    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return {"spearman_rho": None, "p": None, "n": len(x)}
-    r = spearmanr(x, y)
-    return {"spearman_rho": float(r.statistic), "p": float(r.pvalue), "n": len(x)}
 
 
 # -- part A: entropy vs sentence length -------------------------------------------------

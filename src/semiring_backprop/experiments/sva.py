@@ -34,14 +34,13 @@ import numpy as np
 from ..api import Backprop
 from ..errors import InputError
 from ..semirings import Entropy, MaxProduct, PathCount
-from .common import Records, same_settings, write_json
+from .common import Records, same_settings, spearman, write_json
 from .entropy_sanity import (
     MaskedScore,
     embedding_entropy,
     embedding_place,
     language_model,
     score_inputs,
-    spearman,
 )
 
 GROUPS = ("subject", "attractor", "all")
