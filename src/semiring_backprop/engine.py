@@ -20,7 +20,17 @@ from .semirings.base import stack
 
 
 def needed_nodes(graph, start) -> frozenset:
-    """Float nodes on a path to ``start`` that depend on a user input (not on weights only)."""
+    """Float nodes on a path to ``start`` that depend on a user input (not on weights only).
+
+    Computed once per graph and start (the graph does not change once traced).
+    """
+    cache = graph.__dict__.setdefault("_needed", {})
+    if start not in cache:
+        cache[start] = _needed_nodes(graph, start)
+    return cache[start]
+
+
+def _needed_nodes(graph, start) -> frozenset:
     from_input = set(graph.user_inputs.values())
     for node in graph.nodes:
         if node.op == "call_function" and any(a in from_input for a in node.all_input_nodes):
@@ -81,6 +91,7 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=Non
     """
     store = {}
     free = _last_uses(graph, needed, keep) if keep is not None else {}
+    plan = _plan(graph, needed)
     for node_id in range(len(graph.nodes) - 1, -1, -1):
         for n in free.get(node_id, ()):  # no rule still to run reads these values
             values.pop(n, None)
@@ -90,17 +101,17 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=Non
             continue
         if keep is None or node in keep:
             store[node] = d
-        inputs = [n for n in node.all_input_nodes if n in needed]
+        inputs, reshapes = plan[node_id]
         if within is not None:
             inputs = [n for n in inputs if n in within]
-        if node.op != "call_function" or not inputs:
+        if not inputs:
             continue
-        if _reshapes(node):  # views, copies, marks: D(x) is d in x's shape (no rule call)
+        if reshapes:  # views, copies, marks: D(x) is d in x's shape (no rule call)
             x = node.args[0]
             shape = values[x].shape
             slot = acc.setdefault(x, [None] * len(semirings))
             for s, sr in enumerate(semirings):
-                c = tuple(f.reshape(shape) for f in sr.tag(d[s], node_id))
+                c = sr.leave(tuple(f.reshape(shape) for f in sr.enter(d[s], node_id)), node_id)
                 slot[s] = sr.accumulate(slot[s], c)
             continue
         for inp, s, c in contributions(graph, values, semirings, node_id, d, needed):
@@ -109,6 +120,21 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=Non
             slot = acc.setdefault(inp, [None] * len(semirings))
             slot[s] = semirings[s].accumulate(slot[s], c)
     return store
+
+
+def _plan(graph, needed) -> list:
+    """Per node id: (needed inputs, whether the rule only reshapes); inputs are empty for
+    nodes the pass does not go through. Cached per graph and needed set."""
+    cache = graph.__dict__.setdefault("_reverse_plan", {})
+    if needed not in cache:
+        plan = []
+        for node in graph.nodes:
+            inputs = [n for n in node.all_input_nodes if n in needed]
+            if node.op != "call_function":
+                inputs = []
+            plan.append((inputs, bool(inputs) and _reshapes(node)))
+        cache[needed] = plan
+    return cache[needed]
 
 
 def _last_uses(graph, needed, keep) -> dict:
@@ -144,18 +170,21 @@ def contributions(graph, values, semirings, node_id: int, d: list, needed, op=No
         op = make_op(node, values, needed, graph)
     for s, (sr, g) in enumerate(zip(semirings, d)):
         per_input: dict = {}
-        res = rule.fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
+        inner = sr.inner
+        res = rule.fn(inner, sr.enter(g, node_id), op, *op.args, **op.kwargs)
         for inp, c in _pair(node.args, res):
             if inp in needed and c is not None:
                 per_input.setdefault(inp, []).append(c)
         for inp, cs in per_input.items():
-            c = cs[0] if len(cs) == 1 else sr.sum(stack(cs), 0)
+            c = cs[0] if len(cs) == 1 else inner.sum(stack(cs), 0)
             _check_shape(graph, node, inp, c, values)
-            yield inp, s, c
+            yield inp, s, sr.leave(c, node_id)
 
 
 def slot_values(graph, values, sr, node_id: int, g, needed, op=None):
-    """The rule's value for every argument slot, unsummed: ``[(input node, value)]``."""
+    """The rule's value for every argument slot, unsummed: ``[(input node, value)]``,
+    computed with ``sr`` itself and its ``tag`` (full back-pointers: what path reading
+    uses to find the element a lazy pointer stands for)."""
     node = graph.nodes[node_id]
     rule = rules.lookup(node.target)
     if rule is None:

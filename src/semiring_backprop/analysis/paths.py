@@ -19,7 +19,8 @@ import torch
 from .. import engine
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxAbs, MaxProduct, Real, TopK
-from ..semirings.maxproduct import unpack_pointer
+from ..semirings.base import stack
+from ..semirings.maxproduct import LAZY, unpack_pointer
 from ..tracing import mark_module
 
 _REAL = Real()
@@ -231,6 +232,32 @@ class _Edges:
         return [(s, c[0].reshape(-1)) for s, (n, c) in enumerate(slots) if n is inp]
 
 
+class _Pointers:
+    """The element a lazy MaxProduct pointer stands for: the pass records only the
+    winning consumer; its rule, run again with full pointers on the stored value of its
+    output, gives the same value and names the element (once per consumer and input)."""
+
+    def __init__(self, res, k, sr):
+        self.res, self.k, self.sr, self.full = res, k, sr, {}
+
+    def element(self, c_id: int, node, e: int, f: int) -> int:
+        res, sr = self.res, self.sr
+        if (c_id, node) not in self.full:
+            c = res.graph.nodes[c_id]
+            with torch.no_grad():
+                slots = engine.slot_values(
+                    res.graph, res.values, sr, c_id, _raw(res, c, self.k), res.needed
+                )
+                cs = [v for n, v in slots if n is node]
+                if not cs:
+                    raise _broken(node)
+                self.full[c_id, node] = cs[0] if len(cs) == 1 else sr.sum(stack(cs), 0)
+        p_id, p_idx = unpack_pointer(int(self.full[c_id, node][2 + f].reshape(-1)[e]))
+        if p_id != c_id:
+            raise _broken(node)
+        return p_idx
+
+
 def _float(t):
     return t if t.is_floating_point() else t.double()
 
@@ -316,6 +343,7 @@ def _top_path_maxproduct(res, source, sr: MaxProduct, sign: str) -> Path:
     if not sr.neuron:
         return _tensor_path(res, node, e, k, f, sr, sign, value)
     edges, graph, out_node = _Edges(res), res.graph, res.graph.output_node
+    lazy = _Pointers(res, k, sr)
     shape = lambda n: res.values[n].shape  # noqa: E731
     steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
     running = 1.0
@@ -324,6 +352,8 @@ def _top_path_maxproduct(res, source, sr: MaxProduct, sign: str) -> Path:
         c_id, c_idx = unpack_pointer(int(a[2 + f].reshape(-1)[e]))
         if c_id < 0:
             raise _broken(node)
+        if c_idx == LAZY:
+            c_idx = lazy.element(c_id, node, e, f)
         c = graph.nodes[c_id]
         ac = _raw(res, c, k)
         best = None

@@ -66,6 +66,13 @@ def _maxtimes(hs, ls, pen, wt):
     return hi[..., 0], _first(ch >= hi), lo[..., 0], _first(cl <= lo)
 
 
+def _maxtimes_values(hs, ls, pen, wt):
+    """:func:`_maxtimes` without the arg-max / arg-min (the same values)."""
+    w = wt[:, None, :, :]
+    a, b, p = hs[:, :, None, :] * w, ls[:, :, None, :] * w, pen[:, :, None, :]
+    return (torch.maximum(a, b) + p).amax(-1), (torch.minimum(a, b) - p).amin(-1)
+
+
 def _maxplus(m, lwt):
     """(B, n, m) x (B, p, m) (transposed) -> max over m of m + lw, and its first arg-max."""
     c = m[:, :, None, :] + lwt[:, None, :, :]
@@ -73,7 +80,7 @@ def _maxplus(m, lwt):
     return best[..., 0], _first(c >= best)
 
 
-_EAGER = {"maxtimes": _maxtimes, "maxplus": _maxplus}
+_EAGER = {"maxtimes": _maxtimes, "maxtimes_values": _maxtimes_values, "maxplus": _maxplus}
 _COMPILED: dict = {}
 
 
@@ -108,9 +115,10 @@ def _flat(fields, wt):
     return batch, fields, wt
 
 
-def maxtimes(hi, lo, wt):
+def maxtimes(hi, lo, wt, argmax: bool = True):
     """``out_hi[..., i, k] = max_j hi|lo[..., i, j] * w[..., j, k]`` (hi where w >= 0, lo
-    where w < 0), ``out_lo`` likewise with min; with the first argmax / argmin ``j``.
+    where w < 0), ``out_lo`` likewise with min; with the first argmax / argmin ``j``
+    (``(out_hi, j_hi, out_lo, j_lo)``), or without them (``(out_hi, out_lo)``).
 
     The weights come transposed, ``wt[..., k, j] = w[..., j, k]`` (the reduced dim
     contiguous). ``(hi, lo) = (-inf, +inf)`` is "no path": it never wins, even against a
@@ -120,7 +128,7 @@ def maxtimes(hi, lo, wt):
     live = hi != -INF
     pen = torch.zeros_like(hi).masked_fill_(~live, -INF)
     hs, ls = hi.masked_fill(~live, 0), lo.masked_fill(~live, 0)
-    outs = _run("maxtimes", (hs, ls, pen), wt)
+    outs = _run("maxtimes" if argmax else "maxtimes_values", (hs, ls, pen), wt)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 

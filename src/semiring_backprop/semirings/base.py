@@ -17,6 +17,12 @@ The operations (pytorch-struct style):
   transposed copy), which callers may keep across calls for a constant ``w``.
 - ``finalize(a)``: the readout users see.
 - ``tag(a, node_id)``: stamp back-pointers (selective semirings only).
+
+The engine calls a rule through ``enter`` / ``inner`` / ``leave``: the rule computes
+with ``inner`` on ``enter(a, node_id)`` and each result goes back through ``leave``. By
+default that is the semiring itself with ``tag``; a semiring whose back-pointers name
+only the consumer op (MaxProduct) lets its rules compute pointer-free values and adds
+the pointer once per result.
 """
 
 from __future__ import annotations
@@ -128,6 +134,19 @@ class Semiring:
 
     def tag(self, a: Value, node_id: int) -> Value:
         return a
+
+    @property
+    def inner(self) -> Semiring:
+        """The semiring rules compute with (see the module docstring)."""
+        return self
+
+    def enter(self, a: Value, node_id: int) -> Value:
+        """The value a rule of node ``node_id`` computes on."""
+        return self.tag(a, node_id)
+
+    def leave(self, c: Value, node_id: int) -> Value:
+        """A rule's result (computed with :attr:`inner`) as a value of this semiring."""
+        return c
 
     def scalar(self, a: Value) -> torch.Tensor:
         """The one number per element that tables show (the readout's headline)."""

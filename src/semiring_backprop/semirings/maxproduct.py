@@ -22,10 +22,16 @@ from .base import (
 #: int64: node << PTR_SHIFT | index (-1: none). Half the pointer work of two fields.
 PTR_SHIFT = 40
 
+#: the element index of a lazy pointer: the pass records only the winning consumer op;
+#: the element of its output is found again when a path is read (by running that op's
+#: rule with full pointers), which spares every op the per-element pointer work
+LAZY = (1 << PTR_SHIFT) - 1
+
 
 def unpack_pointer(p: int) -> tuple[int, int]:
-    """``(node id, element index)`` of a packed neuron pointer; ``(-1, ...)`` for none."""
-    return p >> PTR_SHIFT, p & ((1 << PTR_SHIFT) - 1)
+    """``(node id, element index)`` of a packed neuron pointer; ``(-1, ...)`` for none;
+    the index is :data:`LAZY` where the pass did not record it."""
+    return p >> PTR_SHIFT, p & LAZY
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,21 @@ class MaxProduct(Semiring):
     def one(self, shape, like):
         hi = torch.ones(tuple(shape), dtype=like.dtype, device=like.device)
         return self._make(hi, hi.clone())
+
+    @property
+    def inner(self) -> MaxProduct:
+        # rules compute hi and lo only; the consumer pointer is added once per result
+        return _VALUES[self.granularity]
+
+    def enter(self, a: Value, node_id: int) -> Value:
+        out = (a[0], a[1])
+        return _Normal(out) if isinstance(a, _Normal) else out
+
+    def leave(self, c: Value, node_id: int) -> Value:
+        p = (node_id << PTR_SHIFT | LAZY) if self.neuron else node_id
+        ptr = torch.tensor(p, device=c[0].device).expand(c[0].shape)
+        out = (c[0], c[1], ptr, ptr)
+        return _Normal(out) if isinstance(c, _Normal) else out
 
     def tag(self, a: Value, node_id: int) -> Value:
         hi, lo = a[0], a[1]
@@ -215,6 +236,8 @@ class MaxProduct(Semiring):
             return self._matmul_tensor(*_batch_broadcast(a, w))
         wt = self.prepare(w) if prep is None else prep
         hi, lo, ph, pl = self._split(a)
+        if not ph:  # no pointers to carry: the values alone (several times faster)
+            return kernels.maxtimes(hi, lo, wt, argmax=False)
         out_hi, jh, out_lo, jl = kernels.maxtimes(hi, lo, wt)
         a, w = _batch_broadcast(a, w)
         hi, lo, ph, pl = self._split(a)
@@ -250,3 +273,32 @@ class MaxProduct(Semiring):
     def finalize(self, a: Value) -> MaxProductReadout:
         a = self._normalize(a)
         return MaxProductReadout(hi=a[0], lo=a[1])
+
+
+@dataclass(frozen=True)
+class _Values(MaxProduct):
+    """MaxProduct without back-pointers (fields hi, lo): what rules compute with.
+
+    The values are those of :class:`MaxProduct` (the same formulas, fewer fields); the
+    engine adds the consumer pointer (:meth:`MaxProduct.leave`).
+    """
+
+    @property
+    def fields(self):
+        return ("hi", "lo")
+
+    @property
+    def inner(self) -> MaxProduct:
+        return self
+
+    def enter(self, a: Value, node_id: int) -> Value:
+        return a
+
+    def leave(self, c: Value, node_id: int) -> Value:
+        return c
+
+    def tag(self, a: Value, node_id: int) -> Value:
+        return a
+
+
+_VALUES = {g: _Values(g) for g in ("neuron", "tensor")}
