@@ -1,6 +1,8 @@
 """Fast paths give the same answers as the plain implementation.
 
 - compiled max-times / max-plus kernels == the eager formulas (values and argmax);
+- MaxProduct's pass without per-element pointers (rules compute hi/lo, the consumer is
+  added once) == the pass that carries full pointers through every rule;
 - contractions that skip rows carrying no path == the full semiring matmul;
 - a reused :class:`Backprop` == a fresh ``backprop`` call, and it re-traces when the
   model's parameters are replaced.
@@ -9,6 +11,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -196,6 +199,57 @@ def test_prepared_weights_give_the_same_values_and_follow_weight_changes():
     got, want = cached((x,)), sbp.backprop(model, (x,), output=output, semirings=SEMIRINGS)
     for sr in SEMIRINGS:
         _same(sr, got.value(0, sr), want.value(0, sr))
+
+
+@dataclass(frozen=True)
+class _FullPointers(sbp.MaxProduct):
+    """The plain implementation: every rule carries the pointer fields (``tag``)."""
+
+    @property
+    def inner(self):
+        return self
+
+    def enter(self, a, node_id):
+        return self.tag(a, node_id)
+
+    def leave(self, c, node_id):
+        return c
+
+
+@pytest.mark.parametrize("granularity", ["neuron", "tensor"])
+def test_lazy_pointers_equal_full_pointers(granularity):
+    """Same hi / lo everywhere; the same consumer wherever there is a path (tensor
+    granularity) and top paths of the same value read from either (neuron)."""
+    from semiring_backprop.semirings.maxproduct import LAZY, unpack_pointer
+
+    model = _tiny_bert()
+    emb = model.get_input_embeddings()(torch.randint(1, 40, (1, 5))).detach()
+    output = lambda out: out.logits[0, 2].log_softmax(-1)[5]  # noqa: E731
+    lazy_sr, full_sr = sbp.MaxProduct(granularity), _FullPointers(granularity)
+    res = sbp.backprop(
+        model, kwargs={"inputs_embeds": emb}, output=output, semirings=[lazy_sr, full_sr]
+    )
+    n_lazy = 0
+    for node, (a, b) in res._store.items():
+        a, b = lazy_sr._normalize(a), full_sr._normalize(b)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), node
+        path = a[0] != -INF
+        for f in (2, 3):
+            pa, pb = a[f].expand(a[0].shape)[path], b[f].expand(b[0].shape)[path]
+            if granularity == "tensor":
+                assert torch.equal(pa, pb), node
+            else:  # the full pass names the element, the lazy one only the consumer
+                n_lazy += int(((pa >= 0) & (pa & LAZY == LAZY)).sum())
+                assert not bool(((pb >= 0) & (pb & LAZY == LAZY)).any())
+                assert torch.equal(pa >> 40, pb >> 40), node
+    if granularity == "neuron":
+        assert n_lazy > 0 and unpack_pointer(LAZY)[1] == LAZY
+        for source in ("inputs_embeds", "bert.encoder.layer.1.attention:input"):
+            for sign in ("+", "-"):
+                p_lazy = res.top_path(source, lazy_sr, sign=sign)
+                p_full = res.top_path(source, full_sr, sign=sign)
+                assert p_lazy.value == pytest.approx(p_full.value, rel=1e-12)
+                assert len(p_lazy) == len(p_full)
 
 
 def _tiny_bert():
