@@ -15,9 +15,9 @@ class EntropyReadout:
     log_z: torch.Tensor  #: log Σ_π |w(π)| (-inf where no path of nonzero weight)
 
 
-def _weights(lz: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """p_i = exp(lz_i - total), 0 where the term or the total is empty."""
-    return torch.where(lz == -INF, torch.zeros_like(lz), torch.exp(lz - total))
+def _no_path_to_zero(lz: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``m``, with 0 where there is no path (``lz == -inf``): the invariant of a value."""
+    return torch.where(lz == -INF, 0.0, m)
 
 
 @dataclass(frozen=True)
@@ -38,22 +38,23 @@ class Entropy(Semiring):
         return (lz, torch.zeros_like(lz))
 
     def accumulate(self, prev, c):
-        if prev is None:  # zero ⊕ c: c, with no expectation where no path
-            return (c[0], torch.where(c[0] == -INF, 0.0, c[1]).to(c[1].dtype))
-        return self.plus(prev, c)
+        # every operation returns m == 0 where there is no path: zero ⊕ c is c itself
+        return c if prev is None else self.plus(prev, c)
 
     def plus(self, a: Value, b: Value) -> Value:
         lz = torch.logaddexp(a[0], b[0])
-        return (lz, _weights(a[0], lz) * a[1] + _weights(b[0], lz) * b[1])
+        # exp(-inf - lz) is 0 for an empty term; only an empty total gives NaN (fixed)
+        m = torch.exp(a[0] - lz) * a[1] + torch.exp(b[0] - lz) * b[1]
+        return (lz, _no_path_to_zero(lz, m))
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         lw = log_abs(w)
         lz = a[0] + lw
-        return (lz, torch.where(lz == -INF, 0.0, a[1] - lw).to(lz.dtype))
+        return (lz, _no_path_to_zero(lz, a[1] - lw))
 
     def mul(self, a: Value, b: Value) -> Value:
         lz = a[0] + b[0]
-        return (lz, torch.where(lz == -INF, 0.0, a[1] + b[1]).to(lz.dtype))
+        return (lz, _no_path_to_zero(lz, a[1] + b[1]))
 
     def sum(self, a: Value, dims, keepdim=False) -> Value:
         dims = _dims(dims, a[0].dim())
@@ -62,8 +63,9 @@ class Entropy(Semiring):
         shape = reduced_shape(a[0].shape, dims, keepdim)
         lz, m = move_to_end(a[0], dims), move_to_end(a[1], dims)
         total = torch.logsumexp(lz, -1, keepdim=True)
-        m = (_weights(lz, total) * m).sum(-1)
-        return (total[..., 0].reshape(shape), m.reshape(shape))
+        m = (torch.exp(lz - total) * m).sum(-1, keepdim=True)  # NaN only for an empty total
+        m = _no_path_to_zero(total, m)
+        return (total[..., 0].reshape(shape), m[..., 0].reshape(shape))
 
     def prepare(self, w: torch.Tensor):
         wa = torch.abs(w)
@@ -76,23 +78,17 @@ class Entropy(Semiring):
         wn, w_log_w, log_c = self.prepare(w) if prep is None else prep
         lz, m = a
         s = lz.amax(-1, keepdim=True)
-        s = torch.where(torch.isfinite(s), s, torch.zeros_like(s))
-        e = _weights(lz, s)  # exp(lz - s), 0 for empty terms
+        s = torch.where(torch.isfinite(s), s, 0.0)
+        e = torch.exp(lz - s)  # s is finite: 0 for empty terms
         n = e.shape[-2]
         zm = torch.matmul(torch.cat([e, e * m], -2), wn)  # one pass over the weights
         z, num = zm[..., :n, :], zm[..., n:, :] - torch.matmul(e, w_log_w)
-        live = z > 0
-        safe_z = torch.where(live, z, torch.ones_like(z))
-        return (
-            torch.where(live, torch.log(safe_z) + s + log_c, -INF),
-            torch.where(live, num / safe_z, torch.zeros_like(z)),
-        )
+        lz = torch.log(z) + (s + log_c)  # -inf where z == 0: no path of nonzero weight
+        return (lz, _no_path_to_zero(lz, num / z))
 
     def scalar(self, a: Value) -> torch.Tensor:
         return self.finalize(a).entropy
 
     def finalize(self, a: Value) -> EntropyReadout:
         live = a[0] > -INF
-        return EntropyReadout(
-            entropy=torch.where(live, a[1] + a[0], 0.0).to(a[0].dtype), log_z=a[0]
-        )
+        return EntropyReadout(entropy=torch.where(live, a[1] + a[0], 0.0), log_z=a[0])

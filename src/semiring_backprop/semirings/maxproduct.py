@@ -45,6 +45,17 @@ def _nan_to(t: torch.Tensor, fill: float) -> torch.Tensor:
     return torch.nan_to_num(t, nan=fill, posinf=INF, neginf=-INF)
 
 
+_SCALARS: dict = {}
+
+
+def _scalar(p: int, device) -> torch.Tensor:
+    """A 0-dim int64 tensor holding ``p`` (made once per value and device)."""
+    key = (p, device)
+    if key not in _SCALARS:
+        _SCALARS[key] = torch.tensor(p, device=device)
+    return _SCALARS[key]
+
+
 class _Normal(tuple):
     """A tensor-granularity value already normalized (hi ≥ lo wherever there is a path)."""
 
@@ -114,9 +125,11 @@ class MaxProduct(Semiring):
 
     def leave(self, c: Value, node_id: int) -> Value:
         p = (node_id << PTR_SHIFT | LAZY) if self.neuron else node_id
-        ptr = torch.tensor(p, device=c[0].device).expand(c[0].shape)
-        out = (c[0], c[1], ptr, ptr)
-        return _Normal(out) if isinstance(c, _Normal) else out
+        ptr = _scalar(p, c[0].device).expand(c[0].shape)
+        if self.neuron:
+            return (c[0], c[1], ptr, ptr)
+        c = self.inner._normalize(c)  # before the pointers: one swap of two fields
+        return _Normal((c[0], c[1], ptr, ptr))
 
     def tag(self, a: Value, node_id: int) -> Value:
         hi, lo = a[0], a[1]
@@ -143,7 +156,7 @@ class MaxProduct(Semiring):
         if self.neuron or isinstance(a, _Normal):
             return a
         hi, lo, ph, pl = self._split(a)
-        swap = (hi < lo) & ~self._is_zero(a)
+        swap = (hi < lo) & (hi != -INF)  # the zero (-inf, inf) is not swapped
         if not bool(swap.any()):
             return _Normal(a)
         return _Normal(
@@ -176,12 +189,8 @@ class MaxProduct(Semiring):
         hi, lo, ph, pl = self._split(a)
         if not self.neuron:
             zero = self._is_zero(a)
-            shape = torch.broadcast_shapes(hi.shape, w.shape)
-            return (
-                torch.where(zero, -INF, hi * w),
-                torch.where(zero, INF, lo * w),
-                *(p.expand(shape) for p in (*ph, *pl)),
-            )
+            out = (torch.where(zero, -INF, hi * w), torch.where(zero, INF, lo * w))
+            return (*out, *(p.expand(out[0].shape) for p in (*ph, *pl)))
         pos = w >= 0
         return (
             _nan_to(torch.where(pos, hi * w, lo * w), -INF),
