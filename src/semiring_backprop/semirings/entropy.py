@@ -15,14 +15,21 @@ class EntropyReadout:
     log_z: torch.Tensor  #: log Σ_π |w(π)| (-inf where no path of nonzero weight)
 
 
-def _no_path_to_zero(lz: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """``m``, with 0 where there is no path (``lz == -inf``): the invariant of a value."""
-    return torch.where(lz == -INF, 0.0, m)
+def _finite(m: torch.Tensor) -> torch.Tensor:
+    """``m`` where it is finite, 0 elsewhere.
+
+    The only non-finite ``m`` arise where there is no path (``lz == -inf``: a zero
+    weight gives ``-log 0``, an empty total ``0 / 0``), where ``m`` means nothing; kept
+    finite, it never turns a real term into NaN (``exp(-inf) · m == 0``). One fast
+    arithmetic op instead of a comparison and a select.
+    """
+    return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @dataclass(frozen=True)
 class Entropy(Semiring):
-    """Fields ``(log Z, m)`` with ``Z = Σ_π |w(π)|`` and ``m = E_p[-log |w(π)|]``.
+    """Fields ``(log Z, m)`` with ``Z = Σ_π |w(π)|`` and ``m = E_p[-log |w(π)|]``
+    (finite, and meaningless where there is no path: read :meth:`finalize`).
 
     The path entropy is ``H = m + log Z``. Zero-weight edges carry no probability.
     """
@@ -37,24 +44,22 @@ class Entropy(Semiring):
         lz = torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
         return (lz, torch.zeros_like(lz))
 
+    # Invariant: m is finite; where there is no path (lz == -inf) its value is unused.
+
     def accumulate(self, prev, c):
-        # every operation returns m == 0 where there is no path: zero ⊕ c is c itself
         return c if prev is None else self.plus(prev, c)
 
     def plus(self, a: Value, b: Value) -> Value:
         lz = torch.logaddexp(a[0], b[0])
-        # exp(-inf - lz) is 0 for an empty term; only an empty total gives NaN (fixed)
-        m = torch.exp(a[0] - lz) * a[1] + torch.exp(b[0] - lz) * b[1]
-        return (lz, _no_path_to_zero(lz, m))
+        # exp(-inf - lz) is 0 for an empty term; only an empty total gives NaN
+        return (lz, _finite(torch.exp(a[0] - lz) * a[1] + torch.exp(b[0] - lz) * b[1]))
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         lw = log_abs(w)
-        lz = a[0] + lw
-        return (lz, _no_path_to_zero(lz, a[1] - lw))
+        return (a[0] + lw, _finite(a[1] - lw))
 
     def mul(self, a: Value, b: Value) -> Value:
-        lz = a[0] + b[0]
-        return (lz, _no_path_to_zero(lz, a[1] + b[1]))
+        return (a[0] + b[0], a[1] + b[1])
 
     def sum(self, a: Value, dims, keepdim=False) -> Value:
         dims = _dims(dims, a[0].dim())
@@ -63,9 +68,8 @@ class Entropy(Semiring):
         shape = reduced_shape(a[0].shape, dims, keepdim)
         lz, m = move_to_end(a[0], dims), move_to_end(a[1], dims)
         total = torch.logsumexp(lz, -1, keepdim=True)
-        m = (torch.exp(lz - total) * m).sum(-1, keepdim=True)  # NaN only for an empty total
-        m = _no_path_to_zero(total, m)
-        return (total[..., 0].reshape(shape), m[..., 0].reshape(shape))
+        m = _finite((torch.exp(lz - total) * m).sum(-1))  # NaN only for an empty total
+        return (total[..., 0].reshape(shape), m.reshape(shape))
 
     def prepare(self, w: torch.Tensor):
         wa = torch.abs(w)
@@ -84,7 +88,7 @@ class Entropy(Semiring):
         zm = torch.matmul(torch.cat([e, e * m], -2), wn)  # one pass over the weights
         z, num = zm[..., :n, :], zm[..., n:, :] - torch.matmul(e, w_log_w)
         lz = torch.log(z) + (s + log_c)  # -inf where z == 0: no path of nonzero weight
-        return (lz, _no_path_to_zero(lz, num / z))
+        return (lz, _finite(num / z))
 
     def scalar(self, a: Value) -> torch.Tensor:
         return self.finalize(a).entropy

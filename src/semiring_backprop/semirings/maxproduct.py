@@ -156,6 +156,14 @@ class MaxProduct(Semiring):
         if self.neuron or isinstance(a, _Normal):
             return a
         hi, lo, ph, pl = self._split(a)
+        if not ph:  # arithmetic only (comparisons and selects are the slow ops on CPU)
+            nan = hi - hi  # NaN at the zero (-inf, inf), which must stay as it is
+            return _Normal(
+                (
+                    _nan_to(torch.maximum(hi, lo) + nan, -INF),
+                    _nan_to(torch.minimum(hi, lo) + nan, INF),
+                )
+            )
         swap = (hi < lo) & (hi != -INF)  # the zero (-inf, inf) is not swapped
         if not bool(swap.any()):
             return _Normal(a)
@@ -187,14 +195,23 @@ class MaxProduct(Semiring):
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         hi, lo, ph, pl = self._split(a)
-        if not self.neuron:
-            zero = self._is_zero(a)
-            out = (torch.where(zero, -INF, hi * w), torch.where(zero, INF, lo * w))
+        # Arithmetic only: comparisons and selects are several times slower on CPU.
+        if not self.neuron:  # unswapped; the zero (-inf, inf) stays the zero
+            nan = lo - lo  # NaN at the zero, 0 elsewhere
+            out = (_nan_to(hi * w + nan, -INF), _nan_to(lo * w + nan, INF))
             return (*out, *(p.expand(out[0].shape) for p in (*ph, *pl)))
+        # hi is w·hi where w >= 0 and w·lo where w < 0: one of the two terms is 0 (NaN,
+        # then -inf, at the zero, whose products are infinite)
+        wp, wn = w.clamp(min=0), w.clamp(max=0)
+        out = (
+            _nan_to(torch.addcmul(hi * wp, lo, wn), -INF),
+            _nan_to(torch.addcmul(lo * wp, hi, wn), INF),
+        )
+        if not ph:
+            return out
         pos = w >= 0
         return (
-            _nan_to(torch.where(pos, hi * w, lo * w), -INF),
-            _nan_to(torch.where(pos, lo * w, hi * w), INF),
+            *out,
             *(torch.where(pos, x, y) for x, y in zip(ph, pl)),
             *(torch.where(pos, y, x) for x, y in zip(ph, pl)),
         )
