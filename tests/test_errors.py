@@ -320,3 +320,30 @@ def test_at_integer_input_points_to_the_embeddings():
     with raises(sbp.InputError, "torch.int64", "token ids", "embeddings"):
         res.at(0, sbp.Real())
     assert res.at("0", sbp.Real()).shape == (3, 4)
+
+
+class _Scaled(torch.nn.Module):
+    """A value of the weights alone (checked once per trace) feeding the input's path."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return (x * torch.sqrt(self.w - 2.0)).sum()
+
+
+def test_nan_in_a_value_of_the_weights_alone_is_reported_on_every_call():
+    model = _Scaled().eval()
+    bp = sbp.Backprop(model, lambda y: y, [sbp.Real()])
+    for _ in range(2):  # the first call checks it; the second still fails at the output
+        with raises(sbp.NonFiniteError, "NaN", "`sqrt`"):
+            bp((torch.randn(3),))
+
+
+def test_nan_weight_is_reported():
+    model = torch.nn.Linear(3, 2).eval()
+    with torch.no_grad():
+        model.weight[1, 2] = float("nan")
+    with raises(sbp.NonFiniteError, "NaN"):
+        sbp.backprop(model, (torch.randn(1, 3),), output=lambda y: y[0, 1])

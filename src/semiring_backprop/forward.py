@@ -12,6 +12,22 @@ from .tracing import Graph, input_tensors, mark_op
 # ops that may pass inf through or write it on purpose (masks): not an overflow
 _INF_OK_KINDS = ("routing", "nondifferentiable")
 
+aten = torch.ops.aten
+
+#: ops whose value is finite wherever their inputs are, short of float overflow: their
+#: values are not checked one by one. An overflow there is an inf that reaches the
+#: output or a checked op (then every value is checked and the first one named), or is
+#: squashed (tanh(inf) = 1), which leaves every edge weight finite.
+_FINITE_IF_INPUTS_ARE = frozenset(
+    {
+        aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.neg.default,
+        aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default,
+        aten.sum.dim_IntList, aten.mean.dim, aten.erf.default, aten.tanh.default,
+        aten.sigmoid.default, aten.relu.default, aten.clone.default,
+        aten.embedding.default, aten.abs.default,
+    }
+)  # fmt: skip
+
 
 def run(graph: Graph, args: tuple, kwargs: dict) -> dict:
     """Values of every node for these inputs (inputs must match the traced ones' kinds)."""
@@ -23,26 +39,53 @@ def run(graph: Graph, args: tuple, kwargs: dict) -> dict:
         values[node] = given[key]
     values.update(graph.constants)
     checked = []  # (node, sum of its value): one reduction per node, one sync at the end
+    # values of the weights alone are the same on every call: checked on the first one
+    first = not getattr(graph, "_static_checked", False)
     for node, check in _plan(graph):
         a = map_arg(node.args, values.__getitem__)
         k = map_arg(node.kwargs, values.__getitem__)
         out = a[0] if node.target is mark_op else node.target(*a, **k)
         values[node] = out
-        if check and isinstance(out, torch.Tensor) and out.is_floating_point() and out.numel():
+        if (check is True or (check and first)) and _is_float(out):
             checked.append((node, out.sum()))
+    out = values.get(graph.output_node)
+    if isinstance(out, torch.Tensor) and _is_float(out):
+        checked.append((graph.output_node, out.sum()))
     finite = torch.isfinite(torch.stack([s.float() for _, s in checked])) if checked else None
-    if finite is not None and not bool(finite.all()):
-        for (node, _), ok in zip(checked, finite.tolist()):  # in graph order: the first
-            if not ok:  # a mask may hold -inf, and a sum may overflow: look closer
-                _check_finite(graph, node, values[node], map_arg(node.args, values.__getitem__))
+    if finite is not None and not bool(finite.all()):  # look at every value, in graph order
+        for node, _ in _plan(graph):
+            out = values[node]
+            if isinstance(out, torch.Tensor) and _is_float(out):  # a mask may hold -inf
+                _check_finite(graph, node, out, map_arg(node.args, values.__getitem__))
+    graph._static_checked = True
     return values
 
 
+def _is_float(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
+
+
 def _plan(graph: Graph) -> list:
-    """``[(node, whether its value is checked for NaN / inf)]`` for the graph's ops."""
+    """``[(node, check)]`` for the graph's ops: whether its value is checked for NaN /
+    inf on every call (True), on the first call only ("once": it depends on the
+    weights alone), or never (False: it moves checked values, or is finite wherever
+    its inputs are)."""
     plan = getattr(graph, "_forward_plan", None)
     if plan is None:
-        plan = [(n, not _moves_only(n)) for n in graph.nodes if n.op == "call_function"]
+        from_input = set(graph.user_inputs.values())
+        plan = []
+        for n in graph.nodes:
+            if n.op != "call_function":
+                continue
+            varies = any(a in from_input for a in n.all_input_nodes)
+            if varies:
+                from_input.add(n)
+            if _moves_only(n):
+                plan.append((n, False))
+            elif not varies:
+                plan.append((n, "once"))
+            else:
+                plan.append((n, n.target not in _FINITE_IF_INPUTS_ARE))
         graph._forward_plan = plan
     return plan
 
