@@ -7,6 +7,8 @@ whatever the weight's value (dense).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..semirings.base import fmap
@@ -30,8 +32,7 @@ def _live_matmul(sr, g, w, prep=None):
     x = g[0]
     if x.dim() != 2 or w.dim() != 2:
         return sr.matmul(g, w, prep)
-    zero = sr.zero((), x)[0]
-    live = (x != zero).any(-1)
+    live = _live_rows(x, float(sr.zero((), x)[0]))
     n_live = int(live.sum())
     if n_live == x.shape[0]:
         return sr.matmul(g, w, prep)
@@ -41,6 +42,18 @@ def _live_matmul(sr, g, w, prep=None):
         return out
     part = sr.matmul(tuple(f.index_select(0, rows) for f in g), w, prep)
     return tuple(o.index_copy(0, rows, p) for o, p in zip(out, part))
+
+
+def _live_rows(x, zero: float):
+    """Rows of ``x`` with an entry other than ``zero`` (NaN counts as live), by a fast
+    reduction where the zero allows one (comparisons are the slow ops on CPU)."""
+    if x.shape[-1] == 0:
+        return (x != zero).any(-1)
+    if zero == -math.inf:
+        return ~(x.amax(-1) == zero)
+    if zero == 0:
+        return ~(x.abs().amax(-1) == 0)
+    return (x != zero).any(-1)
 
 
 def _matmul_grads(sr, g, op, a, b, i_a, i_b, scale=1):
