@@ -279,14 +279,20 @@ class MaxProduct(Semiring):
 
     def _matmul_tensor(self, a: Value, w: torch.Tensor) -> Value:
         hi, lo, ph, pl = self._split(a)
-        live = ~self._is_zero(a)
-        any_live = live.any(-1, keepdim=True)
-        out_hi = torch.matmul(torch.where(live, hi, 0), w)
-        out_lo = torch.matmul(torch.where(live, lo, 0), w)
+        n = hi.shape[-2]
+        if hi.shape[-1] == 0:  # an empty sum: no path
+            return self.zero((*hi.shape[:-1], w.shape[-1]), hi)
+        # the zero (-inf, inf) adds nothing to the real sums: 0 there; hi and lo in one
+        # matmul (one pass over the weights)
+        both = torch.cat([hi, lo], -2).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        out = torch.matmul(both, w)
+        nan = hi.amax(-1, keepdim=True) * 0  # NaN on rows without a path, 0 elsewhere
+        out_hi = _nan_to(out[..., :n, :] + nan, -INF)
+        out_lo = _nan_to(out[..., n:, :] + nan, INF)
         shape = out_hi.shape
         return (
-            torch.where(any_live, out_hi, -INF),
-            torch.where(any_live, out_lo, INF),
+            out_hi,
+            out_lo,
             *(p.amax(-1, keepdim=True).expand(shape) for p in (*ph, *pl)),
         )
 
