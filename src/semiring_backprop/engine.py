@@ -139,7 +139,16 @@ def _plan(graph, needed) -> list:
 
 def _last_uses(graph, needed, keep) -> dict:
     """``{i: nodes}``: values no rule reads once the pass has moved below node ``i``
-    (a node's value is read by its own rule and by its consumers' rules)."""
+    (a node's value is read by its own rule and by its consumers' rules). Cached per
+    graph, needed set and kept set."""
+    cache = graph.__dict__.setdefault("_last_uses", {})
+    key = (needed, frozenset(keep))
+    if key not in cache:
+        cache[key] = _find_last_uses(graph, needed, keep)
+    return cache[key]
+
+
+def _find_last_uses(graph, needed, keep) -> dict:
     index = {n: i for i, n in enumerate(graph.nodes)}
     free: dict = {}
     for i, node in enumerate(graph.nodes):
