@@ -238,7 +238,9 @@ class _Pointers:
     output, gives the same value and names the element (once per consumer and input)."""
 
     def __init__(self, res, k, sr):
-        self.res, self.k, self.sr, self.full = res, k, sr, {}
+        self.res, self.k, self.sr = res, k, sr
+        # kept on the result: later paths through the same ops reuse the runs
+        self.full = res.__dict__.setdefault("_full_pointers", {}).setdefault(k, {})
 
     def element(self, c_id: int, node, e: int, f: int) -> int:
         res, sr = self.res, self.sr
