@@ -6,3 +6,21 @@ import torch
 def _seed():
     """Every test starts from the same torch random state."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def _offline_quiet():
+    """No network (fail fast on hub ids) and no progress bars on stderr (modules that
+    load models: ``pytestmark = pytest.mark.usefixtures("_offline_quiet")``)."""
+    import huggingface_hub.constants
+    import transformers
+
+    was_enabled = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        # huggingface_hub reads the variable at import: patch the constant too
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        yield
+    if was_enabled:
+        transformers.utils.logging.enable_progress_bar()

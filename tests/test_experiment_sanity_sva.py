@@ -22,7 +22,6 @@ pd = pytest.importorskip("pandas")
 scipy_stats = pytest.importorskip("scipy.stats")
 pytest.importorskip("matplotlib")
 
-import huggingface_hub.constants  # noqa: E402
 
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import experiments  # noqa: E402
@@ -32,16 +31,7 @@ from semiring_backprop.experiments import entropy_sanity, sva  # noqa: E402
 TINY_BERT = dict(bert_hidden=16, bert_layers=1, bert_heads=2, bert_intermediate=32)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline_quiet():
-    was = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
-    if was:
-        transformers.utils.logging.enable_progress_bar()
+pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 
 
 def _vocab(model_dir) -> list[str]:

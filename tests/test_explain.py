@@ -37,7 +37,6 @@ pd = pytest.importorskip("pandas")
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
-import huggingface_hub.constants  # noqa: E402
 from tokenizers.models import WordLevel  # noqa: E402
 from tokenizers.pre_tokenizers import Whitespace  # noqa: E402
 
@@ -67,18 +66,7 @@ FIGURES = [
 # -- environment ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _offline_quiet():
-    """No network (fail fast on hub ids) and no progress bars on stderr."""
-    was_enabled = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        # huggingface_hub reads the variable at import: patch the constant too
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        yield
-    if was_enabled:
-        transformers.utils.logging.enable_progress_bar()
+pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 
 
 # -- models ---------------------------------------------------------------------------
