@@ -16,7 +16,7 @@ from torch.fx.node import map_arg
 from . import rules
 from .errors import InputError, UnsupportedOpError, where
 from .rules.routing import reshape_back
-from .semirings.base import stack
+from .semirings.base import fmap, stack
 
 
 def needed_nodes(graph, start) -> frozenset:
@@ -111,7 +111,8 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=Non
             shape = values[x].shape
             slot = acc.setdefault(x, [None] * len(semirings))
             for s, sr in enumerate(semirings):
-                c = sr.leave(tuple(f.reshape(shape) for f in sr.enter(d[s], node_id)), node_id)
+                moved = fmap(lambda f, shape=shape: f.reshape(shape), sr.enter(d[s], node_id))
+                c = sr.leave(moved, node_id)
                 slot[s] = sr.accumulate(slot[s], c)
             continue
         for inp, s, c in contributions(graph, values, semirings, node_id, d, needed):

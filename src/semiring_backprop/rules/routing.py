@@ -20,7 +20,7 @@ aten = torch.ops.aten
 
 
 def reshape_back(sr, g, op, x, *args, **kwargs):
-    return [tuple(f.reshape(x.shape) for f in g)]
+    return [fmap(lambda f: f.reshape(x.shape), g)]
 
 
 register(

@@ -41,12 +41,20 @@ INF = math.inf
 
 
 def fmap(fn: Callable[[torch.Tensor], torch.Tensor], value: Value) -> Value:
-    """Apply a data-movement function to every field (routing ops)."""
-    return tuple(fn(f) for f in value)
+    """Apply a data-movement function to every field (routing ops).
+
+    Moving elements keeps what a semiring knows of a value as a whole (the type of a
+    tuple subclass, such as MaxProduct's "already normalized"), so it is kept.
+    """
+    out = tuple(fn(f) for f in value)
+    return out if type(value) is tuple else type(value)(out)
 
 
 def fmap2(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: Value, b: Value) -> Value:
-    return tuple(fn(x, y) for x, y in zip(a, b, strict=True))
+    """:func:`fmap` over two values (moving the elements of ``b`` into ``a``); the type
+    is kept where both have it."""
+    out = tuple(fn(x, y) for x, y in zip(a, b, strict=True))
+    return out if type(a) is tuple or type(a) is not type(b) else type(a)(out)
 
 
 def stack(values: Sequence[Value], dim: int = 0) -> Value:

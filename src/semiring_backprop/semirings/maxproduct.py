@@ -103,7 +103,8 @@ class MaxProduct(Semiring):
     # -- values -------------------------------------------------------------------
     def _make(self, hi, lo, ptr_fill=-1):
         ptrs = tuple(full_int(hi.shape, ptr_fill, hi) for _ in self.fields[2:])
-        return (hi, lo, *ptrs)
+        out = (hi, lo, *ptrs)
+        return out if self.neuron else _Normal(out)  # hi >= lo, or the zero
 
     def zero(self, shape, like):
         shape = tuple(shape)
