@@ -252,6 +252,42 @@ def test_lazy_pointers_equal_full_pointers(granularity):
                 assert len(p_lazy) == len(p_full)
 
 
+def test_dense_values_skip_the_zero_marks_without_changing_values(monkeypatch):
+    """Tensor granularity: values known to have a path at every element skip the NaN
+    marks that keep the zero; every stored value is the same bit for bit as with the
+    marks everywhere (the types that carry the knowledge replaced by plain ones)."""
+    from semiring_backprop.semirings import maxproduct
+
+    model = _tiny_bert()
+    emb = model.get_input_embeddings()(torch.randint(1, 40, (1, 5))).detach()
+    output = lambda out: out.logits[0, 2].log_softmax(-1)[5]  # noqa: E731
+    bp = sbp.Backprop(model, output, [sbp.MaxProduct("tensor")])  # one trace, two runs
+
+    def run():
+        res = bp(kwargs={"inputs_embeds": emb})
+        return {node: d[0] for node, d in res._store.items()}
+
+    fast = run()
+    dense = sum(isinstance(v, maxproduct._Dense) for v in fast.values())
+    # positions the output does not read have no path in the last layer: both kinds occur
+    assert len(fast) // 2 < dense < len(fast)
+
+    class Never(tuple):
+        __slots__ = ()
+
+    monkeypatch.setattr(maxproduct, "_Dense", Never)
+    monkeypatch.setattr(maxproduct, "_NormalDense", maxproduct._Normal)
+    plain = run()
+    assert not any(isinstance(v, Never) for v in plain.values())
+    assert fast.keys() == plain.keys()
+    for node, a in fast.items():
+        b = plain[node]
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), node
+        path = a[0] != -INF
+        for f in (2, 3):
+            assert torch.equal(a[f].expand(path.shape)[path], b[f].expand(path.shape)[path])
+
+
 def _tiny_bert():
     from transformers import BertConfig, BertForMaskedLM
 

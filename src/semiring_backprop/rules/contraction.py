@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..semirings.base import fmap
+from ..semirings.base import fmap, fmap2
 from .pointwise import _unbroadcast
 from .registry import register
 
@@ -41,7 +41,7 @@ def _live_matmul(sr, g, w, prep=None):
     if n_live == 0:
         return out
     part = sr.matmul(tuple(f.index_select(0, rows) for f in g), w, prep)
-    return tuple(o.index_copy(0, rows, p) for o, p in zip(out, part))
+    return fmap2(lambda o, p: o.index_copy(0, rows, p), out, part)
 
 
 def _live_rows(x, zero: float):

@@ -11,6 +11,7 @@ import warnings
 
 import torch
 
+from ..semirings.base import fmap
 from .registry import register
 
 aten = torch.ops.aten
@@ -26,7 +27,7 @@ def _unbroadcast(sr, value, shape):
         lead + i for i, s in enumerate(shape) if s == 1 and vshape[lead + i] != 1
     ]
     value = sr.sum(value, dims, keepdim=True)
-    return tuple(f.reshape(shape) for f in value)
+    return fmap(lambda f: f.reshape(shape), value)
 
 
 def _jvp_derivative(target, args, kwargs, i):

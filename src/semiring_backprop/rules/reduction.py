@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from ..semirings.base import _dims
+from ..semirings.base import _dims, fmap
 from .registry import register
 
 aten = torch.ops.aten
@@ -22,8 +22,8 @@ def _spread(g, x, dims, keepdim):
     """Broadcast an output value back over the reduced dims (each input feeds one output)."""
     if not keepdim:
         for d in dims:
-            g = tuple(f.unsqueeze(d) for f in g)
-    return tuple(f.expand(x.shape) for f in g)
+            g = fmap(lambda f, d=d: f.unsqueeze(d), g)
+    return fmap(lambda f: f.expand(x.shape), g)
 
 
 @register([aten.sum.dim_IntList, aten.sum.default], "reduction")
@@ -35,7 +35,8 @@ def _sum(sr, g, op, x, dims=None, keepdim=False, **kwargs):
 def _mean(sr, g, op, x, dims=None, keepdim=False, **kwargs):
     dims = _reduced_dims(x, dims)
     n = math.prod(x.shape[d] for d in dims)
-    return [sr.times(_spread(g, x, dims, keepdim), torch.full_like(x, 1.0 / n))]
+    w = torch.full((), 1.0 / n, dtype=x.dtype, device=x.device)  # broadcasts in times
+    return [sr.times(_spread(g, x, dims, keepdim), w)]
 
 
 def _select_extreme(sr, g, op, x, dims, keepdim):

@@ -56,13 +56,38 @@ def _scalar(p: int, device) -> torch.Tensor:
     return _SCALARS[key]
 
 
+# What the tensor-granularity operations know of a value as a whole, as its tuple type
+# (kept by moves, see ``fmap``): normalized (hi >= lo wherever there is a path) and / or
+# dense (every element has a path: hi and lo finite, no zero to keep). A dense value
+# needs none of the zero's NaN marks: two passes per op instead of six or seven.
+
+
 class _Normal(tuple):
     """A tensor-granularity value already normalized (hi ≥ lo wherever there is a path)."""
+
+    __slots__ = ()
+
+
+class _Dense(tuple):
+    """A tensor-granularity value with a path at every element (not yet normalized)."""
+
+    __slots__ = ()
+
+
+class _NormalDense(_Normal, _Dense):
+    """Both."""
+
+    __slots__ = ()
+
+
+def _like(a, fields):
+    """``fields`` with the type of ``a`` (what is known of it)."""
+    return fields if type(a) is tuple else type(a)(fields)
 
 
 def _batch_broadcast(fields, w):
     batch = torch.broadcast_shapes(fields[0].shape[:-2], w.shape[:-2])
-    fields = tuple(f.expand(*batch, *f.shape[-2:]) for f in fields)
+    fields = _like(fields, tuple(f.expand(*batch, *f.shape[-2:]) for f in fields))
     return fields, w.expand(*batch, *w.shape[-2:])
 
 
@@ -103,8 +128,7 @@ class MaxProduct(Semiring):
     # -- values -------------------------------------------------------------------
     def _make(self, hi, lo, ptr_fill=-1):
         ptrs = tuple(full_int(hi.shape, ptr_fill, hi) for _ in self.fields[2:])
-        out = (hi, lo, *ptrs)
-        return out if self.neuron else _Normal(out)  # hi >= lo, or the zero
+        return (hi, lo, *ptrs) if self.neuron else _Normal((hi, lo, *ptrs))  # or the zero
 
     def zero(self, shape, like):
         shape = tuple(shape)
@@ -113,7 +137,8 @@ class MaxProduct(Semiring):
 
     def one(self, shape, like):
         hi = torch.ones(tuple(shape), dtype=like.dtype, device=like.device)
-        return self._make(hi, hi.clone())
+        one = self._make(hi, hi.clone())
+        return one if self.neuron else _NormalDense(one)
 
     @property
     def inner(self) -> MaxProduct:
@@ -121,8 +146,7 @@ class MaxProduct(Semiring):
         return _VALUES[self.granularity]
 
     def enter(self, a: Value, node_id: int) -> Value:
-        out = (a[0], a[1])
-        return _Normal(out) if isinstance(a, _Normal) else out
+        return _like(a, (a[0], a[1]))
 
     def leave(self, c: Value, node_id: int) -> Value:
         p = (node_id << PTR_SHIFT | LAZY) if self.neuron else node_id
@@ -130,7 +154,7 @@ class MaxProduct(Semiring):
         if self.neuron:
             return (c[0], c[1], ptr, ptr)
         c = self.inner._normalize(c)  # before the pointers: one swap of two fields
-        return _Normal((c[0], c[1], ptr, ptr))
+        return _like(c, (c[0], c[1], ptr, ptr))
 
     def tag(self, a: Value, node_id: int) -> Value:
         hi, lo = a[0], a[1]
@@ -140,8 +164,7 @@ class MaxProduct(Semiring):
             return (hi, lo, ptr, ptr)
         # one pointer for the whole tensor: a broadcast scalar, not a filled tensor
         node = torch.tensor(node_id, device=hi.device).expand(hi.shape)
-        out = (hi, lo, node, node)
-        return _Normal(out) if isinstance(a, _Normal) else out
+        return _like(a, (hi, lo, node, node))
 
     @staticmethod
     def _is_zero(a: Value) -> torch.Tensor:
@@ -157,6 +180,8 @@ class MaxProduct(Semiring):
         if self.neuron or isinstance(a, _Normal):
             return a
         hi, lo, ph, pl = self._split(a)
+        if not ph and isinstance(a, _Dense):  # no zero to keep
+            return _NormalDense((torch.maximum(hi, lo), torch.minimum(hi, lo)))
         if not ph:  # arithmetic only (comparisons and selects are the slow ops on CPU)
             nan = hi - hi  # NaN at the zero (-inf, inf), which must stay as it is
             return _Normal(
@@ -192,11 +217,17 @@ class MaxProduct(Semiring):
             *(torch.where(th, x, y) for x, y in zip(aph, bph)),
             *(torch.where(tl, x, y) for x, y in zip(apl, bpl)),
         )
-        return out if self.neuron else _Normal(out)
+        if self.neuron:
+            return out
+        # the max of a path and anything is a path
+        dense = isinstance(a, _Dense) or isinstance(b, _Dense)
+        return _NormalDense(out) if dense else _Normal(out)
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         hi, lo, ph, pl = self._split(a)
         # Arithmetic only: comparisons and selects are several times slower on CPU.
+        if not self.neuron and not ph and isinstance(a, _Dense):  # no zero to keep
+            return _Dense((hi * w, lo * w))
         if not self.neuron:  # unswapped; the zero (-inf, inf) stays the zero
             nan = lo - lo  # NaN at the zero, 0 elsewhere
             out = (_nan_to(hi * w + nan, -INF), _nan_to(lo * w + nan, INF))
@@ -245,6 +276,8 @@ class MaxProduct(Semiring):
             lo, il = lo.min(-1)
             ph = tuple(p.gather(-1, ih[..., None])[..., 0] for p in ph)
             pl = tuple(p.gather(-1, il[..., None])[..., 0] for p in pl)
+        elif isinstance(a, _Dense) and not ph:  # real sums of paths only
+            return _Dense((hi.sum(-1).reshape(out_shape), lo.sum(-1).reshape(out_shape)))
         else:
             live = ~self._is_zero(flat)
             any_live = live.any(-1)
@@ -285,8 +318,25 @@ class MaxProduct(Semiring):
             return self.zero((*hi.shape[:-1], w.shape[-1]), hi)
         # the zero (-inf, inf) adds nothing to the real sums: 0 there; hi and lo in one
         # matmul (one pass over the weights)
-        both = torch.cat([hi, lo], -2).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        dense = isinstance(a, _Dense)
+        both = torch.cat([hi, lo], -2)
+        if not dense:
+            both.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         out = torch.matmul(both, w)
+        if not ph:
+            # Every rule's matmul is its op's last aggregation (only moves follow), so
+            # the swap at the end of the op can be done here: max / min of the two real
+            # sums. An output row has a path wherever its input row has one; rows
+            # without get -inf / +inf (a row penalty: two passes over the output
+            # instead of the NaN marks' six).
+            out_hi, out_lo = out[..., :n, :], out[..., n:, :]
+            hi, lo = torch.maximum(out_hi, out_lo), torch.minimum(out_hi, out_lo)
+            if dense:
+                return _NormalDense((hi, lo))
+            pen = (a[0].amax(-1, keepdim=True) * 0).nan_to_num_(nan=-INF)  # 0 or -inf
+            if not bool(pen.isneginf().any()):  # (one small check) a path in every row
+                return _NormalDense((hi, lo))
+            return _Normal((hi.add_(pen), lo.sub_(pen)))
         nan = hi.amax(-1, keepdim=True) * 0  # NaN on rows without a path, 0 elsewhere
         out_hi = _nan_to(out[..., :n, :] + nan, -INF)
         out_lo = _nan_to(out[..., n:, :] + nan, INF)
