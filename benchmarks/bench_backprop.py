@@ -5,10 +5,12 @@ respect to the input embeddings (parameters frozen). Our times are for one call 
 ``sbp.Backprop`` already traced ("pass": forward values + reverse pass), and separately
 the first call, which traces. Autograd and our call run in turn, ``--reps`` rounds; the
 ratio is the median of the per-round ratios (robust to a shared machine's slow spells),
-the times are medians. Peak memory is the high-water mark of the process (CPU:
-VmHWM, reset before each measurement; CUDA: the allocator's peak) above what was in use
-before, relative to autograd's; prepared weights (``weight_cache``) are made on the
-first call and so are not in it (their size is printed).
+the times are medians. Peak memory is the peak of the bytes held by tensors during one
+call (CPU: every allocation and free, from the profiler; CUDA: the allocator's peak),
+above what was held before, relative to autograd's; prepared weights (``weight_cache``)
+are made on the first call and so are not in it (their size is printed). Both sides
+run with malloc tuned for reuse (``sbp.allocator``, what ``Backprop`` sets up on its
+first call); ``--malloc default`` keeps glibc's defaults for both.
 
     python benchmarks/bench_backprop.py                      # every case, CPU
     python benchmarks/bench_backprop.py --cases bert20 mlp   # some of them
@@ -49,37 +51,31 @@ DEFAULT_SETS = [
 # -- memory -------------------------------------------------------------------------------
 
 
-class Peak:
-    """Peak memory above the level at entry (bytes)."""
+def peak_bytes(fn, device) -> int:
+    """Peak of the bytes held by tensors during one call of ``fn``, above what was held
+    before it (what it returns is freed before the end). CUDA: the caching allocator's
+    peak. CPU: every allocation and free of torch's CPU allocator, recorded by the
+    profiler and summed in order (exact, unlike the process's RSS, which keeps what
+    malloc holds for reuse)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        del out
+        return torch.cuda.max_memory_allocated() - base
+    from torch.profiler import ProfilerActivity, profile
 
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # resets VmHWM to the current RSS
-            self.base = _status("VmRSS")
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self.peak = _status("VmHWM") - self.base
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+        del out
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 # -- cases --------------------------------------------------------------------------------
@@ -197,9 +193,9 @@ def bench_case(name, reps, dtype, device, sets):
         return g
 
     autograd()  # warm up
-    with Peak(device) as mem:
-        t_ref = _time(autograd, reps, device)
-    rows = [(title, tokens, "torch autograd", t_ref, 1.0, mem.peak, 1.0, None, 0)]
+    t_ref = _time(autograd, reps, device)
+    ref_peak = peak_bytes(autograd, device)
+    rows = [(title, tokens, "torch autograd", t_ref, 1.0, ref_peak, 1.0, None, 0)]
     refs = []
     for label in sets:
         semirings, options = SETS[label]
@@ -210,12 +206,10 @@ def bench_case(name, reps, dtype, device, sets):
         first = time.perf_counter() - t0
         del res
         cache = bp._prepared.used if bp._prepared is not None else 0
-        with Peak(device) as mem:
-            call()
-        ratio = mem.peak / mem_ref(rows)
+        peak = peak_bytes(call, device)
         t, r, ref = _paired(autograd, call, reps, device)
         refs += ref
-        rows.append((title, tokens, label, t, r, mem.peak, ratio, first, cache))
+        rows.append((title, tokens, label, t, r, peak, peak / rows[0][5], first, cache))
     if refs:  # autograd's time: every round it ran in
         rows[0] = (*rows[0][:3], statistics.median(refs), *rows[0][4:])
     return rows
@@ -232,10 +226,6 @@ def _paired(ref, fn, reps, device):
         ratios.append(b / a)
         refs.append(a)
     return statistics.median(times), statistics.median(ratios), refs
-
-
-def mem_ref(rows):
-    return max(rows[0][5], 2**20)  # under 1 MiB the ratio says nothing
 
 
 def bench_sentences(n, device, dtype, label):
@@ -267,13 +257,17 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--malloc", default="tuned", choices=["tuned", "default"],
+                   help="glibc malloc for both sides: tuned for reuse (what Backprop "
+                   "sets up) or the defaults")  # fmt: skip
     p.add_argument("--sentences", type=int, default=0, help="also time N sentences (10-60)")
     p.add_argument("--sentences-sets", nargs="+", default=["Real"], choices=list(SETS))
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.set_grad_enabled(True)
+    malloc = "tuned" if sbp.allocator.tune(args.malloc == "tuned") else "default"
     print(f"device: {args.device}, dtype: {args.dtype}, torch {torch.__version__}, "
-          f"threads: {torch.get_num_threads()}")  # fmt: skip
+          f"threads: {torch.get_num_threads()}, malloc: {malloc}")  # fmt: skip
     print("| model | tokens | computed | time (s) | × autograd | peak mem (MB) | × autograd "
           "| first call incl. trace (s) | prepared weights (MB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
