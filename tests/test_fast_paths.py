@@ -336,3 +336,40 @@ def test_keep_frees_values_during_the_pass():
     # only values no rule reads (off every path: masks, ids) can be left
     assert len(left) < len(computed) // 4, (len(left), len(computed))
     assert not set(left) & engine.needed_nodes(graph, graph.output_node)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_keep_drops_unread_forward_values_without_changing_values(name):
+    """With keep=, forward values no rule reads are dropped as the forward goes (the
+    rules' ``reads``): every semiring's value at the kept places is the same as with
+    every value kept, and the values held after the forward are fewer."""
+    from semiring_backprop import engine, forward
+    from test_branches import HF_SPECS
+
+    spec = HF_SPECS[name]
+    torch.manual_seed(5)
+    model = spec.build().to(F64).eval()
+    emb = model.get_input_embeddings()(torch.randint(1, 20, (1, 6))).detach()
+    kw = {"inputs_embeds": emb}
+    full = sbp.Backprop(model, spec.output, SEMIRINGS)(kwargs=kw)
+    lean = sbp.Backprop(model, spec.output, SEMIRINGS, keep=("inputs_embeds",))
+    res = lean(kwargs=kw)
+    for sr in SEMIRINGS:
+        _same(sr, res.value("inputs_embeds", sr), full.value("inputs_embeds", sr))
+
+    graph = lean.graph((), kw)
+    drop = engine.unread_values(graph, engine.needed_nodes(graph, graph.output_node), res.kept)
+    dropped = {n for nodes in drop.values() for n in nodes}
+    assert dropped and not dropped & res.kept
+    every, values = forward.run(graph, (), kw), forward.run(graph, (), kw, drop)
+    for n in dropped:  # stand-ins: the shape, dtype and device, no memory
+        v = values[n]
+        assert (v.shape, v.dtype, v.device) == (every[n].shape, every[n].dtype, every[n].device)
+        assert v.stride() == (0,) * v.dim()
+
+    def held(vals):
+        storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+                    for v in vals.values() if isinstance(v, torch.Tensor)}  # fmt: skip
+        return sum(storages.values())
+
+    assert held(values) < held(every)

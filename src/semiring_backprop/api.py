@@ -151,8 +151,11 @@ class Backprop:
         allocator.auto()  # freed host memory reused, not faulted in again (see allocator)
         graph = self.graph(args, kwargs)
         kept = None if self.keep is None else resolve_keep(graph, self.keep)
+        drop = None  # with keep=, values no rule reads are not kept through the forward
+        if kept is not None:
+            drop = engine.unread_values(graph, engine.needed_nodes(graph, graph.output_node), kept)
         with torch.no_grad():
-            values = forward.run(graph, args, kwargs)
+            values = forward.run(graph, args, kwargs, drop)
             store = engine.reverse(graph, values, self.semirings, graph.output_node, kept)
         if kept is not None:
             values = {n: v for n, v in values.items() if n in kept}

@@ -160,6 +160,38 @@ def _find_last_uses(graph, needed, keep) -> dict:
     return free
 
 
+def unread_values(graph, needed, keep) -> dict:
+    """``{node: [values to drop once it is computed]}``: float values that no rule of the
+    pass reads (see ``Rule.reads``), each dropped after its last use in the forward.
+    Values kept for the result (``keep``) and the output are never dropped. Cached per
+    graph, needed set and kept set."""
+    cache = graph.__dict__.setdefault("_unread", {})
+    key = (needed, frozenset(keep))
+    if key not in cache:
+        read = set(keep) | {graph.output_node}
+        for node in graph.nodes:
+            if node.op != "call_function" or node not in needed:
+                continue  # a rule runs only at nodes the pass goes through
+            rule = rules.lookup(node.target)
+            if rule is None or rule.reads is None:
+                read.update(node.all_input_nodes)
+                read.add(node)
+            else:
+                read.update(rule.reads(node, needed))
+        index = {n: i for i, n in enumerate(graph.nodes)}
+        drop: dict = {}
+        for node in graph.nodes:
+            if node.op != "call_function" or node in read or not _is_float(node):
+                continue
+            users = list(node.users)
+            if any(u.op != "call_function" for u in users):
+                continue  # returned by the graph
+            last = max(users, key=index.__getitem__, default=node)
+            drop.setdefault(last, []).append(node)
+        cache[key] = drop
+    return cache[key]
+
+
 def _reshapes(node) -> bool:
     """Ops whose rule only reshapes D back to the input (one tensor argument)."""
     rule = rules.lookup(node.target)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.fx.node import map_arg
 
@@ -29,8 +31,13 @@ _FINITE_IF_INPUTS_ARE = frozenset(
 )  # fmt: skip
 
 
-def run(graph: Graph, args: tuple, kwargs: dict) -> dict:
-    """Values of every node for these inputs (inputs must match the traced ones' kinds)."""
+def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> dict:
+    """Values of every node for these inputs (inputs must match the traced ones' kinds).
+
+    ``drop`` (``{node: [nodes]}``, from ``engine.unread_values``): values replaced, once
+    ``node`` is computed, by a stand-in of the same shape, dtype and device that holds
+    no memory (its elements are NaN: no rule reads them).
+    """
     given = input_tensors(args, kwargs)
     values: dict = {}
     for key, node in graph.user_inputs.items():
@@ -48,17 +55,36 @@ def run(graph: Graph, args: tuple, kwargs: dict) -> dict:
         values[node] = out
         if (check is True or (check and first)) and _is_float(out):
             checked.append((node, out.sum()))
+        for n in drop.get(node, ()) if drop else ():
+            values[n] = _stand_in(values[n])
     out = values.get(graph.output_node)
     if isinstance(out, torch.Tensor) and _is_float(out):
         checked.append((graph.output_node, out.sum()))
     finite = torch.isfinite(torch.stack([s.float() for _, s in checked])) if checked else None
     if finite is not None and not bool(finite.all()):  # look at every value, in graph order
-        for node, _ in _plan(graph):
-            out = values[node]
-            if isinstance(out, torch.Tensor) and _is_float(out):  # a mask may hold -inf
-                _check_finite(graph, node, out, map_arg(node.args, values.__getitem__))
+        dropped = {n for nodes in drop.values() for n in nodes} if drop else set()
+        try:
+            for node, _ in _plan(graph):
+                out = values[node]
+                if node not in dropped and _is_float(out):  # a mask may hold -inf
+                    _check_finite(graph, node, out, map_arg(node.args, values.__getitem__))
+        except NonFiniteError:
+            if dropped:  # again with every value, to name the first bad one
+                return run(graph, args, kwargs)
+            raise
     graph._static_checked = True
     return values
+
+
+_NAN: dict = {}
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A NaN broadcast to ``t``'s shape (dtype and device kept; no memory)."""
+    key = (t.dtype, t.device)
+    if key not in _NAN:
+        _NAN[key] = torch.full((), math.nan, dtype=t.dtype, device=t.device)
+    return _NAN[key].expand(t.shape)
 
 
 def _is_float(t) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import _ops  # noqa: F401  (defines softmax_shift)
-from .registry import register
+from .registry import reads_nothing, register
 
 aten = torch.ops.aten
 
@@ -32,6 +32,7 @@ aten = torch.ops.aten
         aten.argmin.default,
     ],
     "nondifferentiable",
+    reads=reads_nothing,
 )
 def _no_edges(sr, g, op, *args, **kwargs):
     return [None] * len(args)

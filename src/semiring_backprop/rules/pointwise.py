@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from ..semirings.base import fmap
-from .registry import register
+from .registry import reads_nothing, register
 
 aten = torch.ops.aten
 
@@ -81,26 +81,40 @@ def generic_pointwise(sr, g, op, *args, **kwargs):
     )
 
 
-def pointwise(ops, *derivs):
-    """Register a pointwise op by its per-slot derivative formulas (JAX's ``defjvp``)."""
-    register(ops, "pointwise")(_pointwise_rule(derivs))
+def pointwise(ops, *derivs, reads=None):
+    """Register a pointwise op by its per-slot derivative formulas (JAX's ``defjvp``);
+    ``reads`` as for ``register`` (constant derivatives read nothing)."""
+    register(ops, "pointwise", reads)(_pointwise_rule(derivs))
 
 
 def _alpha(kw):
     return kw.get("alpha", 1)
 
 
+NONE = reads_nothing
+
+
+def _reads_mul(node, needed):  # each factor only for the other's edge
+    a, b = node.args[:2]
+    return [x for x, other in ((b, a), (a, b)) if other in needed]
+
+
+def _reads_div(node, needed):  # a / b: b for both edges, the output for b's
+    a, b = node.args[:2]
+    return [b, node] if b in needed else [b] if a in needed else []
+
+
 # fmt: off
-pointwise(aten.add.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: _alpha(k))
-pointwise(aten.add.Scalar, lambda op, a, b, alpha=1: 1.0)  # alpha is positional here
-pointwise(aten.sub.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: -_alpha(k))
-pointwise(aten.sub.Scalar, lambda op, a, b, alpha=1: 1.0)
-pointwise(aten.rsub.Scalar, lambda op, a, b, alpha=1: -alpha)
-pointwise(aten.mul.Tensor, lambda op, a, b: b, lambda op, a, b: a)
+pointwise(aten.add.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: _alpha(k), reads=NONE)
+pointwise(aten.add.Scalar, lambda op, a, b, alpha=1: 1.0, reads=NONE)  # alpha is positional here
+pointwise(aten.sub.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: -_alpha(k), reads=NONE)
+pointwise(aten.sub.Scalar, lambda op, a, b, alpha=1: 1.0, reads=NONE)
+pointwise(aten.rsub.Scalar, lambda op, a, b, alpha=1: -alpha, reads=NONE)
+pointwise(aten.mul.Tensor, lambda op, a, b: b, lambda op, a, b: a, reads=_reads_mul)
 pointwise(aten.mul.Scalar, lambda op, a, b: b)
-pointwise(aten.div.Tensor, lambda op, a, b: 1.0 / b, lambda op, a, b: -op.out / b)
+pointwise(aten.div.Tensor, lambda op, a, b: 1.0 / b, lambda op, a, b: -op.out / b, reads=_reads_div)
 pointwise(aten.div.Scalar, lambda op, a, b: 1.0 / b)
-pointwise(aten.neg.default, lambda op, a: -1.0)
+pointwise(aten.neg.default, lambda op, a: -1.0, reads=NONE)
 pointwise(aten.exp.default, lambda op, a: op.out)
 pointwise(aten.log.default, lambda op, a: 1.0 / a)
 pointwise(aten.tanh.default, lambda op, a: 1.0 - op.out * op.out)

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..semirings.base import _dims, fmap
-from .registry import register
+from .registry import reads_nothing, register
 
 aten = torch.ops.aten
 
@@ -26,12 +26,12 @@ def _spread(g, x, dims, keepdim):
     return fmap(lambda f: f.expand(x.shape), g)
 
 
-@register([aten.sum.dim_IntList, aten.sum.default], "reduction")
+@register([aten.sum.dim_IntList, aten.sum.default], "reduction", reads=reads_nothing)
 def _sum(sr, g, op, x, dims=None, keepdim=False, **kwargs):
     return [_spread(g, x, _reduced_dims(x, dims), keepdim)]
 
 
-@register([aten.mean.dim, aten.mean.default], "reduction")
+@register([aten.mean.dim, aten.mean.default], "reduction", reads=reads_nothing)
 def _mean(sr, g, op, x, dims=None, keepdim=False, **kwargs):
     dims = _reduced_dims(x, dims)
     n = math.prod(x.shape[d] for d in dims)

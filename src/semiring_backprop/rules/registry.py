@@ -23,6 +23,16 @@ class Rule:
     fn: Callable
     kind: str
     op: object
+    #: which forward values the rule reads, as ``reads(node, needed) -> nodes`` (its
+    #: inputs, and the node itself for its output); None: all of them. Values no rule
+    #: reads are dropped during the forward when ``keep=`` is given (only their shape,
+    #: dtype and device stay). Shapes, dtypes and integer tensors are always there.
+    reads: Callable | None = None
+
+
+def reads_nothing(node, needed):
+    """``reads`` of a rule that uses shapes, dtypes and integer arguments only."""
+    return ()
 
 
 _RULES: dict[object, Rule] = {}
@@ -38,8 +48,9 @@ def _overloads(ops):
             yield op
 
 
-def register(ops, kind: str):
-    """Register ``fn`` as the rule of ``ops`` (an overload, a packet or a list)."""
+def register(ops, kind: str, reads: Callable | None = None):
+    """Register ``fn`` as the rule of ``ops`` (an overload, a packet or a list);
+    ``reads`` as for :class:`Rule` (default: the rule may read every value)."""
     if kind not in KINDS:
         raise InputError(f"rule kind {kind!r} is not one of {KINDS}")
 
@@ -54,7 +65,7 @@ def register(ops, kind: str):
                     "register a different overload, or fix the existing rule"
                 )
         for op in overloads:
-            _RULES[op] = Rule(fn, kind, op)
+            _RULES[op] = Rule(fn, kind, op, reads)
         return fn
 
     return deco

@@ -14,7 +14,7 @@ import torch
 from .. import _ops  # noqa: F401  (defines the mark op)
 from ..semirings.base import fmap, fmap2
 from .pointwise import _unbroadcast
-from .registry import register
+from .registry import reads_nothing, register
 
 aten = torch.ops.aten
 
@@ -40,17 +40,18 @@ register(
         torch.ops.semiring_backprop.mark.default,
     ],
     "routing",
+    reads=reads_nothing,
 )(reshape_back)
 
 
-@register([aten._to_copy.default, aten.to.dtype], "routing")
+@register([aten._to_copy.default, aten.to.dtype], "routing", reads=reads_nothing)
 def _to_copy(sr, g, op, x, *args, **kwargs):
     if not x.is_floating_point():
         return [None]  # int -> float (ids, masks): no edges
     return [fmap(lambda f: f.to(x.dtype) if f.is_floating_point() else f, g)]
 
 
-@register(aten.permute.default, "routing")
+@register(aten.permute.default, "routing", reads=reads_nothing)
 def _permute(sr, g, op, x, dims):
     inv = [0] * len(dims)
     for i, d in enumerate(dims):
@@ -58,29 +59,29 @@ def _permute(sr, g, op, x, dims):
     return [fmap(lambda f: f.permute(inv), g)]
 
 
-@register([aten.transpose.int, aten.t.default], "routing")
+@register([aten.transpose.int, aten.t.default], "routing", reads=reads_nothing)
 def _transpose(sr, g, op, x, d0=0, d1=1):
     return [fmap(lambda f: f.transpose(d0, d1), g)]
 
 
-@register(aten.expand.default, "routing")
+@register(aten.expand.default, "routing", reads=reads_nothing)
 def _expand(sr, g, op, x, size, **kwargs):
     return [_unbroadcast(sr, g, x.shape)]
 
 
-@register(aten.slice.Tensor, "routing")
+@register(aten.slice.Tensor, "routing", reads=reads_nothing)
 def _slice(sr, g, op, x, dim=0, start=None, end=None, step=1):
     z = sr.zero(x.shape, op.out)
     return [fmap2(lambda zf, gf: torch.slice_scatter(zf, gf, dim, start, end, step), z, g)]
 
 
-@register(aten.select.int, "routing")
+@register(aten.select.int, "routing", reads=reads_nothing)
 def _select(sr, g, op, x, dim, index):
     z = sr.zero(x.shape, op.out)
     return [fmap2(lambda zf, gf: torch.select_scatter(zf, gf, dim, index), z, g)]
 
 
-@register(aten.cat.default, "routing")
+@register(aten.cat.default, "routing", reads=reads_nothing)
 def _cat(sr, g, op, tensors, dim=0):
     dim = dim % op.out.dim()
     legacy = [t.dim() == 1 and t.numel() == 0 for t in tensors]  # skipped by cat
@@ -137,7 +138,7 @@ def _source_map(op, data_slots, index_fn):
 
 def routing(ops, data_slots=(0,), index_fn=None):
     """Register a routing op by the function that runs it on integer index tensors."""
-    register(ops, "routing")(_source_rule(data_slots, index_fn))
+    register(ops, "routing", reads=reads_nothing)(_source_rule(data_slots, index_fn))
 
 
 def _source_rule(data_slots=(0,), index_fn=None):
@@ -175,7 +176,7 @@ def _select(sr, g, keep, shape):
     return _unbroadcast(sr, picked, shape)
 
 
-@register(aten.where.self, "routing")
+@register(aten.where.self, "routing", reads=reads_nothing)
 def _where(sr, g, op, cond, a, b):
     out = [None, None, None]
     for i, x, keep in ((1, a, cond), (2, b, ~cond)):
@@ -184,12 +185,12 @@ def _where(sr, g, op, cond, a, b):
     return out
 
 
-@register(aten.masked_fill.Scalar, "routing")
+@register(aten.masked_fill.Scalar, "routing", reads=reads_nothing)
 def _masked_fill(sr, g, op, x, mask, value):
     return [_select(sr, g, ~mask, x.shape) if op.needs(0) else None, None, None]
 
 
-@register(aten.index_put.default, "routing")
+@register(aten.index_put.default, "routing", reads=reads_nothing)
 def _index_put(sr, g, op, x, indices, values, accumulate=False):
     """``accumulate=True`` adds: each output element reads itself and every value put there."""
     if not accumulate:
