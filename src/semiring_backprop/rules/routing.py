@@ -69,16 +69,41 @@ def _expand(sr, g, op, x, size, **kwargs):
     return [_unbroadcast(sr, g, x.shape)]
 
 
+def _put(part, scatter):
+    """``(zero field, value field) -> the zero with the value written into part(zero)``.
+
+    In place into the fresh zero (one tensor of the input's size, not the zero and a
+    copy: at an LM head's logits that is 16 MB per field for BERT-base), out of place
+    if the zero is a broadcast.
+    """
+
+    def put(zf, gf):
+        if 0 in zf.stride():
+            return scatter(zf, gf)
+        part(zf).copy_(gf)
+        return zf
+
+    return put
+
+
 @register(aten.slice.Tensor, "routing", reads=reads_nothing)
 def _slice(sr, g, op, x, dim=0, start=None, end=None, step=1):
     z = sr.zero(x.shape, op.out)
-    return [fmap2(lambda zf, gf: torch.slice_scatter(zf, gf, dim, start, end, step), z, g)]
+    put = _put(
+        lambda zf: aten.slice(zf, dim, start, end, step),
+        lambda zf, gf: torch.slice_scatter(zf, gf, dim, start, end, step),
+    )
+    return [fmap2(put, z, g)]
 
 
 @register(aten.select.int, "routing", reads=reads_nothing)
 def _select(sr, g, op, x, dim, index):
     z = sr.zero(x.shape, op.out)
-    return [fmap2(lambda zf, gf: torch.select_scatter(zf, gf, dim, index), z, g)]
+    put = _put(
+        lambda zf: zf.select(dim, index),
+        lambda zf, gf: torch.select_scatter(zf, gf, dim, index),
+    )
+    return [fmap2(put, z, g)]
 
 
 @register(aten.cat.default, "routing", reads=reads_nothing)
