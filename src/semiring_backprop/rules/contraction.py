@@ -51,8 +51,8 @@ def _live_rows(x, zero: float):
         return (x != zero).any(-1)
     if zero == -math.inf:
         return ~(x.amax(-1) == zero)
-    if zero == 0:
-        return ~(x.abs().amax(-1) == 0)
+    if zero == 0:  # two reductions, no |x| copy (16 MB at BERT-base's logits)
+        return ~((x.amax(-1) == 0) & (x.amin(-1) == 0))
     return (x != zero).any(-1)
 
 
