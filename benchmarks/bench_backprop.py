@@ -209,7 +209,7 @@ def bench_case(name, reps, dtype, device, sets):
         peak = peak_bytes(call, device)
         t, r, ref = _paired(autograd, call, reps, device)
         refs += ref
-        rows.append((title, tokens, label, t, r, peak, peak / rows[0][5], first, cache))
+        rows.append((title, tokens, label, t, r, peak, peak / max(rows[0][5], 1), first, cache))
     if refs:  # autograd's time: every round it ran in
         rows[0] = (*rows[0][:3], statistics.median(refs), *rows[0][4:])
     return rows
@@ -252,7 +252,7 @@ def bench_sentences(n, device, dtype, label):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--cases", nargs="+", default=["mlp", "bert20", "bert128", "gpt2"])
+    p.add_argument("--cases", nargs="*", default=["mlp", "bert20", "bert128", "gpt2"])
     p.add_argument("--sets", nargs="+", default=DEFAULT_SETS, choices=list(SETS))
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--device", default="cpu")
