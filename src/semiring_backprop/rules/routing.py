@@ -69,17 +69,19 @@ def _expand(sr, g, op, x, size, **kwargs):
     return [_unbroadcast(sr, g, x.shape)]
 
 
-def _put(part, scatter):
+def _put(z, part, scatter):
     """``(zero field, value field) -> the zero with the value written into part(zero)``.
 
     In place into the fresh zero (one tensor of the input's size, not the zero and a
-    copy: at an LM head's logits that is 16 MB per field for BERT-base), out of place
-    if the zero is a broadcast.
+    copy: at an LM head's logits that is 16 MB per field for BERT-base) where every
+    field of the zero is its own tensor; out of place where fields share memory (TopK's
+    pointer fields are one tensor) or are broadcasts.
     """
+    storages = [f.untyped_storage().data_ptr() for f in z]
+    if len(set(storages)) < len(storages) or any(0 in f.stride() for f in z):
+        return scatter
 
     def put(zf, gf):
-        if 0 in zf.stride():
-            return scatter(zf, gf)
         part(zf).copy_(gf)
         return zf
 
@@ -88,10 +90,12 @@ def _put(part, scatter):
 
 @register(aten.slice.Tensor, "routing", reads=reads_nothing)
 def _slice(sr, g, op, x, dim=0, start=None, end=None, step=1):
+    dim = dim % x.dim()  # fields may have trailing dims of their own (TopK's k)
     if op.out.shape[dim] == x.shape[dim]:  # every element, in order: D is g itself
         return [g]
     z = sr.zero(x.shape, op.out)
     put = _put(
+        z,
         lambda zf: aten.slice(zf, dim, start, end, step),
         lambda zf, gf: torch.slice_scatter(zf, gf, dim, start, end, step),
     )
@@ -100,10 +104,12 @@ def _slice(sr, g, op, x, dim=0, start=None, end=None, step=1):
 
 @register(aten.select.int, "routing", reads=reads_nothing)
 def _select(sr, g, op, x, dim, index):
+    dim = dim % x.dim()  # fields may have trailing dims of their own (TopK's k)
     if x.shape[dim] == 1:  # the whole input: a reshape (no zero to fill)
         return [fmap(lambda f: f.unsqueeze(dim), g)]
     z = sr.zero(x.shape, op.out)
     put = _put(
+        z,
         lambda zf: zf.select(dim, index),
         lambda zf, gf: torch.select_scatter(zf, gf, dim, index),
     )
