@@ -13,7 +13,7 @@ import torch
 
 from ..semirings.base import fmap, fmap2
 from .pointwise import _unbroadcast
-from .registry import register
+from .registry import reads_each_for_the_other, register
 
 aten = torch.ops.aten
 
@@ -66,22 +66,14 @@ def _matmul_grads(sr, g, op, a, b, i_a, i_b, scale=1):
     return da, db
 
 
-def _reads(i_a, i_b):
-    """A contraction reads each operand only for the other's D (never its output)."""
-
-    def reads(node, needed):
-        a, b = node.args[i_a], node.args[i_b]
-        return [x for x, other in ((b, a), (a, b)) if other in needed]
-
-    return reads
-
-
-@register([aten.mm.default, aten.bmm.default], "contraction", reads=_reads(0, 1))
+@register([aten.mm.default, aten.bmm.default], "contraction", reads=reads_each_for_the_other(0, 1))
 def _mm(sr, g, op, a, b):
     return list(_matmul_grads(sr, g, op, a, b, 0, 1))
 
 
-@register([aten.addmm.default, aten.baddbmm.default], "contraction", reads=_reads(1, 2))
+@register(
+    [aten.addmm.default, aten.baddbmm.default], "contraction", reads=reads_each_for_the_other(1, 2)
+)
 def _addmm(sr, g, op, bias, a, b, *, beta=1, alpha=1):
     da, db = _matmul_grads(sr, g, op, a, b, 1, 2, alpha)
     dbias = None

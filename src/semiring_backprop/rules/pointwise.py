@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from ..semirings.base import fmap
-from .registry import reads_nothing, register
+from .registry import reads_each_for_the_other, reads_nothing, register
 
 aten = torch.ops.aten
 
@@ -92,11 +92,7 @@ def _alpha(kw):
 
 
 NONE = reads_nothing
-
-
-def _reads_mul(node, needed):  # each factor only for the other's edge
-    a, b = node.args[:2]
-    return [x for x, other in ((b, a), (a, b)) if other in needed]
+_READS_MUL = reads_each_for_the_other(0, 1)  # each factor only for the other's edge
 
 
 def _reads_div(node, needed):  # a / b: b for both edges, the output for b's
@@ -110,7 +106,7 @@ pointwise(aten.add.Scalar, lambda op, a, b, alpha=1: 1.0, reads=NONE)  # alpha i
 pointwise(aten.sub.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: -_alpha(k), reads=NONE)
 pointwise(aten.sub.Scalar, lambda op, a, b, alpha=1: 1.0, reads=NONE)
 pointwise(aten.rsub.Scalar, lambda op, a, b, alpha=1: -alpha, reads=NONE)
-pointwise(aten.mul.Tensor, lambda op, a, b: b, lambda op, a, b: a, reads=_reads_mul)
+pointwise(aten.mul.Tensor, lambda op, a, b: b, lambda op, a, b: a, reads=_READS_MUL)
 pointwise(aten.mul.Scalar, lambda op, a, b: b)
 pointwise(aten.div.Tensor, lambda op, a, b: 1.0 / b, lambda op, a, b: -op.out / b, reads=_reads_div)
 pointwise(aten.div.Scalar, lambda op, a, b: 1.0 / b)

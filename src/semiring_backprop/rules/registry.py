@@ -35,6 +35,17 @@ def reads_nothing(node, needed):
     return ()
 
 
+def reads_each_for_the_other(i: int, j: int) -> Callable:
+    """``reads`` of a bilinear rule (a product, a matmul): argument ``i`` is read only
+    for ``j``'s edges and ``j`` only for ``i``'s; never the output."""
+
+    def reads(node, needed):
+        a, b = node.args[i], node.args[j]
+        return [x for x, other in ((b, a), (a, b)) if other in needed]
+
+    return reads
+
+
 _RULES: dict[object, Rule] = {}
 
 

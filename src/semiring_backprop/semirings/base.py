@@ -46,15 +46,20 @@ def fmap(fn: Callable[[torch.Tensor], torch.Tensor], value: Value) -> Value:
     Moving elements keeps what a semiring knows of a value as a whole (the type of a
     tuple subclass, such as MaxProduct's "already normalized"), so it is kept.
     """
-    out = tuple(fn(f) for f in value)
-    return out if type(value) is tuple else type(value)(out)
+    return retype(value, tuple(fn(f) for f in value))
 
 
 def fmap2(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], a: Value, b: Value) -> Value:
     """:func:`fmap` over two values (moving the elements of ``b`` into ``a``); the type
     is kept where both have it."""
     out = tuple(fn(x, y) for x, y in zip(a, b, strict=True))
-    return out if type(a) is tuple or type(a) is not type(b) else type(a)(out)
+    return retype(a, out) if type(a) is type(b) else out
+
+
+def retype(value: Value, fields: tuple) -> Value:
+    """``fields`` as a value of ``value``'s type (what a semiring knows of it as a whole,
+    as a tuple subclass; a plain tuple stays plain)."""
+    return fields if type(value) is tuple else type(value)(fields)
 
 
 def stack(values: Sequence[Value], dim: int = 0) -> Value:

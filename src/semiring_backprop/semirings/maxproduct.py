@@ -13,9 +13,11 @@ from .base import (
     Semiring,
     Value,
     _dims,
+    fmap,
     full_int,
     move_to_end,
     reduced_shape,
+    retype,
 )
 
 #: a neuron-granularity back-pointer packs (consumer node id, element index) into one
@@ -80,14 +82,9 @@ class _NormalDense(_Normal, _Dense):
     __slots__ = ()
 
 
-def _like(a, fields):
-    """``fields`` with the type of ``a`` (what is known of it)."""
-    return fields if type(a) is tuple else type(a)(fields)
-
-
 def _batch_broadcast(fields, w):
     batch = torch.broadcast_shapes(fields[0].shape[:-2], w.shape[:-2])
-    fields = _like(fields, tuple(f.expand(*batch, *f.shape[-2:]) for f in fields))
+    fields = fmap(lambda f: f.expand(*batch, *f.shape[-2:]), fields)
     return fields, w.expand(*batch, *w.shape[-2:])
 
 
@@ -146,7 +143,7 @@ class MaxProduct(Semiring):
         return _VALUES[self.granularity]
 
     def enter(self, a: Value, node_id: int) -> Value:
-        return _like(a, (a[0], a[1]))
+        return retype(a, (a[0], a[1]))
 
     def leave(self, c: Value, node_id: int) -> Value:
         p = (node_id << PTR_SHIFT | LAZY) if self.neuron else node_id
@@ -154,7 +151,7 @@ class MaxProduct(Semiring):
         if self.neuron:
             return (c[0], c[1], ptr, ptr)
         c = self.inner._normalize(c)  # before the pointers: one swap of two fields
-        return _like(c, (c[0], c[1], ptr, ptr))
+        return retype(c, (c[0], c[1], ptr, ptr))
 
     def tag(self, a: Value, node_id: int) -> Value:
         hi, lo = a[0], a[1]
@@ -164,7 +161,7 @@ class MaxProduct(Semiring):
             return (hi, lo, ptr, ptr)
         # one pointer for the whole tensor: a broadcast scalar, not a filled tensor
         node = torch.tensor(node_id, device=hi.device).expand(hi.shape)
-        return _like(a, (hi, lo, node, node))
+        return retype(a, (hi, lo, node, node))
 
     @staticmethod
     def _is_zero(a: Value) -> torch.Tensor:
@@ -329,14 +326,13 @@ class MaxProduct(Semiring):
             # sums. An output row has a path wherever its input row has one; rows
             # without get -inf / +inf (a row penalty: two passes over the output
             # instead of the NaN marks' six).
-            out_hi, out_lo = out[..., :n, :], out[..., n:, :]
-            hi, lo = torch.maximum(out_hi, out_lo), torch.minimum(out_hi, out_lo)
+            swapped = self._normalize(_Dense((out[..., :n, :], out[..., n:, :])))
             if dense:
-                return _NormalDense((hi, lo))
+                return swapped
             pen = (a[0].amax(-1, keepdim=True) * 0).nan_to_num_(nan=-INF)  # 0 or -inf
             if not bool(pen.isneginf().any()):  # (one small check) a path in every row
-                return _NormalDense((hi, lo))
-            return _Normal((hi.add_(pen), lo.sub_(pen)))
+                return swapped
+            return _Normal((swapped[0].add_(pen), swapped[1].sub_(pen)))
         nan = hi.amax(-1, keepdim=True) * 0  # NaN on rows without a path, 0 elsewhere
         out_hi = _nan_to(out[..., :n, :] + nan, -INF)
         out_lo = _nan_to(out[..., n:, :] + nan, INF)
