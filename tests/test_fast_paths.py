@@ -1,8 +1,9 @@
 """Fast paths give the same answers as the plain implementation.
 
 - compiled max-times / max-plus kernels == the eager formulas (values and argmax);
-- MaxProduct's pass without per-element pointers (rules compute hi/lo, the consumer is
-  added once) == the pass that carries full pointers through every rule;
+- MaxProduct's pass without pointers (found again when a path is read) == the pass
+  that carries full pointers through every rule;
+- constant edge weights through ``scale`` == through ``times``;
 - contractions that skip rows carrying no path == the full semiring matmul;
 - a reused :class:`Backprop` == a fresh ``backprop`` call, and it re-traces when the
   model's parameters are replaced.
@@ -11,7 +12,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -201,61 +201,66 @@ def test_prepared_weights_give_the_same_values_and_follow_weight_changes():
         _same(sr, got.value(0, sr), want.value(0, sr))
 
 
-@dataclass(frozen=True)
-class _FullPointers(sbp.MaxProduct):
-    """The plain implementation: every rule carries the pointer fields (``tag``)."""
-
-    @property
-    def inner(self):
-        return self
-
-    def enter(self, a, node_id):
-        return self.tag(a, node_id)
-
-    def leave(self, c, node_id):
-        return c
-
-
 @pytest.mark.parametrize("granularity", ["neuron", "tensor"])
-def test_lazy_pointers_equal_full_pointers(granularity):
-    """Same hi / lo everywhere; the same consumer wherever there is a path (tensor
-    granularity) and top paths of the same value read from either (neuron)."""
-    from semiring_backprop.semirings.maxproduct import LAZY, unpack_pointer
+def test_found_pointers_equal_carried_pointers(granularity):
+    """The pass keeps no MaxProduct back-pointers; those path reading finds again (⊕
+    replayed over the consumers, the element named by a rule run with pointers) are
+    the ones a pass carrying every pointer stores (``MaxProduct.pointed``, the plain
+    implementation): the same consumer and element wherever there is a path."""
+    from semiring_backprop.analysis.paths import _Pointers
+    from semiring_backprop.semirings.maxproduct import PTR_SHIFT
 
     model = _tiny_bert()
     emb = model.get_input_embeddings()(torch.randint(1, 40, (1, 5))).detach()
     output = lambda out: out.logits[0, 2].log_softmax(-1)[5]  # noqa: E731
-    lazy_sr, full_sr = sbp.MaxProduct(granularity), _FullPointers(granularity)
-    res = sbp.backprop(
-        model, kwargs={"inputs_embeds": emb}, output=output, semirings=[lazy_sr, full_sr]
-    )
-    n_lazy = 0
+    sr = sbp.MaxProduct(granularity)
+    full = sr.pointed
+    res = sbp.backprop(model, kwargs={"inputs_embeds": emb}, output=output, semirings=[sr, full])
+    pointers = _Pointers(res, 0, sr)
+    fanout = checked = 0
     for node, (a, b) in res._store.items():
-        a, b = lazy_sr._normalize(a), full_sr._normalize(b)
+        assert len(a) == 2 and len(b) == 4, node
+        a, b = sr._normalize(a), full._normalize(b)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), node
         path = a[0] != -INF
-        for f in (2, 3):
-            pa, pb = a[f].expand(a[0].shape)[path], b[f].expand(b[0].shape)[path]
+        if node is res.graph.output_node or not bool(path.any()):
+            continue
+        fanout += len(node.users) > 1
+        for f in (0, 1):
+            carried = b[2 + f].expand(path.shape)[path]
+            found = pointers.consumers(node)[f][path]
             if granularity == "tensor":
-                assert torch.equal(pa, pb), node
-            else:  # the full pass names the element, the lazy one only the consumer
-                n_lazy += int(((pa >= 0) & (pa & LAZY == LAZY)).sum())
-                assert not bool(((pb >= 0) & (pb & LAZY == LAZY)).any())
-                assert torch.equal(pa >> 40, pb >> 40), node
-    if granularity == "neuron":
-        assert n_lazy > 0 and unpack_pointer(LAZY)[1] == LAZY
-        for source in ("inputs_embeds", "bert.encoder.layer.1.attention:input"):
-            for sign in ("+", "-"):
-                p_lazy = res.top_path(source, lazy_sr, sign=sign)
-                p_full = res.top_path(source, full_sr, sign=sign)
-                assert p_lazy.value == pytest.approx(p_full.value, rel=1e-12)
-                assert len(p_lazy) == len(p_full)
+                assert torch.equal(found, carried), node
+                continue
+            assert torch.equal(found, carried >> PTR_SHIFT), node
+            flat = path.reshape(-1).nonzero()[:, 0]
+            for c_id in found.unique().tolist():
+                sel = found == c_id
+                elements = [pointers.element(c_id, node, int(e), f) for e in flat[sel]]
+                want = carried[sel] & ((1 << PTR_SHIFT) - 1)
+                assert elements == want.tolist(), node
+        checked += 1
+    assert fanout > 10 and checked > 50
+
+
+class _NeverMeta(type):
+    def __instancecheck__(cls, obj):
+        return False
+
+
+class _Never(tuple, metaclass=_NeverMeta):
+    """Stands in for a value type: makes plain tuples, and nothing is an instance."""
+
+    def __new__(cls, fields):
+        return tuple(fields)
 
 
 def test_dense_values_skip_the_zero_marks_without_changing_values(monkeypatch):
     """Tensor granularity: values known to have a path at every element skip the NaN
-    marks that keep the zero; every stored value is the same bit for bit as with the
-    marks everywhere (the types that carry the knowledge replaced by plain ones)."""
+    marks that keep the zero, and values known to be normalized (hi >= lo) skip the
+    swap; constant weights skip the multiply by 1. Every stored value is the same bit
+    for bit as with none of that (the types that carry the knowledge replaced by plain
+    tuples, constants through ``times``)."""
     from semiring_backprop.semirings import maxproduct
 
     model = _tiny_bert()
@@ -272,20 +277,18 @@ def test_dense_values_skip_the_zero_marks_without_changing_values(monkeypatch):
     # positions the output does not read have no path in the last layer: both kinds occur
     assert len(fast) // 2 < dense < len(fast)
 
-    class Never(tuple):
-        __slots__ = ()
-
-    monkeypatch.setattr(maxproduct, "_Dense", Never)
-    monkeypatch.setattr(maxproduct, "_NormalDense", maxproduct._Normal)
+    normal = sum(isinstance(v, maxproduct._Normal) for v in fast.values())
+    assert normal == len(fast)
+    for name in ("_Dense", "_Normal", "_NormalDense"):
+        monkeypatch.setattr(maxproduct, name, _Never)
+    monkeypatch.setattr(maxproduct.MaxProduct, "scale", lambda self, a, c: self.times(
+        a, torch.tensor(float(c), dtype=a[0].dtype)))  # fmt: skip
     plain = run()
-    assert not any(isinstance(v, Never) for v in plain.values())
+    assert all(type(v) is tuple for v in plain.values())
     assert fast.keys() == plain.keys()
     for node, a in fast.items():
         b = plain[node]
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), node
-        path = a[0] != -INF
-        for f in (2, 3):
-            assert torch.equal(a[f].expand(path.shape)[path], b[f].expand(path.shape)[path])
 
 
 def _tiny_bert():

@@ -205,6 +205,20 @@ def test_times_broadcasts_the_weight(sr, a, seed):
     assert_same(sr, sr.times(a, w), sr.times(a, w.expand(SHAPE)))
 
 
+SCALED = [*SEMIRINGS, sbp.MaxProduct("tensor"), sbp.MaxProduct().pointed]
+
+
+@pytest.mark.parametrize("sr", SCALED, ids=[sr.name for sr in SCALED])
+@laws
+@given(a=expressions, c=st.sampled_from([1, 1.0, -1.0, 0.5, -2.5, 0.0, 3.0]))
+def test_scale_is_times_by_a_constant(sr, a, c):
+    """``scale`` (constant edge weights: add, sub, mean) agrees with ``times``; its
+    shortcut for 1 is the law lift(1) == one."""
+    a = build(sr, a)
+    assert_same(sr, sr.scale(a, c), sr.times(a, torch.tensor(float(c), dtype=LIKE.dtype)))
+    assert_same(sr, sr.lift(torch.ones(SHAPE, dtype=LIKE.dtype)), sr.one(SHAPE, LIKE))
+
+
 def _fold_plus(sr, parts):
     acc = parts[0]
     for p in parts[1:]:

@@ -345,6 +345,34 @@ def test_tensor_granularity_path_is_a_chain_of_ops(case):
                 assert _node(res, prev.node) in _node(res, step.node).all_input_nodes
 
 
+def test_tensor_path_leaves_a_fanout_through_the_winning_consumer():
+    """Where a tensor feeds several ops, the path goes on through the op whose
+    contribution won the element the path is at (the example of test_oracle's
+    tensor-granularity test, worked by hand)."""
+    W = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 0.5, 2.0]], dtype=F64)
+    a = torch.tensor([2.0, -1.0, 0.5], dtype=F64)
+    b = torch.tensor([-3.0, 4.0, 1.0], dtype=F64)
+
+    def f(x):
+        h = x @ W
+        return (h * a + h * b).sum()
+
+    tensor = sbp.MaxProduct("tensor")
+    res = sbp.backprop(f, (torch.tensor([[0.3, -0.7]], dtype=F64),), semirings=[tensor])
+    # x: hi (0.5, 3.5), lo (-3, 2); D(h): hi (2, 4, 1) from (a, b, b), lo (-3, -1, 0.5)
+    # from (b, a, a). "+" starts at x_1 (3.5): at h its best hi is 4, from h * b.
+    # "-" starts at x_0 (-3): at h its lowest lo is -3, from h * b as well; the lo of
+    # the second element (-1) comes from h * a.
+    for sign, value in (("+", 3.5), ("-", -3.0)):
+        path = res.top_path(0, tensor, sign=sign)
+        assert close(path.value, value)
+        ops = [s.op for s in path.steps]
+        assert ops[:3] == ["input", "aten.mm.default", "aten.mul.Tensor"], ops
+        mul = _node(res, path.steps[2].node)
+        other = [n for n in mul.all_input_nodes if n.name != path.steps[1].node]
+        assert torch.equal(res.values[other[0]], b), sign
+
+
 # -- whole models -------------------------------------------------------------------------
 
 try:  # the Hugging Face models of test_models (which skips itself without transformers)

@@ -111,7 +111,9 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=Non
             shape = values[x].shape
             slot = acc.setdefault(x, [None] * len(semirings))
             for s, sr in enumerate(semirings):
-                moved = fmap(lambda f, shape=shape: f.reshape(shape), sr.enter(d[s], node_id))
+                moved = sr.enter(d[s], node_id)
+                if moved[0].shape != shape:  # marks and same-shape views move nothing
+                    moved = fmap(lambda f, shape=shape: f.reshape(shape), moved)
                 c = sr.leave(moved, node_id)
                 slot[s] = sr.accumulate(slot[s], c)
             continue

@@ -56,6 +56,11 @@ class Graph:
         return self.program.graph_module.graph
 
     @functools.cached_property
+    def ids(self) -> dict:
+        """``{node: its position in nodes}`` (the node ids of rules and pointers)."""
+        return {n: i for i, n in enumerate(self.nodes)}
+
+    @functools.cached_property
     def static(self) -> frozenset:
         """Nodes whose value is the same on every call: computed from the model's
         parameters, buffers and constants alone, by ops that draw no random numbers."""

@@ -1,11 +1,13 @@
 """Top gradient paths, read by following the back-pointers of a selective semiring.
 
-Every selective value stores, per element, the consumer op that won (and, at neuron
-granularity, the element of that op's output). A path is read from a source element to
-the output by following those pointers; each step's edge weight is recomputed from the
-op's own rule under the real semiring (the partial derivative of that output element
-with respect to that input element, per argument slot), which also tells where the sign
-flips: a negative edge continues from the consumer's most negative value.
+Every selective value has, per element, a back-pointer: the consumer op that won (and,
+at neuron granularity, the element of that op's output). MaxAbs and TopK store them;
+MaxProduct's are found again when a path is read (see ``_Pointers``). A path is read
+from a source element to the output by following them; each step's edge weight is
+recomputed from the op's own rule under the real semiring (the partial derivative of
+that output element with respect to that input element, per argument slot), which also
+tells where the sign flips: a negative edge continues from the consumer's most negative
+value.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .. import engine
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxAbs, MaxProduct, Real, TopK
 from ..semirings.base import stack
-from ..semirings.maxproduct import LAZY, unpack_pointer
+from ..semirings.maxproduct import unpack_pointer
 from ..tracing import mark_module
 
 _REAL = Real()
@@ -233,17 +235,57 @@ class _Edges:
 
 
 class _Pointers:
-    """The element a lazy MaxProduct pointer stands for: the pass records only the
-    winning consumer; its rule, run again with full pointers on the stored value of its
-    output, gives the same value and names the element (once per consumer and input)."""
+    """Back-pointers of a MaxProduct pass, found again: the pass keeps hi and lo only.
+
+    The winning consumer of an element is found by replaying the ⊕ of the pass over the
+    consumers' contributions (their rules, run again on their stored values); the
+    element of the winner's output, by running its rule with pointer fields
+    (``MaxProduct.pointed``), which gives the same values and names the element. Both
+    are kept on the result, so later paths through the same ops reuse them."""
 
     def __init__(self, res, k, sr):
         self.res, self.k, self.sr = res, k, sr
-        # kept on the result: later paths through the same ops reuse the runs
-        self.full = res.__dict__.setdefault("_full_pointers", {}).setdefault(k, {})
+        memo = res.__dict__.setdefault("_pointers", {})
+        self.winners = memo.setdefault(("winners", k), {})
+        self.full = memo.setdefault(("full", k), {})
+
+    def consumer(self, node, e: int, f: int) -> int:
+        """The id of the consumer op that won element ``e`` of ``node``'s ⊕ (field ``f``:
+        0 hi, 1 lo); -1 where no consumer has a path."""
+        return int(self.consumers(node)[f].reshape(-1)[e])
+
+    def consumers(self, node) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per element of ``node``, the id of the consumer op that won hi and lo."""
+        if node not in self.winners:
+            self.winners[node] = self._replay(node)
+        return self.winners[node]
+
+    def _replay(self, node):
+        res, sr, graph = self.res, self.sr, self.res.graph
+        ids = graph.ids
+        acc = None
+        # the pass visits consumers from the last one back, and ⊕ keeps its running sum
+        # on ties: the same order, the same ⊕ (pointer fields carried along)
+        for c in sorted(node.users, key=ids.__getitem__, reverse=True):
+            d = res._store.get(c)
+            if d is None:
+                continue
+            with torch.no_grad():
+                for inp, _, v in engine.contributions(
+                    graph, res.values, [sr], ids[c], [d[self.k]], res.needed
+                ):
+                    if inp is node:
+                        stamp = torch.full_like(v[0], ids[c], dtype=torch.long)
+                        v = type(v)((v[0], v[1], stamp, stamp))
+                        acc = v if acc is None else sr.pointed.plus(acc, v)
+        if acc is None:
+            raise _broken(node)
+        return acc[2], acc[3]
 
     def element(self, c_id: int, node, e: int, f: int) -> int:
-        res, sr = self.res, self.sr
+        """The element of consumer ``c_id``'s output that element ``e`` of ``node``
+        takes its ``f`` field from (neuron granularity)."""
+        res, sr = self.res, self.sr.pointed
         if (c_id, node) not in self.full:
             c = res.graph.nodes[c_id]
             with torch.no_grad():
@@ -345,17 +387,15 @@ def _top_path_maxproduct(res, source, sr: MaxProduct, sign: str) -> Path:
     if not sr.neuron:
         return _tensor_path(res, node, e, k, f, sr, sign, value)
     edges, graph, out_node = _Edges(res), res.graph, res.graph.output_node
-    lazy = _Pointers(res, k, sr)
+    pointers = _Pointers(res, k, sr)
     shape = lambda n: res.values[n].shape  # noqa: E731
     steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
     running = 1.0
     while node is not out_node:
-        a = _raw(res, node, k)
-        c_id, c_idx = unpack_pointer(int(a[2 + f].reshape(-1)[e]))
+        c_id = pointers.consumer(node, e, f)
         if c_id < 0:
             raise _broken(node)
-        if c_idx == LAZY:
-            c_idx = lazy.element(c_id, node, e, f)
+        c_idx = pointers.element(c_id, node, e, f)
         c = graph.nodes[c_id]
         ac = _raw(res, c, k)
         best = None
@@ -382,10 +422,10 @@ def _tensor_path(res, node, e, k, f, sr, sign, value) -> Path:
     """Tensor granularity: a sequence of ops. Each tensor's pointers name the winning
     consumer op only; the path follows the pointer of the tensor's most extreme element."""
     graph, out_node = res.graph, res.graph.output_node
+    pointers = _Pointers(res, k, sr)
     steps = [_step(res, node, None, None, None)]
     while node is not out_node:
-        a = sr._normalize(_raw(res, node, k))
-        c_id = int(a[2 + f].reshape(-1)[e])
+        c_id = pointers.consumer(node, e, f)
         if c_id < 0:
             raise _broken(node)
         node = graph.nodes[c_id]

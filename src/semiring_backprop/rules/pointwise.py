@@ -60,17 +60,21 @@ def _pointwise_rule(derivs):
             if d_fn is None or not _float_tensor(a) or not op.needs(i):
                 out.append(None)
                 continue
-            d = op.cached(("d", i), lambda d_fn=d_fn: _as_tensor(d_fn(op, *args, **kwargs), op.out))
-            out.append(_unbroadcast(sr, sr.times(g, d), a.shape))
+            d = op.cached(
+                ("d", i), lambda d_fn=d_fn: _derivative(d_fn(op, *args, **kwargs), op.out)
+            )
+            c = sr.scale(g, d) if isinstance(d, float) else sr.times(g, d)
+            out.append(_unbroadcast(sr, c, a.shape))
         return out
 
     return rule
 
 
-def _as_tensor(d, like):
+def _derivative(d, like):
+    """A tensor in ``like``'s dtype, or a Python float for a constant (``sr.scale``)."""
     if isinstance(d, torch.Tensor):
         return d.to(like.dtype)
-    return torch.tensor(d, dtype=like.dtype, device=like.device)
+    return float(d)
 
 
 def generic_pointwise(sr, g, op, *args, **kwargs):

@@ -35,8 +35,7 @@ def _sum(sr, g, op, x, dims=None, keepdim=False, **kwargs):
 def _mean(sr, g, op, x, dims=None, keepdim=False, **kwargs):
     dims = _reduced_dims(x, dims)
     n = math.prod(x.shape[d] for d in dims)
-    w = torch.full((), 1.0 / n, dtype=x.dtype, device=x.device)  # broadcasts in times
-    return [sr.times(_spread(g, x, dims, keepdim), w)]
+    return [sr.scale(_spread(g, x, dims, keepdim), 1.0 / n)]
 
 
 def _select_extreme(sr, g, op, x, dims, keepdim):

@@ -9,7 +9,8 @@ The operations (pytorch-struct style):
 - ``zero(shape, like)`` / ``one(shape, like)``: identities of ⊕ and ⊗.
 - ``lift(w)``: the value of a single edge of real weight ``w``.
 - ``plus(a, b)``: ⊕, used by the engine where a node has several consumers.
-- ``times(a, w)``: ``a ⊗ lift(w)`` for a real tensor ``w`` (broadcasts).
+- ``times(a, w)``: ``a ⊗ lift(w)`` for a real tensor ``w`` (broadcasts); ``scale(a, c)``
+  the same for a constant ``c`` (a Python number).
 - ``mul(a, b)``: ``a ⊗ b`` for two values.
 - ``sum(a, dims)``: ⊕-reduce over ``dims`` inside one op.
 - ``matmul(a, w, prep=None)``: ``out[..., i, k] = ⊕_j a[..., i, j] ⊗ lift(w[..., j, k])``;
@@ -20,9 +21,9 @@ The operations (pytorch-struct style):
 
 The engine calls a rule through ``enter`` / ``inner`` / ``leave``: the rule computes
 with ``inner`` on ``enter(a, node_id)`` and each result goes back through ``leave``. By
-default that is the semiring itself with ``tag``; a semiring whose back-pointers name
-only the consumer op (MaxProduct) lets its rules compute pointer-free values and adds
-the pointer once per result.
+default that is the semiring itself with ``tag``. MaxProduct carries no back-pointers
+in the pass (path reading finds the winners again) and does its tensor granularity's
+swap of hi and lo in ``leave``, once per result.
 """
 
 from __future__ import annotations
@@ -60,6 +61,18 @@ def retype(value: Value, fields: tuple) -> Value:
     """``fields`` as a value of ``value``'s type (what a semiring knows of it as a whole,
     as a tuple subclass; a plain tuple stays plain)."""
     return fields if type(value) is tuple else type(value)(fields)
+
+
+_CONSTANTS: dict = {}
+
+
+def constant(c: float, like: torch.Tensor) -> torch.Tensor:
+    """``c`` as a 0-dim tensor of ``like``'s dtype and device (made once per value)."""
+    key = (c, like.dtype, like.device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        t = _CONSTANTS[key] = torch.tensor(c, dtype=like.dtype, device=like.device)
+    return t
 
 
 def stack(values: Sequence[Value], dim: int = 0) -> Value:
@@ -122,6 +135,14 @@ class Semiring:
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         raise NotImplementedError
+
+    def scale(self, a: Value, c: float) -> Value:
+        """``a ⊗ lift(c)`` for a constant edge weight ``c``, a Python number (``add``'s 1,
+        ``sub``'s -1, ``mean``'s 1/n). An edge of weight 1 changes no path product, so
+        that is ``a`` itself; a semiring whose ``lift(1)`` is not its one overrides this."""
+        if c == 1:
+            return a
+        return self.times(a, constant(c, a[0]))
 
     def accumulate(self, prev: Value | None, c: Value) -> Value:
         """``prev ⊕ c``, where ``prev`` None is the zero (the engine's running sums)."""

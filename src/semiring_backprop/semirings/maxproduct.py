@@ -13,6 +13,7 @@ from .base import (
     Semiring,
     Value,
     _dims,
+    constant,
     fmap,
     full_int,
     move_to_end,
@@ -20,20 +21,14 @@ from .base import (
     retype,
 )
 
-#: a neuron-granularity back-pointer packs (consumer node id, element index) into one
-#: int64: node << PTR_SHIFT | index (-1: none). Half the pointer work of two fields.
+#: a back-pointer (what path reading runs rules with, see ``MaxProduct.pointed``) packs
+#: (consumer node id, element index) into one int64: node << PTR_SHIFT | index (-1: none)
 PTR_SHIFT = 40
-
-#: the element index of a lazy pointer: the pass records only the winning consumer op;
-#: the element of its output is found again when a path is read (by running that op's
-#: rule with full pointers), which spares every op the per-element pointer work
-LAZY = (1 << PTR_SHIFT) - 1
 
 
 def unpack_pointer(p: int) -> tuple[int, int]:
-    """``(node id, element index)`` of a packed neuron pointer; ``(-1, ...)`` for none;
-    the index is :data:`LAZY` where the pass did not record it."""
-    return p >> PTR_SHIFT, p & LAZY
+    """``(node id, element index)`` of a packed neuron pointer; ``(-1, ...)`` for none."""
+    return p >> PTR_SHIFT, p & ((1 << PTR_SHIFT) - 1)
 
 
 @dataclass(frozen=True)
@@ -45,17 +40,6 @@ class MaxProductReadout:
 def _nan_to(t: torch.Tensor, fill: float) -> torch.Tensor:
     # 0 · ±inf arises only from a zero-weight edge times the semiring zero: still zero
     return torch.nan_to_num(t, nan=fill, posinf=INF, neginf=-INF)
-
-
-_SCALARS: dict = {}
-
-
-def _scalar(p: int, device) -> torch.Tensor:
-    """A 0-dim int64 tensor holding ``p`` (made once per value and device)."""
-    key = (p, device)
-    if key not in _SCALARS:
-        _SCALARS[key] = torch.tensor(p, device=device)
-    return _SCALARS[key]
 
 
 # What the tensor-granularity operations know of a value as a whole, as its tuple type
@@ -95,12 +79,17 @@ class MaxProduct(Semiring):
     ``granularity="neuron"`` (default) is the exact max over paths of the scalar graph;
     ``granularity="tensor"`` reproduces the paper's code: inside one op, hi and lo are
     aggregated by the real sum and swapped where the sign flips; max/min only where a
-    tensor feeds several ops. Back-pointers: for every element, the winning consumer op
-    (and, at neuron granularity, the element of that op's output) for hi and for lo.
+    tensor feeds several ops.
+
+    Back-pointers (for every element, the winning consumer op and, at neuron
+    granularity, the element of that op's output, for hi and for lo) are not carried by
+    the pass: ⊕ keeps hi and lo only, and path reading finds the winner again from the
+    consumers' stored values (:attr:`pointed`), once per step it takes.
     """
 
     granularity: str = "neuron"
     selective = True
+    fields = ("hi", "lo")
 
     def __post_init__(self):
         if self.granularity not in ("neuron", "tensor"):
@@ -113,19 +102,19 @@ class MaxProduct(Semiring):
         return self.granularity == "neuron"
 
     @property
-    def fields(self):
-        if self.neuron:  # (consumer node, element of its output), packed: see PTR_SHIFT
-            return ("hi", "lo", "hi_ptr", "lo_ptr")
-        return ("hi", "lo", "hi_node", "lo_node")
-
-    @property
     def name(self) -> str:
         return f"MaxProduct({self.granularity})"
 
+    @property
+    def pointed(self) -> MaxProduct:
+        """The same semiring with back-pointer fields (consumer op and element, packed:
+        see PTR_SHIFT; the consumer op alone at tensor granularity): what path reading
+        runs a rule with to name the element a step comes from."""
+        return _POINTED[self.granularity]
+
     # -- values -------------------------------------------------------------------
-    def _make(self, hi, lo, ptr_fill=-1):
-        ptrs = tuple(full_int(hi.shape, ptr_fill, hi) for _ in self.fields[2:])
-        return (hi, lo, *ptrs) if self.neuron else _Normal((hi, lo, *ptrs))  # or the zero
+    def _make(self, hi, lo):
+        return (hi, lo) if self.neuron else _Normal((hi, lo))
 
     def zero(self, shape, like):
         shape = tuple(shape)
@@ -137,31 +126,11 @@ class MaxProduct(Semiring):
         one = self._make(hi, hi.clone())
         return one if self.neuron else _NormalDense(one)
 
-    @property
-    def inner(self) -> MaxProduct:
-        # rules compute hi and lo only; the consumer pointer is added once per result
-        return _VALUES[self.granularity]
-
     def enter(self, a: Value, node_id: int) -> Value:
-        return retype(a, (a[0], a[1]))
+        return a
 
     def leave(self, c: Value, node_id: int) -> Value:
-        p = (node_id << PTR_SHIFT | LAZY) if self.neuron else node_id
-        ptr = _scalar(p, c[0].device).expand(c[0].shape)
-        if self.neuron:
-            return (c[0], c[1], ptr, ptr)
-        c = self.inner._normalize(c)  # before the pointers: one swap of two fields
-        return retype(c, (c[0], c[1], ptr, ptr))
-
-    def tag(self, a: Value, node_id: int) -> Value:
-        hi, lo = a[0], a[1]
-        if self.neuron:
-            base = node_id << PTR_SHIFT
-            ptr = torch.arange(base, base + hi.numel(), device=hi.device).view(hi.shape)
-            return (hi, lo, ptr, ptr)
-        # one pointer for the whole tensor: a broadcast scalar, not a filled tensor
-        node = torch.tensor(node_id, device=hi.device).expand(hi.shape)
-        return retype(a, (hi, lo, node, node))
+        return c if self.neuron else self._normalize(c)  # the swap at the end of an op
 
     @staticmethod
     def _is_zero(a: Value) -> torch.Tensor:
@@ -206,14 +175,16 @@ class MaxProduct(Semiring):
         a, b = self._normalize(a), self._normalize(b)
         ahi, alo, aph, apl = self._split(a)
         bhi, blo, bph, bpl = self._split(b)
-        th = ahi >= bhi
-        tl = alo <= blo
-        out = (
-            torch.where(th, ahi, bhi),
-            torch.where(tl, alo, blo),
-            *(torch.where(th, x, y) for x, y in zip(aph, bph)),
-            *(torch.where(tl, x, y) for x, y in zip(apl, bpl)),
-        )
+        if aph:  # ties keep a (the engine's running sum): the pass's order
+            th, tl = ahi >= bhi, alo <= blo
+            out = (
+                torch.where(th, ahi, bhi),
+                torch.where(tl, alo, blo),
+                *(torch.where(th, x, y) for x, y in zip(aph, bph)),
+                *(torch.where(tl, x, y) for x, y in zip(apl, bpl)),
+            )
+        else:
+            out = (torch.maximum(ahi, bhi), torch.minimum(alo, blo))
         if self.neuron:
             return out
         # the max of a path and anything is a path
@@ -245,6 +216,14 @@ class MaxProduct(Semiring):
             *(torch.where(pos, y, x) for x, y in zip(ph, pl)),
         )
 
+    def scale(self, a: Value, c: float) -> Value:
+        if c == 1 or c == 0 or len(a) > 2:  # pointers: through times
+            return super().scale(a, c)
+        w = constant(c, a[0])
+        hi, lo = a[0] * w, a[1] * w
+        # a negative weight swaps hi and lo; the zero (-inf, inf) stays the zero
+        return retype(a, (hi, lo) if c > 0 else (lo, hi))
+
     def mul(self, a: Value, b: Value) -> Value:
         a, b = self._normalize(a), self._normalize(b)
         ahi, alo, aph, apl = self._split(a)
@@ -273,8 +252,8 @@ class MaxProduct(Semiring):
             lo, il = lo.min(-1)
             ph = tuple(p.gather(-1, ih[..., None])[..., 0] for p in ph)
             pl = tuple(p.gather(-1, il[..., None])[..., 0] for p in pl)
-        elif isinstance(a, _Dense) and not ph:  # real sums of paths only
-            return _Dense((hi.sum(-1).reshape(out_shape), lo.sum(-1).reshape(out_shape)))
+        elif isinstance(a, _Dense) and not ph:  # real sums of paths only (keep hi >= lo)
+            return retype(a, (hi.sum(-1).reshape(out_shape), lo.sum(-1).reshape(out_shape)))
         else:
             live = ~self._is_zero(flat)
             any_live = live.any(-1)
@@ -282,7 +261,7 @@ class MaxProduct(Semiring):
             lo = torch.where(any_live, torch.where(live, lo, 0).sum(-1), INF)
             ph = tuple(p.amax(-1) for p in ph)
             pl = tuple(p.amax(-1) for p in pl)
-        return tuple(f.reshape(out_shape) for f in (hi, lo, *ph, *pl))
+        return retype(a, tuple(f.reshape(out_shape) for f in (hi, lo, *ph, *pl)))
 
     def prepare(self, w: torch.Tensor):
         # the kernels read the weights transposed (the reduced dim contiguous)
@@ -355,29 +334,30 @@ class MaxProduct(Semiring):
 
 
 @dataclass(frozen=True)
-class _Values(MaxProduct):
-    """MaxProduct without back-pointers (fields hi, lo): what rules compute with.
+class _Pointed(MaxProduct):
+    """MaxProduct with back-pointer fields ``(hi, lo, hi_ptr, lo_ptr)``: the same values
+    (the same formulas) and, for every element, where each came from. Path reading runs
+    a consumer's rule with it to name the element a step comes from; a pass run with it
+    carries every pointer (the plain implementation the tests compare against)."""
 
-    The values are those of :class:`MaxProduct` (the same formulas, fewer fields); the
-    engine adds the consumer pointer (:meth:`MaxProduct.leave`).
-    """
+    fields = ("hi", "lo", "hi_ptr", "lo_ptr")
 
-    @property
-    def fields(self):
-        return ("hi", "lo")
-
-    @property
-    def inner(self) -> MaxProduct:
-        return self
+    def _make(self, hi, lo):
+        ptr = full_int(hi.shape, -1, hi)
+        return (hi, lo, ptr, ptr) if self.neuron else _Normal((hi, lo, ptr, ptr))
 
     def enter(self, a: Value, node_id: int) -> Value:
-        return a
-
-    def leave(self, c: Value, node_id: int) -> Value:
-        return c
+        return self.tag(a, node_id)
 
     def tag(self, a: Value, node_id: int) -> Value:
-        return a
+        hi, lo = a[0], a[1]
+        if self.neuron:
+            base = node_id << PTR_SHIFT
+            ptr = torch.arange(base, base + hi.numel(), device=hi.device).view(hi.shape)
+            return (hi, lo, ptr, ptr)
+        # one pointer for the whole tensor: a broadcast scalar, not a filled tensor
+        node = torch.tensor(node_id, device=hi.device).expand(hi.shape)
+        return retype(a, (hi, lo, node, node))
 
 
-_VALUES = {g: _Values(g) for g in ("neuron", "tensor")}
+_POINTED = {g: _Pointed(g) for g in ("neuron", "tensor")}
