@@ -291,6 +291,27 @@ def test_dense_values_skip_the_zero_marks_without_changing_values(monkeypatch):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), node
 
 
+def test_values_marked_dense_have_a_path_everywhere():
+    """A value typed Dense (contractions then skip the search for rows without a path)
+    has a path at every element: where MaxProduct's hi is not -inf. The positions the
+    output does not read have none in the last layer, so both kinds occur."""
+    from semiring_backprop.semirings.base import Dense
+
+    model = _tiny_bert()
+    emb = model.get_input_embeddings()(torch.randint(1, 40, (1, 5))).detach()
+    output = lambda out: out.logits[0, 2].log_softmax(-1)[5]  # noqa: E731
+    srs = [sbp.Real(), sbp.MaxProduct(), sbp.MaxProduct("tensor"), sbp.Entropy()]
+    res = sbp.backprop(model, kwargs={"inputs_embeds": emb}, output=output, semirings=srs)
+    dense = [0] * len(srs)
+    for node, values in res._store.items():
+        everywhere = bool((values[1][0] != -INF).all())
+        for k, v in enumerate(values):
+            if isinstance(v, Dense):
+                assert everywhere, (srs[k], node)
+                dense[k] += 1
+    assert all(len(res._store) // 4 < n < len(res._store) for n in dense), dense
+
+
 def _tiny_bert():
     from transformers import BertConfig, BertForMaskedLM
 

@@ -184,11 +184,13 @@ def _stamp(model):
     """Identity and in-place version of every parameter and buffer, and the mode."""
     if not isinstance(model, torch.nn.Module):
         return (id(model),)
-    tensors = [*model.parameters(), *model.buffers()]
-    return (
-        tuple((id(t), t.data_ptr(), t._version) for t in tensors),
-        tuple(m.training for m in model.modules()),
-    )
+    stamp = []  # one walk over the modules (parameters() and buffers() walk it again)
+    for m in model.modules():
+        stamp.append(m.training)
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            if t is not None:
+                stamp.append((id(t), t.data_ptr(), t._version))
+    return tuple(stamp)
 
 
 def _check_output(graph, per_example: bool):

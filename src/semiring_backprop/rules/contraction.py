@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ..semirings.base import fmap, fmap2
+from ..semirings.base import Dense, fmap, fmap2
 from .pointwise import _unbroadcast
 from .registry import reads_each_for_the_other, register
 
@@ -30,18 +30,30 @@ def _live_matmul(sr, g, w, prep=None):
     no value and saves most of the work there.
     """
     x = g[0]
-    if x.dim() != 2 or w.dim() != 2:
+    if isinstance(g, Dense) or x.dim() != 2 or w.dim() != 2:
         return sr.matmul(g, w, prep)
-    live = _live_rows(x, float(sr.zero((), x)[0]))
+    live = _live_rows(x, _zero_of(sr, x))
     n_live = int(live.sum())
-    if n_live == x.shape[0]:
-        return sr.matmul(g, w, prep)
+    if n_live == x.shape[0]:  # a path in every row, so at every element of the result
+        out = sr.matmul(g, w, prep)
+        return Dense(out) if type(out) is tuple else out
     rows = live.nonzero().flatten()
     out = sr.zero((x.shape[0], w.shape[-1]), x)
     if n_live == 0:
         return out
     part = sr.matmul(tuple(f.index_select(0, rows) for f in g), w, prep)
     return fmap2(lambda o, p: o.index_copy(0, rows, p), out, part)
+
+
+_ZEROS: dict = {}
+
+
+def _zero_of(sr, x) -> float:
+    """The first field of ``sr``'s zero, as a number (once per semiring and dtype)."""
+    key = (sr, x.dtype)
+    if key not in _ZEROS:
+        _ZEROS[key] = float(sr.zero((), x.new_zeros((), device="cpu"))[0])
+    return _ZEROS[key]
 
 
 def _live_rows(x, zero: float):

@@ -63,6 +63,21 @@ def retype(value: Value, fields: tuple) -> Value:
     return fields if type(value) is tuple else type(value)(fields)
 
 
+class Dense(tuple):
+    """A value with a path at every element, known as its tuple type: kept by moves
+    (:func:`fmap`) and by the operations of a semiring that keep it (a path times an
+    edge, a sum of paths, a path ⊕ anything). A contraction need not look for rows
+    without a path in it. (Where a semiring counts only paths of nonzero weight, as
+    Entropy does, an element may still be its zero: a contraction gives the same
+    result for such a row either way.)"""
+
+    __slots__ = ()
+
+
+def dense_if(dense: bool, fields: tuple) -> Value:
+    return Dense(fields) if dense else fields
+
+
 _CONSTANTS: dict = {}
 
 

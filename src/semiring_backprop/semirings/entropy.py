@@ -6,7 +6,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import INF, Semiring, Value, _dims, log_abs, move_to_end, reduced_shape
+from .base import (
+    INF,
+    Dense,
+    Semiring,
+    Value,
+    _dims,
+    dense_if,
+    log_abs,
+    move_to_end,
+    reduced_shape,
+    retype,
+)
 
 
 @dataclass(frozen=True)
@@ -42,7 +53,7 @@ class Entropy(Semiring):
 
     def one(self, shape, like):
         lz = torch.zeros(tuple(shape), dtype=like.dtype, device=like.device)
-        return (lz, torch.zeros_like(lz))
+        return Dense((lz, torch.zeros_like(lz)))
 
     # Invariant: m is finite; where there is no path (lz == -inf) its value is unused.
 
@@ -52,11 +63,12 @@ class Entropy(Semiring):
     def plus(self, a: Value, b: Value) -> Value:
         lz = torch.logaddexp(a[0], b[0])
         # exp(-inf - lz) is 0 for an empty term; only an empty total gives NaN
-        return (lz, _finite(torch.exp(a[0] - lz) * a[1] + torch.exp(b[0] - lz) * b[1]))
+        m = _finite(torch.exp(a[0] - lz) * a[1] + torch.exp(b[0] - lz) * b[1])
+        return dense_if(isinstance(a, Dense) or isinstance(b, Dense), (lz, m))
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         lw = log_abs(w)
-        return (a[0] + lw, _finite(a[1] - lw))
+        return retype(a, (a[0] + lw, _finite(a[1] - lw)))
 
     def mul(self, a: Value, b: Value) -> Value:
         return (a[0] + b[0], a[1] + b[1])
@@ -69,7 +81,7 @@ class Entropy(Semiring):
         lz, m = move_to_end(a[0], dims), move_to_end(a[1], dims)
         total = torch.logsumexp(lz, -1, keepdim=True)
         m = _finite((torch.exp(lz - total) * m).sum(-1))  # NaN only for an empty total
-        return (total[..., 0].reshape(shape), m.reshape(shape))
+        return retype(a, (total[..., 0].reshape(shape), m.reshape(shape)))
 
     def prepare(self, w: torch.Tensor):
         wa = torch.abs(w)
@@ -88,7 +100,7 @@ class Entropy(Semiring):
         zm = torch.matmul(torch.cat([e, e * m], -2), wn)  # one pass over the weights
         z, num = zm[..., :n, :], zm[..., n:, :] - torch.matmul(e, w_log_w)
         lz = torch.log(z) + (s + log_c)  # -inf where z == 0: no path of nonzero weight
-        return (lz, _finite(num / z))
+        return retype(a, (lz, _finite(num / z)))
 
     def scalar(self, a: Value) -> torch.Tensor:
         return self.finalize(a).entropy

@@ -10,10 +10,12 @@ from .. import kernels
 from ..errors import InputError
 from .base import (
     INF,
+    Dense,
     Semiring,
     Value,
     _dims,
     constant,
+    dense_if,
     fmap,
     full_int,
     move_to_end,
@@ -54,7 +56,7 @@ class _Normal(tuple):
     __slots__ = ()
 
 
-class _Dense(tuple):
+class _Dense(Dense):
     """A tensor-granularity value with a path at every element (not yet normalized)."""
 
     __slots__ = ()
@@ -67,6 +69,8 @@ class _NormalDense(_Normal, _Dense):
 
 
 def _batch_broadcast(fields, w):
+    if fields[0].shape[:-2] == w.shape[:-2]:  # nothing to broadcast (a 2-D matmul)
+        return fields, w
     batch = torch.broadcast_shapes(fields[0].shape[:-2], w.shape[:-2])
     fields = fmap(lambda f: f.expand(*batch, *f.shape[-2:]), fields)
     return fields, w.expand(*batch, *w.shape[-2:])
@@ -124,7 +128,7 @@ class MaxProduct(Semiring):
     def one(self, shape, like):
         hi = torch.ones(tuple(shape), dtype=like.dtype, device=like.device)
         one = self._make(hi, hi.clone())
-        return one if self.neuron else _NormalDense(one)
+        return Dense(one) if self.neuron else _NormalDense(one)
 
     def enter(self, a: Value, node_id: int) -> Value:
         return a
@@ -185,10 +189,10 @@ class MaxProduct(Semiring):
             )
         else:
             out = (torch.maximum(ahi, bhi), torch.minimum(alo, blo))
-        if self.neuron:
-            return out
         # the max of a path and anything is a path
-        dense = isinstance(a, _Dense) or isinstance(b, _Dense)
+        dense = isinstance(a, Dense) or isinstance(b, Dense)
+        if self.neuron:
+            return dense_if(dense, out)
         return _NormalDense(out) if dense else _Normal(out)
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
@@ -208,7 +212,7 @@ class MaxProduct(Semiring):
             _nan_to(torch.addcmul(lo * wp, hi, wn), INF),
         )
         if not ph:
-            return out
+            return retype(a, out)
         pos = w >= 0
         return (
             *out,
@@ -273,7 +277,7 @@ class MaxProduct(Semiring):
         wt = self.prepare(w) if prep is None else prep
         hi, lo, ph, pl = self._split(a)
         if not ph:  # no pointers to carry: the values alone (several times faster)
-            return kernels.maxtimes(hi, lo, wt, argmax=False)
+            return retype(a, kernels.maxtimes(hi, lo, wt, argmax=False))
         out_hi, jh, out_lo, jl = kernels.maxtimes(hi, lo, wt)
         a, w = _batch_broadcast(a, w)
         hi, lo, ph, pl = self._split(a)

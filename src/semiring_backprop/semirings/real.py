@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Semiring, Value, _dims
+from .base import Dense, Semiring, Value, _dims, dense_if, retype
 
 
 @dataclass(frozen=True)
@@ -22,26 +22,29 @@ class Real(Semiring):
         return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)
 
     def one(self, shape, like):
-        return (torch.ones(tuple(shape), dtype=like.dtype, device=like.device),)
+        return Dense((torch.ones(tuple(shape), dtype=like.dtype, device=like.device),))
+
+    # a path times an edge, a sum of paths, a path plus anything: still a path (Dense
+    # is kept, see semirings.base.Dense)
 
     def plus(self, a: Value, b: Value) -> Value:
-        return (a[0] + b[0],)
+        return dense_if(isinstance(a, Dense) or isinstance(b, Dense), (a[0] + b[0],))
 
     def accumulate(self, prev, c):
-        return c if prev is None else (prev[0] + c[0],)
+        return c if prev is None else self.plus(prev, c)
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
-        return (a[0] * w,)
+        return retype(a, (a[0] * w,))
 
     def mul(self, a: Value, b: Value) -> Value:
         return (a[0] * b[0],)
 
     def sum(self, a: Value, dims, keepdim=False) -> Value:
         dims = _dims(dims, a[0].dim())
-        return (a[0].sum(dims, keepdim=keepdim) if dims else a[0],)
+        return retype(a, (a[0].sum(dims, keepdim=keepdim),)) if dims else a
 
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
-        return (torch.matmul(a[0], w),)
+        return retype(a, (torch.matmul(a[0], w),))
 
     def finalize(self, a: Value) -> torch.Tensor:
         return a[0]
