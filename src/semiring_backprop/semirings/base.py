@@ -103,7 +103,8 @@ def _dims(dims, ndim: int) -> tuple[int, ...]:
 def move_to_end(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     """Move ``dims`` to the end and flatten them into one trailing dim."""
     rest = [d for d in range(t.dim()) if d not in dims]
-    t = t.permute(*rest, *dims)
+    if list(dims) != list(range(len(rest), t.dim())):  # not already the trailing dims
+        t = t.permute(*rest, *dims)
     return t.reshape(*t.shape[: len(rest)], -1)
 
 
