@@ -312,6 +312,40 @@ def test_values_marked_dense_have_a_path_everywhere():
     assert all(len(res._store) // 4 < n < len(res._store) for n in dense), dense
 
 
+def _unary_chain(x):
+    """Every pointwise op whose rule reads only its input or only its output."""
+    a = x * 0.3
+    c = torch.log(torch.exp(a) + 1.0)
+    t = torch.tanh(a) + torch.sigmoid(a) + torch.relu(a - 0.5)
+    r = torch.rsqrt(a.abs() + 1.0) + torch.sqrt(a.abs() + 2.0) + torch.reciprocal(a.abs() + 3.0)
+    e = torch.erf(c) + torch.sin(t) + torch.cos(r) + c**3
+    return torch.nn.functional.leaky_relu(e - 0.2, 0.1) + (e - 1.0).abs()
+
+
+def test_keep_drops_what_pointwise_rules_do_not_read():
+    """Pointwise rules declare whether they read their input or their output (exp,
+    tanh, ... their output; log, erf, ... their input): with keep=, the other one is
+    dropped, and every semiring's value at the input is the same."""
+    from semiring_backprop import engine
+
+    aten = torch.ops.aten
+    torch.manual_seed(7)
+    x = torch.randn(3, 4, dtype=F64)
+    output = lambda y: y.sum()  # noqa: E731
+    full = sbp.backprop(_unary_chain, (x,), output=output, semirings=SEMIRINGS)
+    lean = sbp.backprop(_unary_chain, (x,), output=output, semirings=SEMIRINGS, keep=(0,))
+    for sr in SEMIRINGS:
+        _same(sr, lean.value(0, sr), full.value(0, sr))
+    graph = lean.graph
+    drop = engine.unread_values(graph, engine.needed_nodes(graph, graph.output_node), lean.kept)
+    dropped = {n.target for nodes in drop.values() for n in nodes}
+    # outputs that only an add reads: dropped where the op's own rule reads its input
+    reads_input = [aten.erf, aten.sin, aten.cos, aten.relu, aten.leaky_relu, aten.abs]
+    assert {op.default for op in reads_input} | {aten.pow.Tensor_Scalar} <= dropped
+    reads_output = [aten.exp, aten.tanh, aten.sigmoid, aten.rsqrt, aten.sqrt, aten.reciprocal]
+    assert not {op.default for op in reads_output} & dropped
+
+
 def _tiny_bert():
     from transformers import BertConfig, BertForMaskedLM
 

@@ -99,6 +99,17 @@ NONE = reads_nothing
 _READS_MUL = reads_each_for_the_other(0, 1)  # each factor only for the other's edge
 
 
+def _reads_input(node, needed):  # a derivative of the input alone
+    return [node.args[0]]
+
+
+def _reads_output(node, needed):  # a derivative of the output alone (exp, tanh, ...)
+    return [node]
+
+
+IN, OUT = _reads_input, _reads_output
+
+
 def _reads_div(node, needed):  # a / b: b for both edges, the output for b's
     a, b = node.args[:2]
     return [b, node] if b in needed else [b] if a in needed else []
@@ -111,24 +122,30 @@ pointwise(aten.sub.Tensor, lambda op, a, b, **k: 1.0, lambda op, a, b, **k: -_al
 pointwise(aten.sub.Scalar, lambda op, a, b, alpha=1: 1.0, reads=NONE)
 pointwise(aten.rsub.Scalar, lambda op, a, b, alpha=1: -alpha, reads=NONE)
 pointwise(aten.mul.Tensor, lambda op, a, b: b, lambda op, a, b: a, reads=_READS_MUL)
-pointwise(aten.mul.Scalar, lambda op, a, b: b)
+pointwise(aten.mul.Scalar, lambda op, a, b: b, reads=NONE)
 pointwise(aten.div.Tensor, lambda op, a, b: 1.0 / b, lambda op, a, b: -op.out / b, reads=_reads_div)
-pointwise(aten.div.Scalar, lambda op, a, b: 1.0 / b)
+pointwise(aten.div.Scalar, lambda op, a, b: 1.0 / b, reads=NONE)
 pointwise(aten.neg.default, lambda op, a: -1.0, reads=NONE)
-pointwise(aten.exp.default, lambda op, a: op.out)
-pointwise(aten.log.default, lambda op, a: 1.0 / a)
-pointwise(aten.tanh.default, lambda op, a: 1.0 - op.out * op.out)
-pointwise(aten.sigmoid.default, lambda op, a: op.out * (1.0 - op.out))
-pointwise(aten.relu.default, lambda op, a: (a > 0).to(a.dtype))
-pointwise(aten.rsqrt.default, lambda op, a: -0.5 * op.out ** 3)
-pointwise(aten.sqrt.default, lambda op, a: 0.5 / op.out)
-pointwise(aten.erf.default, lambda op, a: (2.0 / math.sqrt(math.pi)) * torch.exp(-a * a))
-pointwise(aten.sin.default, lambda op, a: torch.cos(a))
-pointwise(aten.cos.default, lambda op, a: -torch.sin(a))
-pointwise(aten.reciprocal.default, lambda op, a: -op.out * op.out)
-pointwise(aten.pow.Tensor_Scalar, lambda op, a, e: e * a ** (e - 1) if e != 0 else 0.0 * a)
+pointwise(aten.exp.default, lambda op, a: op.out, reads=OUT)
+pointwise(aten.log.default, lambda op, a: 1.0 / a, reads=IN)
+pointwise(aten.tanh.default, lambda op, a: 1.0 - op.out * op.out, reads=OUT)
+pointwise(aten.sigmoid.default, lambda op, a: op.out * (1.0 - op.out), reads=OUT)
+pointwise(aten.relu.default, lambda op, a: (a > 0).to(a.dtype), reads=IN)
+pointwise(aten.rsqrt.default, lambda op, a: -0.5 * op.out ** 3, reads=OUT)
+pointwise(aten.sqrt.default, lambda op, a: 0.5 / op.out, reads=OUT)
 pointwise(
-    aten.leaky_relu.default, lambda op, a, slope=0.01: torch.where(a > 0, 1.0, a.new_tensor(slope))
+    aten.erf.default, lambda op, a: (2.0 / math.sqrt(math.pi)) * torch.exp(-a * a), reads=IN
 )
-pointwise(aten.abs.default, lambda op, a: torch.sign(a))
+pointwise(aten.sin.default, lambda op, a: torch.cos(a), reads=IN)
+pointwise(aten.cos.default, lambda op, a: -torch.sin(a), reads=IN)
+pointwise(aten.reciprocal.default, lambda op, a: -op.out * op.out, reads=OUT)
+pointwise(
+    aten.pow.Tensor_Scalar, lambda op, a, e: e * a ** (e - 1) if e != 0 else 0.0 * a, reads=IN
+)
+pointwise(
+    aten.leaky_relu.default,
+    lambda op, a, slope=0.01: torch.where(a > 0, 1.0, a.new_tensor(slope)),
+    reads=IN,
+)
+pointwise(aten.abs.default, lambda op, a: torch.sign(a), reads=IN)
 # fmt: on
