@@ -26,7 +26,7 @@ class EntropyReadout:
     log_z: torch.Tensor  #: log Σ_π |w(π)| (-inf where no path of nonzero weight)
 
 
-def _finite(m: torch.Tensor) -> torch.Tensor:
+def _finite(m: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``m`` where it is finite, 0 elsewhere.
 
     The only non-finite ``m`` arise where there is no path (``lz == -inf``: a zero
@@ -34,7 +34,7 @@ def _finite(m: torch.Tensor) -> torch.Tensor:
     finite, it never turns a real term into NaN (``exp(-inf) · m == 0``). One fast
     arithmetic op instead of a comparison and a select.
     """
-    return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0, out=out)
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,14 @@ class Entropy(Semiring):
     def plus(self, a: Value, b: Value) -> Value:
         lz = torch.logaddexp(a[0], b[0])
         # exp(-inf - lz) is 0 for an empty term; only an empty total gives NaN
-        m = _finite(torch.exp(a[0] - lz) * a[1] + torch.exp(b[0] - lz) * b[1])
+        m = (a[0] - lz).exp_().mul_(a[1]).add_((b[0] - lz).exp_().mul_(b[1]))
+        m = _finite(m, out=m)
         return dense_if(isinstance(a, Dense) or isinstance(b, Dense), (lz, m))
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         lw = log_abs(w)
-        return retype(a, (a[0] + lw, _finite(a[1] - lw)))
+        m = a[1] - lw
+        return retype(a, (a[0] + lw, _finite(m, out=m)))
 
     def mul(self, a: Value, b: Value) -> Value:
         return (a[0] + b[0], a[1] + b[1])
@@ -80,7 +82,8 @@ class Entropy(Semiring):
         shape = reduced_shape(a[0].shape, dims, keepdim)
         lz, m = move_to_end(a[0], dims), move_to_end(a[1], dims)
         total = torch.logsumexp(lz, -1, keepdim=True)
-        m = _finite((torch.exp(lz - total) * m).sum(-1))  # NaN only for an empty total
+        m = (lz - total).exp_().mul_(m).sum(-1)
+        m = _finite(m, out=m)  # NaN only for an empty total
         return retype(a, (total[..., 0].reshape(shape), m.reshape(shape)))
 
     def prepare(self, w: torch.Tensor):
@@ -95,12 +98,13 @@ class Entropy(Semiring):
         lz, m = a
         s = lz.amax(-1, keepdim=True)
         s = torch.where(torch.isfinite(s), s, 0.0)
-        e = torch.exp(lz - s)  # s is finite: 0 for empty terms
+        e = (lz - s).exp_()  # s is finite: 0 for empty terms
         n = e.shape[-2]
         zm = torch.matmul(torch.cat([e, e * m], -2), wn)  # one pass over the weights
         z, num = zm[..., :n, :], zm[..., n:, :] - torch.matmul(e, w_log_w)
-        lz = torch.log(z) + (s + log_c)  # -inf where z == 0: no path of nonzero weight
-        return retype(a, (lz, _finite(num / z)))
+        lz = torch.log(z).add_(s + log_c)  # -inf where z == 0: no path of nonzero weight
+        m = num.div_(z)
+        return retype(a, (lz, _finite(m, out=m)))
 
     def scalar(self, a: Value) -> torch.Tensor:
         return self.finalize(a).entropy

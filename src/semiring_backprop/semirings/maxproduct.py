@@ -39,9 +39,14 @@ class MaxProductReadout:
     lo: torch.Tensor  #: the most negative path product (+inf where no path)
 
 
-def _nan_to(t: torch.Tensor, fill: float) -> torch.Tensor:
+def _nan_to(t: torch.Tensor, fill: float, out: torch.Tensor | None = None) -> torch.Tensor:
     # 0 · ±inf arises only from a zero-weight edge times the semiring zero: still zero
-    return torch.nan_to_num(t, nan=fill, posinf=INF, neginf=-INF)
+    return torch.nan_to_num(t, nan=fill, posinf=INF, neginf=-INF, out=out)
+
+
+def _nan_to_(t: torch.Tensor, fill: float) -> torch.Tensor:
+    """:func:`_nan_to` in place (``t`` a fresh result)."""
+    return _nan_to(t, fill, out=t)
 
 
 # What the tensor-granularity operations know of a value as a whole, as its tuple type
@@ -156,8 +161,8 @@ class MaxProduct(Semiring):
             nan = hi - hi  # NaN at the zero (-inf, inf), which must stay as it is
             return _Normal(
                 (
-                    _nan_to(torch.maximum(hi, lo) + nan, -INF),
-                    _nan_to(torch.minimum(hi, lo) + nan, INF),
+                    _nan_to_(torch.maximum(hi, lo).add_(nan), -INF),
+                    _nan_to_(torch.minimum(hi, lo).add_(nan), INF),
                 )
             )
         swap = (hi < lo) & (hi != -INF)  # the zero (-inf, inf) is not swapped
@@ -202,14 +207,14 @@ class MaxProduct(Semiring):
             return _Dense((hi * w, lo * w))
         if not self.neuron:  # unswapped; the zero (-inf, inf) stays the zero
             nan = lo - lo  # NaN at the zero, 0 elsewhere
-            out = (_nan_to(hi * w + nan, -INF), _nan_to(lo * w + nan, INF))
+            out = (_nan_to_((hi * w).add_(nan), -INF), _nan_to_((lo * w).add_(nan), INF))
             return (*out, *(p.expand(out[0].shape) for p in (*ph, *pl)))
         # hi is w·hi where w >= 0 and w·lo where w < 0: one of the two terms is 0 (NaN,
         # then -inf, at the zero, whose products are infinite)
         wp, wn = w.clamp(min=0), w.clamp(max=0)
         out = (
-            _nan_to(torch.addcmul(hi * wp, lo, wn), -INF),
-            _nan_to(torch.addcmul(lo * wp, hi, wn), INF),
+            _nan_to_((hi * wp).addcmul_(lo, wn), -INF),
+            _nan_to_((lo * wp).addcmul_(hi, wn), INF),
         )
         if not ph:
             return retype(a, out)
@@ -317,8 +322,8 @@ class MaxProduct(Semiring):
                 return swapped
             return _Normal((swapped[0].add_(pen), swapped[1].sub_(pen)))
         nan = hi.amax(-1, keepdim=True) * 0  # NaN on rows without a path, 0 elsewhere
-        out_hi = _nan_to(out[..., :n, :] + nan, -INF)
-        out_lo = _nan_to(out[..., n:, :] + nan, INF)
+        out_hi = _nan_to_(out[..., :n, :] + nan, -INF)
+        out_lo = _nan_to_(out[..., n:, :] + nan, INF)
         shape = out_hi.shape
         return (
             out_hi,
