@@ -326,7 +326,7 @@ def test_keep_drops_what_pointwise_rules_do_not_read():
     """Pointwise rules declare whether they read their input or their output (exp,
     tanh, ... their output; log, erf, ... their input): with keep=, the other one is
     dropped, and every semiring's value at the input is the same."""
-    from semiring_backprop import engine
+    from semiring_backprop import engine, memory
 
     aten = torch.ops.aten
     torch.manual_seed(7)
@@ -337,13 +337,16 @@ def test_keep_drops_what_pointwise_rules_do_not_read():
     for sr in SEMIRINGS:
         _same(sr, lean.value(0, sr), full.value(0, sr))
     graph = lean.graph
-    drop = engine.unread_values(graph, engine.needed_nodes(graph, graph.output_node), lean.kept)
-    dropped = {n.target for nodes in drop.values() for n in nodes}
-    # outputs that only an add reads: dropped where the op's own rule reads its input
+    plan = memory.plan(graph, engine.needed_nodes(graph, graph.output_node), lean.kept)
+    read = {n.target for n in plan.held | plan.recomputed if n.op == "call_function"}
+    # outputs that only an add reads: neither held nor recomputed where the op's own
+    # rule reads its input
     reads_input = [aten.erf, aten.sin, aten.cos, aten.relu, aten.leaky_relu, aten.abs]
-    assert {op.default for op in reads_input} | {aten.pow.Tensor_Scalar} <= dropped
-    reads_output = [aten.exp, aten.tanh, aten.sigmoid, aten.rsqrt, aten.sqrt, aten.reciprocal]
-    assert not {op.default for op in reads_output} & dropped
+    assert not ({op.default for op in reads_input} | {aten.pow.Tensor_Scalar}) & read
+    reads_output = {op.default for op in (aten.exp, aten.tanh, aten.sigmoid, aten.rsqrt,
+                                          aten.sqrt, aten.reciprocal)}  # fmt: skip
+    # every one is a pointwise function of the input, which is held anyway: recomputed
+    assert reads_output <= {n.target for n in plan.recomputed}
 
 
 def _tiny_bert():
@@ -378,8 +381,12 @@ def test_keep_stores_only_the_kept_places_with_the_same_values():
         sbp.Backprop(model, output, [sbp.Real()], keep=("*.nothing",))(kwargs=kw)
 
 
+def _same_storage(a, b):
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def test_keep_frees_values_during_the_pass():
-    from semiring_backprop import engine, forward
+    from semiring_backprop import engine, forward, memory
 
     model = _tiny_bert()
     emb = model.get_input_embeddings()(torch.randint(1, 40, (1, 5))).detach()
@@ -390,7 +397,11 @@ def test_keep_frees_values_during_the_pass():
     kept = frozenset([graph.user_inputs["inputs_embeds"]])
     store = engine.reverse(graph, values, [sbp.Real()], graph.output_node, kept)
     assert set(store) == set(kept)
-    left = [n for n in values if getattr(n, "op", None) == "call_function"]
+    left = [  # values that still hold memory (a value let go is a stand-in)
+        n for n, v in values.items() if getattr(n, "op", None) == "call_function"
+        and not (isinstance(v, torch.Tensor) and v.is_floating_point()
+                 and _same_storage(v, memory.stand_in(v)))
+    ]  # fmt: skip
     # only values no rule reads (off every path: masks, ids) can be left
     assert len(left) < len(computed) // 4, (len(left), len(computed))
     assert not set(left) & engine.needed_nodes(graph, graph.output_node)
@@ -401,7 +412,7 @@ def test_keep_drops_unread_forward_values_without_changing_values(name):
     """With keep=, forward values no rule reads are dropped as the forward goes (the
     rules' ``reads``): every semiring's value at the kept places is the same as with
     every value kept, and the values held after the forward are fewer."""
-    from semiring_backprop import engine, forward
+    from semiring_backprop import engine, forward, memory
     from test_branches import HF_SPECS
 
     spec = HF_SPECS[name]
@@ -416,7 +427,7 @@ def test_keep_drops_unread_forward_values_without_changing_values(name):
         _same(sr, res.value("inputs_embeds", sr), full.value("inputs_embeds", sr))
 
     graph = lean.graph((), kw)
-    drop = engine.unread_values(graph, engine.needed_nodes(graph, graph.output_node), res.kept)
+    drop = memory.unread_values(graph, engine.needed_nodes(graph, graph.output_node), res.kept)
     dropped = {n for nodes in drop.values() for n in nodes}
     assert dropped and not dropped & res.kept
     every, values = forward.run(graph, (), kw), forward.run(graph, (), kw, drop)
@@ -431,3 +442,55 @@ def test_keep_drops_unread_forward_values_without_changing_values(name):
         return sum(storages.values())
 
     assert held(values) < held(every)
+
+
+class _GeluNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(6, 8), torch.nn.Linear(8, 8),
+                                  torch.nn.Linear(8, 3))  # fmt: skip
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.a(x))
+        h = torch.nn.functional.gelu(self.b(h), approximate="tanh")
+        return self.c(h)
+
+
+def test_keep_recomputes_cheap_values_instead_of_holding_them():
+    """With keep=, values the rules read that are pointwise functions of one held value
+    (GELU's 0.5x, x/√2 and 1 + erf(x/√2)) are not held through the forward but
+    recomputed in the reverse pass: every semiring's value is the same bit for bit, and
+    one value per GELU is held where its rules read three or more."""
+    from semiring_backprop import engine, forward, memory
+
+    torch.manual_seed(4)
+    model = _GeluNet().to(F64).eval()
+    x = torch.randn(4, 6, dtype=F64)
+    output = lambda y: y[0, 1] - y[2, 0]  # noqa: E731
+    full = sbp.backprop(model, (x,), output=output, semirings=SEMIRINGS)
+    lean = sbp.backprop(model, (x,), output=output, semirings=SEMIRINGS, keep=(0,))
+    for sr in SEMIRINGS:
+        _same(sr, lean.value(0, sr), full.value(0, sr))
+
+    graph = lean.graph
+    needed = engine.needed_nodes(graph, graph.output_node)
+    plan = memory.plan(graph, needed, lean.kept)
+    aten = torch.ops.aten
+    targets = [n.target for n in plan.recomputed]
+    assert aten.erf.default not in targets  # read by nothing: its rule reads its input
+    # the erf GELU's 0.5x and x/√2, the tanh GELU's 0.5x (no rule reads its other muls)
+    assert targets.count(aten.mul.Tensor) == 3 and aten.tanh.default in targets
+    values = forward.run(graph, (x,), {}, memory.unread_values(graph, needed, lean.kept))
+    for n in plan.recomputed:  # not held: stand-ins
+        assert _same_storage(values[n], memory.stand_in(values[n]))
+    held = [  # hidden-sized values holding memory after the forward
+        n for n in graph.nodes if n.op == "call_function" and _held(values[n])
+        and tuple(values[n].shape) == (4, 8)
+    ]  # fmt: skip
+    assert len(held) == 2, held  # the two GELU inputs
+
+
+def _held(v):
+    from semiring_backprop import memory
+
+    return isinstance(v, torch.Tensor) and not _same_storage(v, memory.stand_in(v))

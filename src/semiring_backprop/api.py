@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import allocator, engine, forward, rules
+from . import allocator, engine, forward, memory, rules
 from .errors import InputError
 from .result import Result, resolve_keep
 from .semirings import Real, Semiring
@@ -153,7 +153,7 @@ class Backprop:
         kept = None if self.keep is None else resolve_keep(graph, self.keep)
         drop = None  # with keep=, values no rule reads are not kept through the forward
         if kept is not None:
-            drop = engine.unread_values(graph, engine.needed_nodes(graph, graph.output_node), kept)
+            drop = memory.unread_values(graph, engine.needed_nodes(graph, graph.output_node), kept)
         with torch.no_grad():
             values = forward.run(graph, args, kwargs, drop)
             store = engine.reverse(graph, values, self.semirings, graph.output_node, kept)

@@ -13,7 +13,7 @@ import operator
 import torch
 from torch.fx.node import map_arg
 
-from . import rules
+from . import memory, rules
 from .errors import InputError, UnsupportedOpError, where
 from .rules.routing import reshape_back
 from .semirings.base import fmap, stack
@@ -90,16 +90,17 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=Non
     ``within`` alone (used for the contribution of one branch).
     """
     store = {}
-    free = _last_uses(graph, needed, keep) if keep is not None else {}
+    held = memory.plan(graph, needed, keep) if keep is not None else None
     plan = _plan(graph, needed)
     for node_id in range(len(graph.nodes) - 1, -1, -1):
-        for n in free.get(node_id, ()):  # no rule still to run reads these values
-            values.pop(n, None)
+        if held is not None:  # let go of values no rule from here reads, recompute some
+            memory.before_rule(held, node_id, values)
         node = graph.nodes[node_id]
         d = acc.pop(node, None)
         if d is None:
             continue
-        if keep is None or node in keep:
+        stored = keep is None or node in keep
+        if stored:
             store[node] = d
         inputs, reshapes = plan[node_id]
         if within is not None:
@@ -117,7 +118,8 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=Non
                 c = sr.leave(moved, node_id)
                 slot[s] = sr.accumulate(slot[s], c)
             continue
-        for inp, s, c in contributions(graph, values, semirings, node_id, d, needed):
+        gen = contributions(graph, values, semirings, node_id, d, needed, release=not stored)
+        for inp, s, c in gen:
             if within is not None and inp not in within:
                 continue
             slot = acc.setdefault(inp, [None] * len(semirings))
@@ -140,71 +142,18 @@ def _plan(graph, needed) -> list:
     return cache[needed]
 
 
-def _last_uses(graph, needed, keep) -> dict:
-    """``{i: nodes}``: values no rule reads once the pass has moved below node ``i``
-    (a node's value is read by its own rule and by its consumers' rules). Cached per
-    graph, needed set and kept set."""
-    cache = graph.__dict__.setdefault("_last_uses", {})
-    key = (needed, frozenset(keep))
-    if key not in cache:
-        cache[key] = _find_last_uses(graph, needed, keep)
-    return cache[key]
-
-
-def _find_last_uses(graph, needed, keep) -> dict:
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    free: dict = {}
-    for i, node in enumerate(graph.nodes):
-        if node in keep or node.op != "call_function":
-            continue
-        last = min([i, *(index[u] for u in node.users if u in needed)])
-        free.setdefault(last - 1, []).append(node)
-    return free
-
-
-def unread_values(graph, needed, keep) -> dict:
-    """``{node: [values to drop once it is computed]}``: float values that no rule of the
-    pass reads (see ``Rule.reads``), each dropped after its last use in the forward.
-    Values kept for the result (``keep``) and the output are never dropped. Cached per
-    graph, needed set and kept set."""
-    cache = graph.__dict__.setdefault("_unread", {})
-    key = (needed, frozenset(keep))
-    if key not in cache:
-        read = set(keep) | {graph.output_node}
-        for node in graph.nodes:
-            if node.op != "call_function" or node not in needed:
-                continue  # a rule runs only at nodes the pass goes through
-            rule = rules.lookup(node.target)
-            if rule is None or rule.reads is None:
-                read.update(node.all_input_nodes)
-                read.add(node)
-            else:
-                read.update(rule.reads(node, needed))
-        index = {n: i for i, n in enumerate(graph.nodes)}
-        drop: dict = {}
-        for node in graph.nodes:
-            if node.op != "call_function" or node in read or not _is_float(node):
-                continue
-            users = list(node.users)
-            if any(u.op != "call_function" for u in users):
-                continue  # returned by the graph
-            last = max(users, key=index.__getitem__, default=node)
-            drop.setdefault(last, []).append(node)
-        cache[key] = drop
-    return cache[key]
-
-
 def _reshapes(node) -> bool:
     """Ops whose rule only reshapes D back to the input (one tensor argument)."""
     rule = rules.lookup(node.target)
     return rule is not None and rule.fn is reshape_back
 
 
-def contributions(graph, values, semirings, node_id: int, d: list, needed, op=None):
+def contributions(graph, values, semirings, node_id, d: list, needed, op=None, release=False):
     """Apply node ``node_id``'s rule to its values ``d`` (one per semiring).
 
     Yields ``(input node, semiring index, value)``; the argument slots of one op that
-    read the same input are ⊕-ed inside the op (``sr.sum``).
+    read the same input are ⊕-ed inside the op (``sr.sum``). With ``release``, each
+    ``d[s]`` is let go (set to None) once its rule has run, for memory.
     """
     node = graph.nodes[node_id]
     rule = rules.lookup(node.target)
@@ -212,10 +161,14 @@ def contributions(graph, values, semirings, node_id: int, d: list, needed, op=No
         raise _unsupported(graph, node)
     if op is None:
         op = make_op(node, values, needed, graph)
-    for s, (sr, g) in enumerate(zip(semirings, d)):
+    for s, sr in enumerate(semirings):
         per_input: dict = {}
         inner = sr.inner
-        res = rule.fn(inner, sr.enter(g, node_id), op, *op.args, **op.kwargs)
+        g = sr.enter(d[s], node_id)
+        if release:
+            d[s] = None
+        res = rule.fn(inner, g, op, *op.args, **op.kwargs)
+        del g
         for inp, c in _pair(node.args, res):
             if inp in needed and c is not None:
                 per_input.setdefault(inp, []).append(c)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.fx.node import map_arg
 
 from . import rules
 from .errors import InputError, NonFiniteError, where
+from .memory import stand_in
 from .tracing import Graph, input_tensors, mark_op
 
 # ops that may pass inf through or write it on purpose (masks): not an overflow
@@ -34,7 +33,7 @@ _FINITE_IF_INPUTS_ARE = frozenset(
 def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> dict:
     """Values of every node for these inputs (inputs must match the traced ones' kinds).
 
-    ``drop`` (``{node: [nodes]}``, from ``engine.unread_values``): values replaced, once
+    ``drop`` (``{node: [nodes]}``, from ``memory.unread_values``): values replaced, once
     ``node`` is computed, by a stand-in of the same shape, dtype and device that holds
     no memory (its elements are NaN: no rule reads them).
     """
@@ -56,7 +55,7 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
         if (check is True or (check and first)) and _is_float(out):
             checked.append((node, out.sum()))
         for n in drop.get(node, ()) if drop else ():
-            values[n] = _stand_in(values[n])
+            values[n] = stand_in(values[n])
     out = values.get(graph.output_node)
     if isinstance(out, torch.Tensor) and _is_float(out):
         checked.append((graph.output_node, out.sum()))
@@ -74,17 +73,6 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
             raise
     graph._static_checked = True
     return values
-
-
-_NAN: dict = {}
-
-
-def _stand_in(t: torch.Tensor) -> torch.Tensor:
-    """A NaN broadcast to ``t``'s shape (dtype and device kept; no memory)."""
-    key = (t.dtype, t.device)
-    if key not in _NAN:
-        _NAN[key] = torch.full((), math.nan, dtype=t.dtype, device=t.device)
-    return _NAN[key].expand(t.shape)
 
 
 def _is_float(t) -> bool:

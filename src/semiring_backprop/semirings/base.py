@@ -115,7 +115,8 @@ def reduced_shape(shape, dims, keepdim):
 
 
 def log_abs(w: torch.Tensor) -> torch.Tensor:
-    return torch.log(torch.abs(w))
+    """``log |w|`` as a fresh tensor (callers may write into it)."""
+    return torch.abs(w).log_()
 
 
 def node_index(shape, like: torch.Tensor) -> torch.Tensor:

@@ -69,8 +69,9 @@ class Entropy(Semiring):
 
     def times(self, a: Value, w: torch.Tensor) -> Value:
         lw = log_abs(w)
-        m = a[1] - lw
-        return retype(a, (a[0] + lw, _finite(m, out=m)))
+        lz = a[0] + lw
+        m = lw.neg_().add_(a[1]) if lw.shape == lz.shape else a[1] - lw  # lw is ours
+        return retype(a, (lz, _finite(m, out=m)))
 
     def mul(self, a: Value, b: Value) -> Value:
         return (a[0] + b[0], a[1] + b[1])

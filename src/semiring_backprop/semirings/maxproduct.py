@@ -210,12 +210,13 @@ class MaxProduct(Semiring):
             out = (_nan_to_((hi * w).add_(nan), -INF), _nan_to_((lo * w).add_(nan), INF))
             return (*out, *(p.expand(out[0].shape) for p in (*ph, *pl)))
         # hi is w·hi where w >= 0 and w·lo where w < 0: one of the two terms is 0 (NaN,
-        # then -inf, at the zero, whose products are infinite)
-        wp, wn = w.clamp(min=0), w.clamp(max=0)
-        out = (
-            _nan_to_((hi * wp).addcmul_(lo, wn), -INF),
-            _nan_to_((lo * wp).addcmul_(hi, wn), INF),
-        )
+        # then -inf, at the zero, whose products are infinite); the negative part first,
+        # into fresh tensors, then the positive part added in place (one temporary less)
+        wn = w.clamp(max=0)
+        out_hi = lo * wn
+        out_lo = wn.mul_(hi) if wn.shape == hi.shape else hi * wn
+        wp = w.clamp(min=0)
+        out = (_nan_to_(out_hi.addcmul_(hi, wp), -INF), _nan_to_(out_lo.addcmul_(lo, wp), INF))
         if not ph:
             return retype(a, out)
         pos = w >= 0
