@@ -69,8 +69,9 @@ def _is_complex(node) -> bool:
 def reverse(graph, values: dict, semirings: list, seed_node, keep=None) -> dict:
     """D(v) for every needed node v, as ``{node: [value per semiring]}``.
 
-    With ``keep`` (a set of nodes), D is stored for those nodes only, and the forward
-    values in ``values`` are dropped as soon as no rule needs them any more.
+    With ``keep`` (a set of nodes), D is stored for those nodes only, and the pass
+    holds only what its rules still read (:mod:`memory`: forward values let go after
+    their last reader, cheap ones recomputed, each D released once its rule has run).
     """
     needed = needed_nodes(graph, seed_node)
     if seed_node not in needed:
@@ -90,11 +91,11 @@ def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=Non
     ``within`` alone (used for the contribution of one branch).
     """
     store = {}
-    held = memory.plan(graph, needed, keep) if keep is not None else None
+    lean = memory.plan(graph, needed, keep) if keep is not None else None
     plan = _plan(graph, needed)
     for node_id in range(len(graph.nodes) - 1, -1, -1):
-        if held is not None:  # let go of values no rule from here reads, recompute some
-            memory.before_rule(held, node_id, values)
+        if lean is not None:  # let go of values no rule from here reads, recompute some
+            memory.before_rule(lean, node_id, values)
         node = graph.nodes[node_id]
         d = acc.pop(node, None)
         if d is None:
