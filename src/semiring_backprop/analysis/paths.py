@@ -162,7 +162,7 @@ def resolve_source(res, source):
     if not isinstance(val, torch.Tensor):
         raise InputError(f"{where!r} is not a tensor in the traced graph")
     index = index if isinstance(index, tuple) else (index,)
-    mask = torch.zeros(tuple(val.shape), dtype=torch.bool)
+    mask = torch.zeros(tuple(val.shape), dtype=torch.bool, device=val.device)
     try:
         mask[index] = True
     except (IndexError, TypeError) as e:
