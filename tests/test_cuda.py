@@ -24,7 +24,9 @@ SEMIRINGS = oracles.all_semirings()
 
 def _readouts(sr, value):
     ro = sr.finalize(value)
-    return [ro] if isinstance(ro, torch.Tensor) else [getattr(ro, f) for f in ro.__dataclass_fields__]
+    if isinstance(ro, torch.Tensor):
+        return [ro]
+    return [getattr(ro, f) for f in ro.__dataclass_fields__]
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
@@ -54,9 +56,8 @@ def test_cuda_values_equal_cpu_values(name):
 
     gpu = sbp.Backprop(gpu_model, spec.output, SEMIRINGS)(kwargs={"inputs_embeds": gpu_emb})
     for sign in "+-":
-        path, want = gpu.top_path("inputs_embeds", sign=sign), cpu.top_path(
-            "inputs_embeds", sign=sign
-        )
+        path = gpu.top_path("inputs_embeds", sign=sign)
+        want = cpu.top_path("inputs_embeds", sign=sign)
         assert path.value == pytest.approx(want.value, rel=1e-9)
         assert len(path) == len(want)
     got = [p.value for p in gpu.top_paths("inputs_embeds", 3)]
