@@ -49,16 +49,11 @@ def _needed_nodes(graph, start) -> frozenset:
             raise _unsupported(
                 graph, node, "it makes a complex tensor; only real-valued graphs can be explained"
             )
-        if node.target is operator.getitem and _is_float(node):
+        if node.target is operator.getitem and memory.float_node(node):
             raise _unsupported(
                 graph, node.args[0], "it returns several tensors; rules cover single-output ops"
             )
-    return frozenset(n for n in on_path if _is_float(n))
-
-
-def _is_float(node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
+    return frozenset(n for n in on_path if memory.float_node(n))
 
 
 def _is_complex(node) -> bool:

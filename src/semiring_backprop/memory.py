@@ -5,7 +5,7 @@ Each rule declares which forward values it reads (``Rule.reads``). With ``keep=`
 - the forward drops a value no rule reads as soon as the forward has used it
   (:func:`unread_values`);
 - the reverse pass lets a value go once the last rule that reads it has run
-  (:func:`Plan.free`);
+  (``Plan.free``);
 - a value that rules read but that is a cheap pointwise function of one other value
   (its *root*) is not held through the forward at all: the root is, and the value is
   computed again from it just before the first rule of the reverse pass that reads it.
@@ -39,6 +39,8 @@ MAX_OPS = 16
 class Plan:
     held: frozenset  #: values the forward holds for the pass (and the kept ones)
     recomputed: frozenset  #: values the reverse pass computes again from a root
+    #: node -> float values the forward drops once it is computed (their last use)
+    drop: dict
     #: node id -> values to let go before that node's rule runs
     free: dict
     #: node id -> (ops to run in graph order, values to put back, roots to let go after):
@@ -60,22 +62,7 @@ def unread_values(graph, needed, keep) -> dict:
     """``{node: [values to drop once it is computed]}``: float values that no rule of the
     pass reads, or that it recomputes, each dropped after its last use in the forward.
     Values kept for the result (``keep``) and the output are never dropped."""
-    cache = graph.__dict__.setdefault("_unread", {})
-    key = (needed, frozenset(keep))
-    if key not in cache:
-        held = plan(graph, needed, keep).held
-        index = graph.ids
-        drop: dict = {}
-        for node in graph.nodes:
-            if node.op != "call_function" or node in held or not _is_float(node):
-                continue
-            users = list(node.users)
-            if any(u.op != "call_function" for u in users):
-                continue  # returned by the graph
-            last = max(users, key=index.__getitem__, default=node)
-            drop.setdefault(last, []).append(node)
-        cache[key] = drop
-    return cache[key]
+    return plan(graph, needed, keep).drop
 
 
 def before_rule(p: Plan, node_id: int, values: dict) -> None:
@@ -130,9 +117,18 @@ def _make_plan(graph, needed, keep) -> Plan:
             if isinstance(v, torch.fx.Node):  # not a number argument
                 readers.setdefault(v, []).append(index[node])
     stay = keep | {graph.output_node}
-    roots, restore_at = _recompute(graph, needed, readers, stay)
+    roots, restore_at = _recompute(graph, readers, stay)
     recomputed = frozenset(m for _, put in restore_at.values() for m in put)
     held = (frozenset(readers) - recomputed) | frozenset(roots) | stay
+
+    drop: dict = {}  # in the forward: after the value's last use
+    for node in graph.nodes:
+        if node.op != "call_function" or node in held or not float_node(node):
+            continue
+        users = list(node.users)
+        if any(u.op != "call_function" for u in users):
+            continue  # returned by the graph
+        drop.setdefault(max(users, key=index.__getitem__, default=node), []).append(node)
 
     free: dict = {}  # a value goes after the last (lowest) rule reading it has run
     release: dict = {}  # ... or right after the last restore that reads it (a root)
@@ -148,10 +144,10 @@ def _make_plan(graph, needed, keep) -> Plan:
         p: (sorted(ops, key=index.__getitem__), put, release.get(p, []))
         for p, (ops, put) in restore_at.items()
     }
-    return Plan(held, recomputed, free, restore)
+    return Plan(held, recomputed, drop, free, restore)
 
 
-def _recompute(graph, needed, readers, stay):
+def _recompute(graph, readers, stay):
     """``(roots, restore)``: root -> the last (lowest) node id at which a value is
     recomputed from it; node id -> (ops to run, values to put back) before its rule."""
     root: dict = {}  # chain node -> its root
@@ -213,6 +209,7 @@ def _program(member, root: dict) -> set:
     return out
 
 
-def _is_float(node) -> bool:
+def float_node(node) -> bool:
+    """Whether the node makes a floating-point tensor (from the trace)."""
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_floating_point()
