@@ -265,18 +265,28 @@ def test_sva_spearman_equals_scipy_on_the_csv(synthetic_run):
 WORDS = "the dog ##s near key cabinet cabinets of is are here".split()
 
 
-@pytest.fixture(scope="module")
-def word_piece_model(tmp_path_factory, _offline_quiet):
-    """A saved random BERT whose vocabulary splits "dogs" into "dog ##s" and lacks "run"."""
-    d = tmp_path_factory.mktemp("bert")
+def _save_bert(d, model_cls):
+    """A random ``model_cls`` (BERT) whose vocabulary splits "dogs" into "dog ##s" and
+    lacks "run", saved to ``d`` with its tokenizer (which has [MASK])."""
     (d / "vocab.txt").write_text("\n".join(list(entropy_sanity.SPECIAL) + WORDS) + "\n")
     transformers.BertTokenizer(str(d / "vocab.txt")).save_pretrained(d)
     cfg = transformers.BertConfig(vocab_size=len(WORDS) + 5, hidden_size=16, num_hidden_layers=1,
                                   num_attention_heads=2, intermediate_size=32,
                                   max_position_embeddings=32)  # fmt: skip
     torch.manual_seed(0)
-    transformers.BertForMaskedLM(cfg).save_pretrained(d)
+    model_cls(cfg).save_pretrained(d)
     return d
+
+
+@pytest.fixture(scope="module")
+def word_piece_model(tmp_path_factory, _offline_quiet):
+    return _save_bert(tmp_path_factory.mktemp("bert"), transformers.BertForMaskedLM)
+
+
+@pytest.fixture(scope="module")
+def headless_model(tmp_path_factory, _offline_quiet):
+    """The encoder alone (``BertModel``): a checkpoint without the masked-LM head."""
+    return _save_bert(tmp_path_factory.mktemp("bert_headless"), transformers.BertModel)
 
 
 def _blimp(prefix, good, bad, rest, subject, attractors) -> str:
@@ -359,3 +369,41 @@ def test_sva_config_errors(tmp_path):
         experiments.run("sva", tmp_path, aggregation=("sum",), progress=False)
     with pytest.raises(sbp.InputError, match="length_bins"):
         experiments.run("sva", tmp_path, length_bins=(10, 5), progress=False)
+
+
+# -- a checkpoint without the masked-LM head --------------------------------------------
+
+# BertForMaskedLM's head, by hand: what a BertModel checkpoint lacks (the decoder's weight
+# is tied to the word embeddings, which it has)
+BERT_HEAD = ["cls.predictions.bias", "cls.predictions.transform.dense.weight",
+             "cls.predictions.transform.LayerNorm.weight"]  # fmt: skip
+
+
+def _check_refusal(message, model_dir):
+    for name in BERT_HEAD:
+        assert name in message, f"{name} not named in: {message}"
+    assert "cls.predictions.decoder.weight" not in message
+    assert "BertForMaskedLM.save_pretrained" in message and str(model_dir) in message
+
+
+@pytest.mark.parametrize("name", ["entropy-sanity", "sva"])
+def test_experiments_refuse_a_model_without_head(name, headless_model, tmp_path):
+    with pytest.raises(sbp.InputError) as info:
+        experiments.run(name, tmp_path / "out", quick=True, model=str(headless_model),
+                        progress=False)  # fmt: skip
+    _check_refusal(str(info.value), headless_model)
+    out = tmp_path / "out"
+    assert not (out / "summary.json").exists()
+    for records in ("length.jsonl", "examples.jsonl"):  # no example was explained
+        assert not (out / records).exists() or not (out / records).read_text().strip()
+
+
+def test_cli_experiment_refuses_a_model_without_head(headless_model, tmp_path, capsys):
+    from semiring_backprop import cli
+
+    argv = ["experiment", "sva", "--quick", "--out", str(tmp_path / "out"),
+            "--set", f"model={headless_model}"]  # fmt: skip
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error:") and "Traceback" not in err and out == ""
+    _check_refusal(err, headless_model)

@@ -72,9 +72,8 @@ pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 # -- models ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bert_dir(tmp_path_factory, _offline_quiet):
-    d = tmp_path_factory.mktemp("bert")
+def _save_bert(d, model_cls) -> str:
+    """A tiny random ``model_cls`` (BERT) and its tokenizer, with [MASK], saved to ``d``."""
     # "dogs" is not in the vocabulary but "dog" and "##s" are: it splits into two pieces
     vocab = SPECIAL + WORDS + ["##s"]
     (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
@@ -89,8 +88,19 @@ def bert_dir(tmp_path_factory, _offline_quiet):
         max_position_embeddings=16,
     )
     torch.manual_seed(0)
-    transformers.BertForMaskedLM(cfg).save_pretrained(d)
+    model_cls(cfg).save_pretrained(d)
     return str(d)
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory, _offline_quiet):
+    return _save_bert(tmp_path_factory.mktemp("bert"), transformers.BertForMaskedLM)
+
+
+@pytest.fixture(scope="module")
+def headless_bert_dir(tmp_path_factory, _offline_quiet):
+    """The encoder alone (``BertModel``): no masked-LM head, a tokenizer with [MASK]."""
+    return _save_bert(tmp_path_factory.mktemp("bert_headless"), transformers.BertModel)
 
 
 def _word_level_tokenizer():
@@ -100,12 +110,8 @@ def _word_level_tokenizer():
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]"), vocab
 
 
-@pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory, _offline_quiet):
-    d = tmp_path_factory.mktemp("gpt2")
-    tok, vocab = _word_level_tokenizer()
-    tok.save_pretrained(d)
-    cfg = transformers.GPT2Config(
+def _gpt2_config(vocab):
+    return transformers.GPT2Config(
         vocab_size=len(vocab),
         n_embd=16,
         n_layer=2,
@@ -114,17 +120,20 @@ def gpt2_dir(tmp_path_factory, _offline_quiet):
         bos_token_id=0,
         eos_token_id=0,
     )
-    torch.manual_seed(1)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
-    return str(d)
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, _offline_quiet):
-    d = tmp_path_factory.mktemp("llama")
+def gpt2_dir(tmp_path_factory, _offline_quiet):
+    d = tmp_path_factory.mktemp("gpt2")
     tok, vocab = _word_level_tokenizer()
     tok.save_pretrained(d)
-    cfg = transformers.LlamaConfig(
+    torch.manual_seed(1)
+    transformers.GPT2LMHeadModel(_gpt2_config(vocab)).save_pretrained(d)
+    return str(d)
+
+
+def _llama_config(vocab):
+    return transformers.LlamaConfig(
         vocab_size=len(vocab),
         hidden_size=16,
         intermediate_size=32,
@@ -136,8 +145,15 @@ def llama_dir(tmp_path_factory, _offline_quiet):
         eos_token_id=0,
         pad_token_id=0,
     )
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory, _offline_quiet):
+    d = tmp_path_factory.mktemp("llama")
+    tok, vocab = _word_level_tokenizer()
+    tok.save_pretrained(d)
     torch.manual_seed(2)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    transformers.LlamaForCausalLM(_llama_config(vocab)).save_pretrained(d)
     return str(d)
 
 
@@ -630,3 +646,92 @@ def test_cli_load_errors(where, tmp_path, capsys):
     assert err.startswith(f"error: could not load {model!r}"), err
     assert "local directory" in err and "save_pretrained" in err
     assert "Traceback" not in err and out == ""
+
+
+# -- 6. checkpoints without the LM head ---------------------------------------------------
+
+# the head of BertForMaskedLM, written out by hand: every weight a BertModel checkpoint
+# lacks; the decoder's weight is tied to the word embeddings, which the checkpoint has
+BERT_HEAD = [
+    "cls.predictions.bias",
+    "cls.predictions.decoder.bias",
+    "cls.predictions.transform.dense.weight",
+    "cls.predictions.transform.dense.bias",
+    "cls.predictions.transform.LayerNorm.weight",
+    "cls.predictions.transform.LayerNorm.bias",
+]
+
+
+def _check_names_head(message, head, tied=()):
+    for name in head:
+        assert name in message, f"{name} not named in: {message}"
+    for name in tied:
+        assert name not in message, f"the tied {name} is named in: {message}"
+
+
+def test_explain_refuses_an_encoder_without_head(headless_bert_dir):
+    with pytest.raises(InputError) as info:
+        explain(headless_bert_dir, MASKED_TEXT, "are", "is", semirings=("real",))
+    message = str(info.value)
+    _check_names_head(message, BERT_HEAD, tied=["cls.predictions.decoder.weight"])
+    assert "bert.encoder" not in message and "embeddings" not in message  # those loaded
+    assert "BertForMaskedLM.save_pretrained" in message and "masked-LM head" in message
+    assert headless_bert_dir in message
+
+
+def test_cli_refuses_an_encoder_without_head(headless_bert_dir):
+    run = run_cli(_explain_argv(headless_bert_dir, MASKED_TEXT, "are", "is"))
+    assert run.rc == 2 and run.ex is None
+    assert run.err.startswith("error:"), run.err
+    _check_names_head(run.err, BERT_HEAD)
+    assert "BertForMaskedLM.save_pretrained" in run.err
+    assert "Traceback" not in run.err and run.out == ""  # no report at all
+
+
+def test_explain_refuses_a_causal_model_without_head(tmp_path):
+    """Llama's LM head is its own weight (not tied): a LlamaModel checkpoint lacks it."""
+    tok, vocab = _word_level_tokenizer()
+    tok.save_pretrained(tmp_path)
+    cfg = _llama_config(vocab)
+    assert not cfg.tie_word_embeddings
+    transformers.LlamaModel(cfg).save_pretrained(tmp_path)
+    with pytest.raises(InputError) as info:
+        explain(str(tmp_path), CAUSAL_TEXT, "are", "is", semirings=("real",))
+    message = str(info.value)
+    _check_names_head(message, ["lm_head.weight"])
+    assert "LlamaForCausalLM.save_pretrained" in message and "causal-LM head" in message
+
+
+def test_tied_head_of_a_bare_gpt2_is_its_embeddings(tmp_path):
+    """GPT-2's LM head is its word embeddings: a GPT2Model checkpoint is the whole LM and
+    loads; its logits are the last hidden states times the embeddings."""
+    tok, vocab = _word_level_tokenizer()
+    tok.save_pretrained(tmp_path)
+    torch.manual_seed(3)
+    transformers.GPT2Model(_gpt2_config(vocab)).save_pretrained(tmp_path)
+    model, tok, kind = explain_mod.load(str(tmp_path))
+    assert kind == "causal"
+    bare = transformers.GPT2Model.from_pretrained(tmp_path).eval()
+    ids = tok(CAUSAL_TEXT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = bare(ids).last_hidden_state @ bare.wte.weight.T
+        torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-6)
+
+
+def test_masked_lm_checkpoint_loads_every_weight(bert_dir):
+    """A BertForMaskedLM checkpoint: every weight comes from the file (the decoder's are
+    the word embeddings and the head's bias), none is initialized afresh."""
+    from safetensors.torch import load_file
+
+    saved = load_file(FilePath(bert_dir) / "model.safetensors")
+    model, _, kind = explain_mod.load(bert_dir)
+    assert kind == "masked"
+    state = model.state_dict()
+    tied = {
+        "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
+    for name, value in state.items():
+        source = name if name in saved else tied.get(name)
+        assert source in saved, f"{name} is not in the checkpoint"
+        torch.testing.assert_close(value, saved[source], rtol=0, atol=0)

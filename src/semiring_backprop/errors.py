@@ -19,6 +19,16 @@ class InputError(SemiringBackpropError, ValueError):
     """Bad arguments: an output that is not a scalar, an unknown input, and so on."""
 
 
+class LoadError(InputError):
+    """A model or tokenizer could not be loaded, or loaded only in part (weights that
+    transformers would initialize at random)."""
+
+
+class PathMismatchError(SemiringBackpropError, RuntimeError):
+    """A path read from back-pointers does not reproduce the semiring's value: the
+    result is inconsistent (changed after the pass, or a bug); the path is not returned."""
+
+
 class NonFiniteError(SemiringBackpropError, FloatingPointError):
     """The forward pass produced NaN or inf."""
 

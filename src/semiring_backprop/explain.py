@@ -22,7 +22,7 @@ from pathlib import Path as FilePath
 import torch
 
 from .api import backprop
-from .errors import InputError, SemiringBackpropError
+from .errors import InputError, LoadError
 from .semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
 
 SEMIRINGS = {
@@ -33,10 +33,6 @@ SEMIRINGS = {
     "logabs": "LogAbs: log of the total absolute flow",
     "topk": "TopK(3): the three heaviest paths",
 }
-
-
-class LoadError(SemiringBackpropError):
-    """A model or tokenizer could not be loaded."""
 
 
 def semirings_for(names, granularity: str = "neuron") -> list:
@@ -60,7 +56,9 @@ def semirings_for(names, granularity: str = "neuron") -> list:
 
 def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cpu"):
     """``(model, tokenizer, kind)`` for a hub id or a local directory; kind is
-    ``"masked"`` or ``"causal"`` (from the config's architecture unless given)."""
+    ``"masked"`` or ``"causal"`` (from the config's architecture unless given). Every
+    model the package loads by name comes through here: a checkpoint that lacks weights
+    of the LM (a ``BertModel`` without the masked-LM head) is a :class:`LoadError`."""
     try:
         import transformers
     except ImportError:
@@ -87,10 +85,32 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
     if cls is None:
         raise InputError(f"kind must be 'masked' or 'causal', got {kind!r}")
     try:
-        model = cls.from_pretrained(model_id, dtype=dtype)
+        model, info = cls.from_pretrained(model_id, dtype=dtype, output_loading_info=True)
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
+    _refuse_fresh_weights(model_id, kind, config, model, info)
     return model.to(device).eval(), tokenizer, kind
+
+
+def _refuse_fresh_weights(model_id, kind, config, model, info) -> None:
+    """Weights the checkpoint lacks are initialized at random by transformers (a
+    ``BertModel`` loaded as a masked LM gets a random head): every score would be
+    noise, different on every load, so refuse them. Tied weights (a decoder tied to the
+    word embeddings) are loaded, and transformers does not report them."""
+    fresh = sorted(info.get("missing_keys") or ())
+    fresh += sorted(m[0] if isinstance(m, tuple) else m for m in info.get("mismatched_keys") or ())
+    if not fresh:
+        return
+    names = ", ".join(fresh[:8]) + (f" and {len(fresh) - 8} more" if len(fresh) > 8 else "")
+    saved = " / ".join(config.architectures or []) or "a checkpoint"
+    wanted = type(model).__name__
+    head = {"masked": "masked-LM", "causal": "causal-LM"}[kind]
+    raise LoadError(
+        f"{model_id!r} holds {saved}, which lacks the weights {names}: loaded as {wanted}, "
+        "they would be initialized at random and every score would be noise (another on "
+        f"every load). Pass a checkpoint with a trained {head} head: a directory written "
+        f"by {wanted}.save_pretrained(DIR), or the hub id of a {head} model"
+    )
 
 
 def _load_hint(model_id, e) -> str:
