@@ -108,15 +108,33 @@ def test_complex_intermediate_is_unsupported_not_a_missing_path():
 @pytest.mark.parametrize(
     ("fn", "op"),
     [
-        (lambda x: x.sort(-1).values + x, "aten.sort.default"),
-        (lambda x: nn.functional.max_pool1d(x[None], 2)[0].sum() * x, "max_pool2d_with_indices"),
+        (lambda x: torch.linalg.qr(x)[0].sum() + x, "aten.linalg_qr.default"),
+        (lambda x: torch.frexp(x).mantissa + x, "aten.frexp.Tensor"),
     ],
-    ids=["sort", "max_pool"],
+    ids=["qr", "frexp"],
 )
 def test_multi_output_op_is_unsupported_not_a_missing_path(fn, op):
     """``values, indices = op(x)``: the values must not silently lose their paths."""
     with raises(sbp.UnsupportedOpError, op, "several tensors"):
         sbp.backprop(fn, args=(x34(),), output=total)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.sort(-1).values + x,
+        lambda x: x.topk(2, 0).values.sum() * x,
+        lambda x: nn.functional.max_pool1d(x[None], 2)[0].sum() * x,
+    ],
+    ids=["sort", "topk", "max_pool"],
+)
+def test_selections_read_their_values_back_at_their_indices(fn):
+    """Sort, topk and max pooling give values with edges to the selected elements."""
+    x = x34()
+    res = sbp.backprop(fn, args=(x,), output=total)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(total(fn(leaf)), leaf)
+    torch.testing.assert_close(res.at(0, sbp.Real()), want)
 
 
 def test_multi_output_op_used_only_for_indices_is_fine():

@@ -4,7 +4,9 @@ Everything goes to core ATen through torch's own decompositions, except these
 composites, which we decompose ourselves so that (a) the softmax stability shift is
 the edge-free ``softmax_shift`` op and (b) the primitives are the paper's: softmax as
 exp / sum / div, layer norm as mean / sub / pow / rsqrt / mul, GELU through erf or tanh,
-SDPA as matmul / softmax / matmul. Any of them can be kept whole by name.
+SDPA as matmul / softmax / matmul; batch norm in eval mode as an affine map of
+constants, group and instance norm as layer norm is. Any of the first four can be kept
+whole by name.
 """
 
 from __future__ import annotations
@@ -65,6 +67,49 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enab
     if bias is not None:
         y = y + bias
     return y
+
+
+def _normalize(x, dims, eps):
+    """``(x - mean) / sqrt(var + eps)`` over ``dims``, by the same primitives as layer norm."""
+    d = x - x.mean(dims, keepdim=True)
+    var = d.pow(2).mean(dims, keepdim=True)
+    return d * torch.rsqrt(var + eps), var
+
+
+def _per_channel(t, x):
+    """A per-channel vector (dim 1 of ``x``) shaped to broadcast against ``x``."""
+    return t.reshape(-1, *[1] * (x.dim() - 2)) if x.dim() > 1 else t
+
+
+def _affine(y, x, weight, bias):
+    if weight is not None:
+        y = y * _per_channel(weight, x)
+    if bias is not None:
+        y = y + _per_channel(bias, x)
+    return y
+
+
+def batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum, eps):
+    """Batch norm in eval mode: the running statistics are constants of the model."""
+    y = (x - _per_channel(running_mean, x)) * _per_channel(torch.rsqrt(running_var + eps), x)
+    return _affine(y, x, weight, bias), x.new_zeros((0,)), x.new_zeros((0,))
+
+
+def batch_norm_no_stats(x, weight, bias, training, momentum, eps):
+    """Normalized by the batch's own statistics (instance norm, and batch norm without
+    running statistics): per channel, over every other dim."""
+    dims = [d for d in range(x.dim()) if d != 1]
+    y, var = _normalize(x, dims, eps)
+    mean = x.mean(dims)
+    return _affine(y, x, weight, bias), mean, torch.rsqrt(var.reshape(-1) + eps)
+
+
+def group_norm(x, weight, bias, n, c, hxw, group, eps):
+    grouped = x.reshape(n, group, -1)
+    y, var = _normalize(grouped, [2], eps)
+    mean = grouped.mean(2)
+    y = _affine(y.reshape(x.shape), x, weight, bias)
+    return y, mean, torch.rsqrt(var.reshape(n, group) + eps)
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=None):
@@ -176,6 +221,9 @@ _OURS = {
     None: {
         aten.logsumexp.default: logsumexp,
         aten.rms_norm.default: rms_norm,
+        aten._native_batch_norm_legit_no_training.default: batch_norm_no_training,
+        aten._native_batch_norm_legit.no_stats: batch_norm_no_stats,
+        aten.native_group_norm.default: group_norm,
         aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
         aten.native_dropout.default: native_dropout,
         aten.var.correction: var_correction,

@@ -171,7 +171,7 @@ def contributions(graph, values, semirings, node_id, d: list, needed, op=None, r
         for inp, cs in per_input.items():
             c = cs[0] if len(cs) == 1 else inner.sum(stack(cs), 0)
             _check_shape(graph, node, inp, c, values)
-            yield inp, s, sr.leave(c, node_id)
+            yield inp, s, sr.leave(_in_dtype(c, values[inp]), node_id)
 
 
 def slot_values(graph, values, sr, node_id: int, g, needed, op=None):
@@ -212,6 +212,15 @@ def _pair(args, res):
 
 def _is_value(res) -> bool:
     return isinstance(res, tuple) and len(res) > 0 and isinstance(res[0], torch.Tensor)
+
+
+def _in_dtype(c, x):
+    """``c`` in the input's float dtype: an op that promotes (``f32 + f64``) reads its
+    input as if cast, so the input's value follows the model's own cast back, as its
+    gradient does in autograd (a float32 island in a float64 model stays float32)."""
+    if c[0].dtype == x.dtype or not x.is_floating_point():
+        return c
+    return fmap(lambda f: f.to(x.dtype) if f.is_floating_point() else f, c)
 
 
 def _check_shape(graph, node, inp, c, values):

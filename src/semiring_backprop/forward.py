@@ -63,9 +63,10 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
     if finite is not None and not bool(finite.all()):  # look at every value, in graph order
         dropped = {n for nodes in drop.values() for n in nodes} if drop else set()
         try:
-            for node, _ in _plan(graph):
+            for node, check in _plan(graph):
                 out = values[node]
-                if node not in dropped and _is_float(out):  # a mask may hold -inf
+                # (a mask may hold -inf: _check_finite tells)
+                if check is not None and node not in dropped and _is_float(out):
                     _check_finite(graph, node, out, map_arg(node.args, values.__getitem__))
         except NonFiniteError:
             if dropped:  # again with every value, to name the first bad one
@@ -82,11 +83,13 @@ def _is_float(t) -> bool:
 def _plan(graph: Graph) -> list:
     """``[(node, check)]`` for the graph's ops: whether its value is checked for NaN /
     inf on every call (True), on the first call only ("once": it depends on the
-    weights alone), or never (False: it moves checked values, or is finite wherever
-    its inputs are)."""
+    weights alone), only when a bad value was seen elsewhere (False: it moves checked
+    values, or is finite wherever its inputs are), or never (None: no path and no edge
+    weight depends on it, see :func:`_relevant`)."""
     plan = getattr(graph, "_forward_plan", None)
     if plan is None:
         from_input = set(graph.user_inputs.values())
+        relevant = _relevant(graph)
         plan = []
         for n in graph.nodes:
             if n.op != "call_function":
@@ -94,7 +97,9 @@ def _plan(graph: Graph) -> list:
             varies = any(a in from_input for a in n.all_input_nodes)
             if varies:
                 from_input.add(n)
-            if _moves_only(n):
+            if n not in relevant:
+                plan.append((n, None))  # never looked at, not even to name a bad value
+            elif _moves_only(n):
                 plan.append((n, False))
             elif not varies:
                 plan.append((n, "once"))
@@ -102,6 +107,28 @@ def _plan(graph: Graph) -> list:
                 plan.append((n, n.target not in _FINITE_IF_INPUTS_ARE))
         graph._forward_plan = plan
     return plan
+
+
+def _relevant(graph: Graph) -> frozenset:
+    """Values whose being finite matters: those on a path to the output (they carry the
+    pass) and those a rule of the pass reads (edge weights are made from them).
+
+    Anything else may hold inf or NaN without harm: a value computed from positions
+    alone and masked away later (T5's relative-position buckets take ``log(0)``), or
+    one that only feeds an integer index.
+    """
+    from .engine import needed_nodes  # the pass's own notion of "on a path"
+
+    if graph.output_node not in graph.ids:  # the output is an input: nothing is computed
+        return frozenset()
+    needed = needed_nodes(graph, graph.output_node)
+    out = set(needed)
+    for node in needed:
+        rule = rules.lookup(node.target) if node.op == "call_function" else None
+        if rule is None:
+            continue
+        out.update(node.all_input_nodes if rule.reads is None else rule.reads(node, needed))
+    return frozenset(out)
 
 
 def _moves_only(node) -> bool:

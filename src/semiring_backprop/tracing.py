@@ -26,6 +26,7 @@ from . import (
 from .errors import InputError, TracingError, TrainingModeError
 
 mark_op = torch.ops.semiring_backprop.mark.default
+aten = torch.ops.aten
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +286,7 @@ def trace(
             program = _export(_Explained(model, output), args, kwargs, dynamic)
             _detach_no_grad_blocks(program)
             program = program.run_decompositions(table)
+            _select_by_indices(program)
     except (TracingError, InputError):
         raise
     except Exception as e:  # torch raises many types; say what failed and what to try
@@ -294,7 +296,7 @@ def trace(
             f"torch.export: {type(e).__name__}: {first[:500]}\n"
             "Things to try: load a Hugging Face model with attn_implementation='eager'; "
             "remove data-dependent Python control flow; or pass a plain function of "
-            "tensors as the model."
+            f"tensors as the model.{_experts_hint(model)}"
         ) from e
     finally:
         for h in handles:
@@ -303,6 +305,18 @@ def trace(
     if isinstance(model, torch.nn.Module):
         graph.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
     return graph
+
+
+def _experts_hint(model) -> str:
+    """A mixture-of-experts model whose experts loop over the tokens each one got (data-
+    dependent shapes, which torch.export cannot trace) has traceable alternatives."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    return (
+        " This model's experts run as a Python loop (experts_implementation='eager'): "
+        "load it with experts_implementation='grouped_mm' (the default) or 'batched_mm'."
+    )
 
 
 def _identity(out):
@@ -354,6 +368,106 @@ def _detach_no_grad_blocks(program) -> None:
         out.replace_all_uses_with(detached, delete_user_cb=lambda n, d=detached: n is not d)
     if outs:
         program.graph_module.recompile()
+
+
+# ops returning (values, indices) where the values are the input's elements at the
+# indices: op -> (keyword, position, default) of the dim they select along, and of keepdim
+_ALONG_DIM = {
+    aten.topk.default: (("dim", 2, -1), None),
+    aten.sort.default: (("dim", 1, -1), None),
+    aten.sort.stable: (("dim", None, -1), None),
+    aten.cummax.default: (("dim", 1, None), None),
+    aten.cummin.default: (("dim", 1, None), None),
+    aten.kthvalue.default: (("dim", 2, -1), ("keepdim", 3, False)),
+    aten.median.dim: (("dim", 1, None), ("keepdim", 2, False)),
+    aten.nanmedian.dim: (("dim", 1, None), ("keepdim", 2, False)),
+    aten.mode.default: (("dim", 1, -1), ("keepdim", 2, False)),
+}
+# pooling ops whose indices are flat positions in each input plane (volume) of n dims
+_IN_PLANE = {
+    aten.max_pool2d_with_indices.default: 2,
+    aten.max_pool3d_with_indices.default: 3,
+    aten.adaptive_max_pool2d.default: 2,
+    aten.adaptive_max_pool3d.default: 3,
+}
+
+
+def _arg(node, spec):
+    name, pos, default = spec
+    if name in node.kwargs:
+        return node.kwargs[name]
+    return node.args[pos] if pos is not None and pos < len(node.args) else default
+
+
+def _select_by_indices(program) -> None:
+    """Selections (topk, sort, max pooling, ...) read their values back from the input
+    at their indices: ``gather(x, dim, indices)``. The values then have edges to the
+    selected elements only, as in autograd, and the indices (integers) none; the op
+    itself, a node with two outputs, is left with its indices alone.
+    """
+    graph = program.graph_module.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (_ALONG_DIM.keys() | _IN_PLANE.keys()):
+            continue
+        outs = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        values = outs.get(0)
+        if values is None or not values.users:
+            continue
+        idx = outs.get(1)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        at = values if idx is None or order[values] > order[idx] else idx
+        emit = _Emitter(graph, node, at)
+        if idx is None:
+            idx = emit(operator.getitem, node, 1)
+        x = node.args[0]
+        if node.target in _IN_PLANE:  # flat positions in each plane of the last n dims
+            n = _IN_PLANE[node.target]
+            val = idx.meta["val"]
+            shape = [
+                emit(aten.sym_size.int, idx, d) if isinstance(s, torch.SymInt) else int(s)
+                for d, s in enumerate(val.shape)
+            ]
+            flat_x = emit(aten.flatten.using_ints, x, -n, -1)
+            flat_i = emit(aten.flatten.using_ints, idx, -n, -1)
+            out = emit(aten.view.default, emit(aten.gather.default, flat_x, -1, flat_i), shape)
+        else:
+            dim_spec, keep_spec = _ALONG_DIM[node.target]
+            dim = _arg(node, dim_spec)
+            if keep_spec is None or _arg(node, keep_spec):
+                out = emit(aten.gather.default, x, dim, idx)
+            else:
+                wide = emit(aten.unsqueeze.default, idx, dim)
+                out = emit(aten.squeeze.dims, emit(aten.gather.default, x, dim, wide), [dim])
+        values.replace_all_uses_with(out)
+        graph.erase_node(values)
+        changed = True
+    if changed:
+        graph.lint()
+        program.graph_module.recompile()
+
+
+class _Emitter:
+    """Inserts ops one after another after ``at``, each with its traced value (computed
+    on the trace's fake tensors) and the module of ``like``."""
+
+    def __init__(self, graph, like, at):
+        self.graph, self.like, self.prev = graph, like, at
+        self.fake = next(
+            v.fake_mode for v in pytree.tree_leaves(like.meta["val"]) if hasattr(v, "fake_mode")
+        )
+
+    def __call__(self, target, *args):
+        with self.graph.inserting_after(self.prev):
+            node = self.graph.call_function(target, args)
+        vals = torch.fx.node.map_arg(args, lambda a: a.meta["val"])
+        with self.fake:
+            node.meta["val"] = target(*vals)
+        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if key in self.like.meta:
+                node.meta[key] = self.like.meta[key]
+        self.prev = node
+        return node
 
 
 def _build_graph(program, args, kwargs, whole) -> Graph:

@@ -11,6 +11,7 @@ import math
 
 import torch
 
+from ..errors import UnsupportedOpError
 from ..semirings.base import Dense, fmap, fmap2
 from .pointwise import _unbroadcast
 from .registry import reads_each_for_the_other, register
@@ -93,3 +94,38 @@ def _addmm(sr, g, op, bias, a, b, *, beta=1, alpha=1):
         scaled = g if beta == 1 else sr.times(g, torch.full_like(op.out, beta))
         dbias = _unbroadcast(sr, scaled, bias.shape)
     return [dbias, da, db]
+
+
+@register(
+    [aten._grouped_mm.default, "transformers.grouped_mm_fallback.default"],
+    "contraction",
+    reads=reads_each_for_the_other(0, 1),
+)
+def _grouped_mm(sr, g, op, x, w, offs=None, bias=None, out_dtype=None):
+    """Mixture-of-experts matmul: rows ``offs[i-1]:offs[i]`` of ``x`` (sorted by expert)
+    times ``w[i]``; rows past the last offset are not read."""
+    if offs is None or x.dim() != 2 or w.dim() != 3 or bias is not None:
+        raise UnsupportedOpError(
+            f"{op.node.target} at node `{op.node.name}`: only the mixture-of-experts form "
+            "(2-D input, 3-D weights, offsets, no bias) has a rule"
+        )
+    bounds = [0, *offs.tolist()]
+    dx, dw = [], [None] * w.shape[0]
+    for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+        if end == start:
+            continue
+        rows = fmap(lambda f, s=start, e=end: f[s:e], g)
+        if op.needs(0):
+            dx.append(sr.matmul(rows, w[i].transpose(0, 1)))
+        if op.needs(1):
+            dw[i] = _mT(sr.matmul(_mT(rows), x[start:end]))
+    out = [None, None, None, None, None]
+    if op.needs(0):
+        tail = x.shape[0] - bounds[-1]
+        if tail:
+            dx.append(sr.zero((tail, x.shape[1]), x))
+        out[0] = tuple(torch.cat(fs) for fs in zip(*dx)) if dx else sr.zero(x.shape, x)
+    if op.needs(1):
+        zero = sr.zero(w.shape[1:], w)
+        out[1] = tuple(torch.stack(fs) for fs in zip(*(d or zero for d in dw)))
+    return out

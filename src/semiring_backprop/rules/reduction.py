@@ -1,4 +1,5 @@
-"""Reductions: sum (weight 1), mean (1/n), amax/amin (edges to the selected elements)."""
+"""Reductions: sum (weight 1), mean (1/n), amax/amin (edges to the selected elements),
+vector norms (one edge per element, weight ∂‖x‖/∂xᵢ as autograd has it)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,36 @@ def _amax(sr, g, op, x, dims=(), keepdim=False):
 @register([aten.max.default, aten.min.default], "reduction")
 def _max_all(sr, g, op, x):
     return _select_extreme(sr, g, op, x, None, False)
+
+
+@register(aten.linalg_vector_norm.default, "reduction")
+def _vector_norm(sr, g, op, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    """One edge from each element to its norm, of weight ``sign(x)·|x|^(p-1) / ‖x‖^(p-1)``
+    (0 where the norm is 0, as autograd's subgradient); the inf-norms have edges to the
+    largest (smallest) |x| only, ties sharing the weight; the 0-"norm" counts, no edges.
+    (Decomposed as ``sqrt(sum(x²))`` the paths would be the same, but a zero vector
+    would give 0·inf.)"""
+    ord = float(ord)
+    if ord == 0:
+        return [None]
+    dims = _reduced_dims(x, dim)
+    x = x.to(op.out.dtype)
+    norm = (
+        op.out
+        if keepdim
+        else op.out.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
+    )
+    spread = _spread(g, x, dims, keepdim)
+    if math.isinf(ord):
+        hit = x.abs() == norm
+        w = torch.sign(x) * hit / hit.sum(dims, keepdim=True)
+        zero = sr.zero(x.shape, x)
+        return [tuple(torch.where(hit, s, z) for s, z in zip(sr.times(spread, w), zero))]
+    if ord == 1:
+        w = torch.sign(x)
+    elif ord == 2:
+        w = x / norm
+    else:
+        w = torch.sign(x) * x.abs().pow(ord - 1) / norm.pow(ord - 1)
+    w = torch.where(norm == 0, 0.0, w) if ord != 1 else w
+    return [sr.times(spread, w)]

@@ -53,15 +53,18 @@ def _overloads(ops):
     if not isinstance(ops, list | tuple):
         ops = [ops]
     for op in ops:
-        if isinstance(op, torch._ops.OpOverloadPacket):
+        if isinstance(op, str):  # "namespace.op.overload": an op of a library not imported
+            yield op
+        elif isinstance(op, torch._ops.OpOverloadPacket):
             yield from (getattr(op, name) for name in op.overloads())
         else:
             yield op
 
 
 def register(ops, kind: str, reads: Callable | None = None):
-    """Register ``fn`` as the rule of ``ops`` (an overload, a packet or a list);
-    ``reads`` as for :class:`Rule` (default: the rule may read every value)."""
+    """Register ``fn`` as the rule of ``ops`` (an overload, a packet, a name such as
+    ``"transformers.grouped_mm_fallback.default"`` for an op of a library that may not be
+    imported, or a list); ``reads`` as for :class:`Rule` (default: every value)."""
     if kind not in KINDS:
         raise InputError(f"rule kind {kind!r} is not one of {KINDS}")
 
@@ -85,6 +88,8 @@ def register(ops, kind: str, reads: Callable | None = None):
 def lookup(target) -> Rule | None:
     """The registered rule, else the generic pointwise rule for pointwise-tagged ops."""
     rule = _RULES.get(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload):
+        rule = _RULES.get(str(target))  # registered by name (see ``register``)
     if rule is None and isinstance(target, torch._ops.OpOverload):
         if torch.Tag.pointwise in target.tags:
             from .pointwise import generic_pointwise

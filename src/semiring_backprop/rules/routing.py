@@ -51,6 +51,16 @@ def _to_copy(sr, g, op, x, *args, **kwargs):
     return [fmap(lambda f: f.to(x.dtype) if f.is_floating_point() else f, g)]
 
 
+@register(aten.copy.default, "routing", reads=reads_nothing)
+def _copy(sr, g, op, dst, src, non_blocking=False):
+    """``dst.copy_(src)`` made functional (``y[:, :2] = x`` on a view): every output
+    element is ``src``'s, broadcast and cast to ``dst``; ``dst``'s old values are gone."""
+    if not (op.needs(1) and isinstance(src, torch.Tensor) and src.is_floating_point()):
+        return [None, None]
+    d = _unbroadcast(sr, g, src.shape)
+    return [None, fmap(lambda f: f.to(src.dtype) if f.is_floating_point() else f, d)]
+
+
 @register(aten.permute.default, "routing", reads=reads_nothing)
 def _permute(sr, g, op, x, dims):
     inv = [0] * len(dims)

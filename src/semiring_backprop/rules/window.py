@@ -1,0 +1,249 @@
+"""Sliding-window ops: convolution (a contraction) and average pooling.
+
+Both read, for each output position, a window of input positions. The window
+structure is an index map: for every input position ``p`` and kernel offset ``k``, the
+output position ``q`` that reads ``p`` through ``k`` (-1 for none). The rule gathers
+the output's value along that map (the semiring's zero where there is none) and then
+⊕-contracts it with the weights, so that every input element gets exactly its edges:
+``x[c, p] -> out[o, q]`` for every ``(o, k)`` with ``q`` the position ``p`` reaches
+through ``k``, of weight ``w[o, c, k]`` (dense, whatever the weight's value, as for a
+matmul). Transposed convolutions read the same map the other way round. Padding
+positions are not elements: they carry no edges.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..semirings.base import fmap, fmap2
+from .registry import register
+
+aten = torch.ops.aten
+
+
+# -- index maps --------------------------------------------------------------------------
+
+
+def _strided(n_in, n_out, k, stride, pad, dil, transposed, device):
+    """``[n_in, k]``: the output position that input ``p`` reaches through offset ``k``."""
+    p = torch.arange(n_in, device=device)[:, None]
+    j = torch.arange(k, device=device)[None, :]
+    if transposed:  # out[p·s + k·d - pad] += x[p] · w[k]
+        q = p * stride + j * dil - pad
+        ok = (q >= 0) & (q < n_out)
+    else:  # out[q] += x[q·s + k·d - pad] · w[k]
+        num = p + pad - j * dil
+        q = torch.div(num, stride, rounding_mode="floor")
+        ok = (num >= 0) & (num % stride == 0) & (q < n_out)
+    return torch.where(ok, q, -1)
+
+
+def _adaptive(n_in, n_out, device):
+    """``[n_in, slots]``: the outputs whose adaptive window (``floor(q·n/m)`` to
+    ``ceil((q+1)·n/m)``) holds input ``p``."""
+    q = torch.arange(n_out, device=device)
+    start = torch.div(q * n_in, n_out, rounding_mode="floor")
+    end = torch.div((q + 1) * n_in + n_out - 1, n_out, rounding_mode="floor")
+    p = torch.arange(n_in, device=device)[:, None]
+    inside = (p >= start) & (p < end)  # [n_in, n_out]
+    slots = int(inside.sum(1).max())
+    rank = torch.cumsum(inside, 1) - 1  # the slot of each (p, q) inside
+    out = torch.full((n_in, slots), -1, dtype=torch.long, device=device)
+    pp, qq = inside.nonzero(as_tuple=True)
+    out[pp, rank[pp, qq]] = qq
+    return out
+
+
+def _combine(maps, out_sizes):
+    """Per-dim maps ``[n_in_i, k_i]`` -> one map ``[prod n_in, prod k]`` of flat output
+    positions (row-major over the spatial dims), -1 where any dim has none."""
+    n = len(maps)
+    flat, valid, step = 0, True, 1
+    for i in reversed(range(n)):
+        shape = [1] * (2 * n)
+        shape[i], shape[n + i] = maps[i].shape
+        m = maps[i].reshape(shape)
+        flat = flat + m * step
+        valid = valid & (m >= 0)
+        step *= out_sizes[i]
+    flat = torch.where(valid, flat, -1)
+    p = math.prod(m.shape[0] for m in maps)
+    return flat.reshape(p, -1)
+
+
+def _gather(sr, g, index, n_lead):
+    """``g[..., Q]`` (``n_lead`` leading dims, spatial dims flattened) read along
+    ``index`` (``[P, K]``, -1 for none): ``[..., P, K]``, the zero where there is none."""
+    lead = g[0].shape[:n_lead]
+    flat = fmap(lambda f: f.reshape(*lead, -1), g)
+    pad = sr.zero((*lead, 1), g[0])
+    padded = fmap2(lambda f, z: torch.cat([f, z], -1), tuple(flat), pad)
+    q = padded[0].shape[-1] - 1
+    idx = torch.where(index >= 0, index, q)
+    return fmap(lambda f: f[..., idx], padded)
+
+
+# -- convolution -------------------------------------------------------------------------
+
+
+def _conv_map(op, x, w, stride, padding, dilation, transposed):
+    def make():
+        n = w.dim() - 2
+        ins, outs = x.shape[-n:], op.out.shape[-n:]
+        maps = [
+            _strided(ins[i], outs[i], w.shape[2 + i], stride[i], padding[i], dilation[i],
+                     transposed, x.device)
+            for i in range(n)
+        ]  # fmt: skip
+        return _combine(maps, outs)
+
+    return op.cached("map", make)
+
+
+@register(aten.convolution.default, "contraction")
+def _convolution(sr, g, op, x, w, bias, stride, padding, dilation, transposed, out_pad, groups):
+    n = w.dim() - 2
+    unbatched = x.dim() == n + 1
+    if unbatched:
+        x, g = x.unsqueeze(0), fmap(lambda f: f.unsqueeze(0), g)
+    batch, c_in, *p_in = x.shape
+    c_out = op.out.shape[-n - 1]
+    gr = groups
+    index = _conv_map(op, x, w, stride, padding, dilation, transposed)  # [P, K]
+    npos, nk = index.shape
+    taps = _gather(sr, g, index, 2)  # [N, O, P, K]
+    dx = dw = db = None
+    if op.needs(0):
+        # rows (g, n, p), columns (o, k): ⊕_(o, k) taps ⊗ w[o, c, k] -> [g, n·p, c]
+        a = fmap(
+            lambda f: (
+                f.reshape(batch, gr, c_out // gr, npos, nk)
+                .permute(1, 0, 3, 2, 4)
+                .reshape(gr, batch * npos, -1)
+            ),
+            taps,
+        )
+        wm, prep = op.weight(sr, 1, lambda: _weight_matrix(w, gr, transposed))
+        d = sr.matmul(a, wm, prep)  # [g, n·p, c/g]
+        dx = fmap(
+            lambda f: (
+                f.reshape(gr, batch, npos, c_in // gr)
+                .permute(1, 0, 3, 2)
+                .reshape(batch, c_in, *p_in)
+            ),
+            d,
+        )
+        if unbatched:
+            dx = fmap(lambda f: f.squeeze(0), dx)
+    if op.needs(1):
+        # batched over (g, k): ⊕_(n, p) taps[n, o, p, k] ⊗ x[n, c, p] -> [g·k, o/g, c/g]
+        a = fmap(
+            lambda f: (
+                f.reshape(batch, gr, c_out // gr, npos, nk)
+                .permute(1, 4, 2, 0, 3)
+                .reshape(gr * nk, c_out // gr, batch * npos)
+            ),
+            taps,
+        )
+        xm = (
+            x.reshape(batch, gr, c_in // gr, npos)
+            .permute(1, 0, 3, 2)
+            .reshape(gr, 1, batch * npos, c_in // gr)
+            .expand(gr, nk, batch * npos, c_in // gr)
+            .reshape(gr * nk, batch * npos, c_in // gr)
+        )
+        d = sr.matmul(a, xm)
+        # [g, k, o/g, c/g] -> w's layout: (o, c/g, *k) or, transposed, (c, o/g, *k)
+        order = (0, 3, 2, 1) if transposed else (0, 2, 3, 1)
+        dw = fmap(
+            lambda f: f.reshape(gr, nk, c_out // gr, c_in // gr).permute(*order).reshape(w.shape),
+            d,
+        )
+    if isinstance(bias, torch.Tensor) and op.needs(2):
+        dims = [d for d in range(g[0].dim()) if d != 1]
+        db = sr.sum(g, dims)
+    return [dx, dw, db]
+
+
+def _weight_matrix(w, groups, transposed):
+    """``[g, (o/g)·k, c/g]``: row (o, k), column c holds the weight of x[c] -> out[o]."""
+    k = math.prod(w.shape[2:])
+    if transposed:  # w: (c, o/g, *k)
+        c, o_g = w.shape[:2]
+        m = w.reshape(groups, c // groups, o_g, k).permute(0, 2, 3, 1)
+    else:  # w: (o, c/g, *k)
+        o, c_g = w.shape[:2]
+        m = w.reshape(groups, o // groups, c_g, k).permute(0, 1, 3, 2)
+    return m.reshape(groups, -1, m.shape[-1])
+
+
+# -- average pooling ---------------------------------------------------------------------
+
+
+def _pool(sr, g, op, x, n, make_maps, run):
+    """``D(x)[.., p] = ⊕_k g[.., q(p, k)] ⊗ lift(1 / divisor(q))`` over the last ``n``
+    dims; ``make_maps`` gives the per-dim maps, ``run`` the op on a tensor."""
+
+    def make():
+        outs = op.out.shape[-n:]
+        index = _combine(make_maps(x.shape[-n:], outs), outs)
+        # the weight of q: the op on ones gives (#inputs in q's window) / divisor(q)
+        ones = x.new_ones((1, 1, *x.shape[-n:]))
+        reach = run(ones).reshape(-1)
+        count = torch.bincount(index[index >= 0], minlength=reach.numel()).to(x.dtype)
+        weight = torch.where(count > 0, reach / count.clamp_min(1), 0.0)
+        return index, torch.where(index >= 0, weight[index], 1.0)
+
+    index, w = op.cached("map", make)
+    lead = g[0].dim() - n
+    taps = _gather(sr, g, index, lead)  # [..., P, K]
+    d = sr.sum(sr.times(taps, w), -1)
+    return [fmap(lambda f: f.reshape(x.shape), d)]
+
+
+def _pool_args(n, kernel, stride, padding):
+    as_list = lambda v: [v] * n if isinstance(v, int) else list(v)  # noqa: E731
+    kernel = as_list(kernel)
+    stride = as_list(stride) if stride else kernel
+    padding = as_list(padding)
+    return kernel, stride, padding * n if len(padding) == 1 else padding
+
+
+def _avg_pool(n, target):
+    def rule(sr, g, op, x, kernel, stride=(), padding=0, *args):
+        if not op.needs(0):
+            return [None]
+        k, s, p = _pool_args(n, kernel, stride, padding)
+
+        def maps(ins, outs):
+            return [_strided(ins[i], outs[i], k[i], s[i], p[i], 1, False, x.device)
+                    for i in range(n)]  # fmt: skip
+
+        return _pool(sr, g, op, x, n, maps, lambda t: target(t, kernel, stride, padding, *args))
+
+    return rule
+
+
+def _adaptive_avg_pool(n, target):
+    def rule(sr, g, op, x, size):
+        if not op.needs(0):
+            return [None]
+
+        def maps(ins, outs):
+            return [_adaptive(ins[i], outs[i], x.device) for i in range(n)]
+
+        return _pool(sr, g, op, x, n, maps, lambda t: target(t, size))
+
+    return rule
+
+
+register(aten.avg_pool2d.default, "reduction")(_avg_pool(2, aten.avg_pool2d.default))
+register(aten.avg_pool3d.default, "reduction")(_avg_pool(3, aten.avg_pool3d.default))
+register(aten._adaptive_avg_pool2d.default, "reduction")(
+    _adaptive_avg_pool(2, aten._adaptive_avg_pool2d.default)
+)
+register(aten._adaptive_avg_pool3d.default, "reduction")(
+    _adaptive_avg_pool(3, aten._adaptive_avg_pool3d.default)
+)
