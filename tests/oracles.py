@@ -36,7 +36,21 @@ _SHIFT = torch.ops.semiring_backprop.softmax_shift.default
 # pointwise-tagged ops that route (choose a source per element): edges = Jacobian nonzeros
 _ROUTING_POINTWISE = {aten.where.self, aten.masked_fill.Scalar, aten.masked_fill.Tensor}
 # dense by definition: structure does not depend on the other operand's values
-_CONTRACTIONS = {aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default}
+_CONTRACTIONS = {
+    aten.mm.default,
+    aten.bmm.default,
+    aten.addmm.default,
+    aten.baddbmm.default,
+    aten.convolution.default,  # every tap inside the input; padding is not an element
+}
+# ops autograd cannot differentiate as called, and the same function written so it can
+_DIFFERENTIABLE = {
+    # ``dst.copy_(src)`` made functional: the result is ``src`` (cast, broadcast); the old
+    # values of ``dst`` are gone (no edges from them)
+    aten.copy.default: lambda dst, src, non_blocking=False: (
+        src.to(dst.dtype).expand(dst.shape) + 0 * dst.detach()
+    ),
+}
 # declared without edges (DESIGN §1: non-differentiable inputs and outputs)
 _NO_EDGES = {
     _SHIFT,
@@ -91,6 +105,7 @@ def _replace(args, kwargs, path, x):
 
 def _jacobian(target, args, kwargs, path, x):
     """d target / d (slot at ``path``), shaped (out numel, in numel)."""
+    target = _DIFFERENTIABLE.get(target, target)
 
     def f(v):
         a, k = _replace(args, kwargs, path, v)

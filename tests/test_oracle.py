@@ -213,6 +213,90 @@ def case_pointwise_zoo():
     return f, (randn(2, 3),), lambda y: y[0, 2] - y.sum(), [0]
 
 
+def case_conv_padding_groups():
+    w1, w2 = randn(4, 1, 3), randn(2, 4, 2)  # depthwise-style groups, then a dense conv
+    c = randn(1, 2, 2)
+
+    def f(x):
+        h = torch.tanh(F.conv1d(x, w1, padding=1, groups=2))  # (1, 4, 4)
+        return F.conv1d(h, w2, stride=2, dilation=1)  # (1, 2, 2)
+
+    return f, (randn(1, 2, 4),), lambda y: (y * c).sum(), [0]
+
+
+def case_conv2d_transposed_and_weight_input():
+    c = randn(1, 2, 2, 2)
+
+    def f(x, w):
+        h = F.conv2d(x, w, padding=1, stride=2)  # the weight is an input: it has edges too
+        return F.conv_transpose2d(h, w.transpose(0, 1), stride=2, padding=1)
+
+    return f, (randn(1, 2, 3, 3), randn(2, 2, 2, 2)), lambda y: (y * c).sum(), [0, 1]
+
+
+def case_pooling():
+    c = randn(1, 2, 2, 2)
+
+    def f(x):
+        a = F.max_pool2d(x, 2, stride=1)  # (1, 2, 3, 3): overlapping windows
+        b = F.avg_pool2d(x, 2, stride=2, padding=1, count_include_pad=False)  # (1, 2, 3, 3)
+        m = F.adaptive_max_pool2d(a * b, 2)  # (1, 2, 2, 2)
+        return m + F.adaptive_avg_pool2d(b, 2)
+
+    return f, (randn(1, 2, 4, 4),), lambda y: (y * c).sum(), [0]
+
+
+def case_topk_routing():
+    """A mixture-of-experts router: the top-2 scores' softmax weights the chosen experts."""
+    router, experts, c = randn(3, 4), randn(4, 3, 3), randn(2, 3)
+
+    def f(x):
+        scores = x @ router  # (2, 4)
+        top, idx = scores.topk(2, dim=-1)
+        weights = torch.softmax(top, -1)  # edges to the two selected scores only
+        chosen = experts[idx]  # (2, 2, 3, 3): constants picked by integer indices
+        out = torch.einsum("ti,tkij->tkj", x, chosen)
+        return (weights[..., None] * out).sum(1) + x.sort(-1).values
+
+    return f, (randn(2, 3),), lambda y: (y * c).sum(), [0]
+
+
+def case_inplace_view_writes():
+    c = randn(3, 4)
+
+    def f(x, y):
+        g = x * 1.0
+        g += torch.tanh(y)  # an in-place residual
+        g[:, :2] *= 2  # then a write into a view of it
+        g[1:, 2:] = y[:2, :2] * x[1:, :2]  # and an assignment (aten.copy)
+        return g
+
+    return f, (randn(3, 4), randn(3, 4)), lambda y: (y * c).sum(), [0, 1]
+
+
+def case_boolean_mask_indexing():
+    def f(x):
+        picked = x[x > 0]  # a data-dependent number of elements
+        return torch.tanh(x) * picked.sum() + x.abs().amax()
+
+    return f, (randn(2, 3),), lambda y: y[0, 1] - y[1, 2], [0]
+
+
+def case_norms():
+    bn = nn.BatchNorm1d(2).double()
+    bn.running_mean.normal_()
+    bn.running_var.uniform_(0.5, 2.0)
+    bn.eval()
+    gn = nn.GroupNorm(1, 2).double().eval()
+    c = randn(2, 2, 3)
+
+    def f(x):
+        h = gn(bn(x))
+        return F.normalize(h, dim=-1) * torch.linalg.vector_norm(x, dim=1, keepdim=True)
+
+    return f, (randn(2, 2, 3),), lambda y: (y * c).sum(), [0]
+
+
 KEEP = {"kept_composites": ("softmax", "log_softmax", "layer_norm")}
 
 
@@ -274,6 +358,13 @@ CASES = {
     "kept_composites": case_kept_composites,
     "routing_zoo": case_routing_zoo,
     "pointwise_zoo": case_pointwise_zoo,
+    "conv_padding_groups": case_conv_padding_groups,
+    "conv2d_transposed_and_weight_input": case_conv2d_transposed_and_weight_input,
+    "pooling": case_pooling,
+    "topk_routing": case_topk_routing,
+    "inplace_view_writes": case_inplace_view_writes,
+    "boolean_mask_indexing": case_boolean_mask_indexing,
+    "norms": case_norms,
     **{f"random_{s}": (lambda s=s: _random_program(s)) for s in range(8)},
 }
 
