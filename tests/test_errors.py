@@ -248,6 +248,37 @@ def test_masks_may_hold_inf():
     assert res.at(0, sbp.Real())[:, 1].eq(0).all()
 
 
+def _bucketed_bias(t):
+    """T5's relative-position buckets: ``log`` of distances from positions alone (-inf
+    at distance 0), turned into integer buckets; only the bias looked up is used."""
+    pos = torch.arange(t.shape[-1])
+    dist = (pos[None, :] - pos[:, None]).abs().to(t.dtype)
+    big = torch.log(dist / 2)  # -inf on the diagonal, masked away by the where below
+    bucket = torch.where(dist < 2, dist, 2 + big.clamp(max=1.0)).long()
+    return torch.nn.functional.embedding(bucket, torch.arange(4.0, dtype=t.dtype)[:, None])
+
+
+def test_non_finite_value_that_reaches_no_path_and_no_edge_weight_is_fine():
+    fn = lambda t: torch.softmax(t[:3] + _bucketed_bias(t)[:3, :, 0], -1)  # noqa: E731
+    x = x34()
+    res = sbp.backprop(fn, args=(x,), output=total)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(total(fn(leaf)), leaf)
+    torch.testing.assert_close(res.at(0, sbp.Real()), want)
+
+
+def test_non_finite_value_read_by_an_edge_weight_is_an_error():
+    """The same -inf made from positions alone, now multiplying the input: the edge
+    weights of that product are infinite."""
+
+    def fn(t):
+        pos = torch.arange(t.shape[-1], dtype=t.dtype)
+        return t * torch.log(pos)
+
+    with raises(sbp.NonFiniteError, "inf", "`log`"):
+        sbp.backprop(fn, args=(x34(),), output=total)
+
+
 def test_untraceable_model_suggests_eager_attention_or_a_plain_function():
     def flow(x):
         if x.sum() > 0:  # data-dependent Python control flow
