@@ -7,7 +7,8 @@
 - Brute force (tests/oracles.py): on a tiny ``nn.TransformerEncoderLayer`` every path
   from the point is listed and filed under the (via, op) edge where it leaves the point's
   region; each branch's value is then computed from its own list of paths.
-- Roles, tables, aggregation readouts, batching and errors.
+- Roles, tables, aggregation readouts, batching and errors; projections that are weights
+  read through einsums, not modules (TransformerLens' ``attn.W_Q`` and ``attn.hook_q``).
 
 Models are tiny random configs in float64; each is traced once (``functools.cache``).
 """
@@ -823,3 +824,105 @@ def test_layer_table_finds_blocks_named_by_user_roles():
     table = custom_result().layer_table(semirings=[sbp.MaxProduct()], roles=CUSTOM_ROLES)
     assert sorted(table["layer"].unique()) == [0, 1]
     assert set(table[table["sublayer"] == "attention"]["branch"]) == ATTN_ROLES
+
+
+# -- projections that are weights, not modules (TransformerLens' naming) ----------------
+
+
+class _LensAttn(nn.Module):
+    """Attention as TransformerLens writes it: per-head weights read through einsums,
+    identity hook modules on q, k and v. ``cut``: roles whose input is detached."""
+
+    def __init__(self, d, heads, names):
+        super().__init__()
+        e = d // heads
+        for name in names:
+            setattr(self, name, nn.Parameter(torch.randn(heads, d, e) / math.sqrt(d)))
+        self.names = names
+        self.W_O = nn.Parameter(torch.randn(heads, e, d) / math.sqrt(e))
+        self.hook_q, self.hook_k, self.hook_v = nn.Identity(), nn.Identity(), nn.Identity()
+        self.cut = set()
+
+    def forward(self, x):
+        wq, wk, wv = (getattr(self, n) for n in self.names)
+        inp = {r: x.detach() if r in self.cut else x for r in ("query", "key", "value")}
+        q = self.hook_q(torch.einsum("bpd,hde->bphe", inp["query"], wq))
+        k = self.hook_k(torch.einsum("bpd,hde->bphe", inp["key"], wk))
+        v = self.hook_v(torch.einsum("bpd,hde->bphe", inp["value"], wv))
+        a = (torch.einsum("bqhe,bkhe->bhqk", q, k) / math.sqrt(q.shape[-1])).softmax(-1)
+        return torch.einsum("bqhe,hed->bqd", torch.einsum("bhqk,bkhe->bqhe", a, v), self.W_O)
+
+
+class _LensMLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.W_in = nn.Parameter(torch.randn(d, 2 * d) / math.sqrt(d))
+        self.W_out = nn.Parameter(torch.randn(2 * d, d) / math.sqrt(2 * d))
+
+    def forward(self, x):
+        return torch.einsum("bpm,md->bpd", nn.functional.gelu(x @ self.W_in), self.W_out)
+
+
+class _LensBlock(nn.Module):
+    def __init__(self, d, names):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn, self.mlp = _LensAttn(d, 2, names), _LensMLP(d)
+        self.cut_skip = False
+
+    def forward(self, x):
+        x = (x.detach() if self.cut_skip else x) + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class _LensNet(nn.Module):
+    def __init__(self, names, d=4):
+        super().__init__()
+        self.blocks = nn.ModuleList([_LensBlock(d, names), _LensBlock(d, names)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+LENS_NAMES = {"weights": ("W_Q", "W_K", "W_V"), "hooks": ("wa", "wb", "wc")}
+
+
+@functools.cache
+def lens(kind):
+    torch.manual_seed(6)
+    net = _LensNet(LENS_NAMES[kind]).to(F64).eval()
+    x = torch.randn(1, 3, 4, dtype=F64)
+    return net, x, sbp.backprop(net, args=(x,), output=_tel_output, semirings=SEMIRINGS)
+
+
+@pytest.mark.parametrize("kind", LENS_NAMES)
+def test_projections_named_by_their_weights_or_hooks(kind):
+    """Roles of consumers that read ``attn.W_Q`` (or feed ``attn.hook_q``) and no query
+    module; under Real each branch is autograd's gradient with the other branches cut."""
+    net, x, res = lens(kind)
+    table = res.layer_table(semirings=[sbp.MaxProduct()])
+    assert sorted(table["layer"].unique()) == [0, 1]
+    for i in range(2):
+        att = table[(table["layer"] == i) & (table["sublayer"] == "attention")]
+        assert set(att["branch"]) == ATTN_ROLES
+        mlp = table[(table["layer"] == i) & (table["sublayer"] == "mlp")]
+        assert set(mlp["branch"]) == MLP_ROLES
+        for role, name in zip(("query", "key", "value"), LENS_NAMES[kind]):
+            via = name if kind == "weights" else f"hook_{role[0]}"
+            assert set(att[att["branch"] == role]["consumer"]) == {f"blocks.{i}.attn.{via}"}
+    v, ents, parts = contributions(res, "blocks.0:input")
+    for s, sr in enumerate(res.semirings):
+        total = oplus_all(sr, [part[s] for part in parts])
+        assert_same_value(sr, total, res.value(v, sr), 1e-9, what=kind)
+    block, real = net.blocks[0], res.semirings.index(sbp.Real())
+    for e, part in zip(ents, parts):
+        block.cut_skip = e.role != "skip"
+        block.attn.cut = ATTN_ROLES - {"skip", e.role}
+        leaf = x.clone().requires_grad_()
+        try:
+            (want,) = torch.autograd.grad(_tel_output(net(leaf)), leaf)
+        finally:
+            block.cut_skip, block.attn.cut = False, set()
+        assert_grad_close(part[real][0], want, 1e-9, f"{kind} {e.role}")

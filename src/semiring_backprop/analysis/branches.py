@@ -11,6 +11,9 @@ branches give back D(v).
 Roles come from module names (BERT, GPT-2, Llama, ``nn.TransformerEncoderLayer`` and
 their relatives); fused projections (GPT-2's ``c_attn``, ``nn.MultiheadAttention``'s
 ``in_proj``) get theirs from which part of the projection's output each slice reads.
+Where the projections are not modules of their own (TransformerLens' ``attn.W_Q``, read
+through an einsum), a consumer's role is that of the weight its contraction reads or of
+the hook module its output passes (``attn.hook_q``).
 """
 
 from __future__ import annotations
@@ -48,8 +51,16 @@ _NAMES = {
         "lin1",
     },  # fmt: skip
 }
+#: weights and hook modules that name the projection a contraction makes (TransformerLens)
+_READS = {
+    "query": {"w_q", "hook_q"},
+    "key": {"w_k", "hook_k"},
+    "value": {"w_v", "hook_v"},
+    "mlp": {"w_in", "w_gate", "hook_pre"},
+}
 _FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "w_pack"}
 _TRANSPARENT = {mark_op, aten.clone.default, aten.alias.default}
+_SHIFT_OPS = {aten.add.Tensor, aten.sub.Tensor}
 _SKIP_OPS = {aten.add.Tensor}
 
 
@@ -58,7 +69,7 @@ class Entry:
     """One branch leaving a fan-out point: ``op`` reads ``via`` (downstream of the point)."""
 
     role: str
-    consumer: str  #: module path of the entry op
+    consumer: str  #: module path of the entry op, or the weight or hook that names its role
     op: torch.fx.Node
     via: torch.fx.Node
 
@@ -69,15 +80,25 @@ class _Roles:
         self.types = getattr(res.graph, "module_types", {}) or {}
         self.user = roles
         self.store = res._store
+        sig = res.graph.program.graph_signature
+        names = {**sig.inputs_to_buffers, **sig.inputs_to_parameters}
+        #: placeholder -> weight path as the user names it (``blocks.0.attn.W_Q``)
+        self.weights = {
+            n: names[n.name].removeprefix("model.") for n in res.graph.constants if n.name in names
+        }
 
     def module(self, node) -> str:
         return mark_module(node) or self.res.graph.module_of(node) or ""
 
+    def of_user(self, path: str) -> str | None:
+        if self.user is None:
+            return None
+        return self.user(path) if callable(self.user) else _match(self.user, path)
+
     def of_module(self, path: str) -> str | None:
-        if self.user is not None:
-            role = self.user(path) if callable(self.user) else _match(self.user, path)
-            if role is not None:
-                return role
+        role = self.of_user(path)
+        if role is not None:
+            return role
         for part in reversed(path.split(".")):
             for role, names in _NAMES.items():
                 if part.lower() in names:
@@ -95,6 +116,51 @@ class _Roles:
 
     def users(self, node):
         return [u for u in node.users if u in self.store]
+
+    def transparent(self, node) -> bool:
+        """Moves its input on unchanged, or shifts it by a number (TransformerLens' ``x + 0.0``)."""
+        if node.target in _TRANSPARENT:
+            return True
+        tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
+        return node.target in _SHIFT_OPS and len(tensors) == 1
+
+    def read_role(self, u) -> tuple[str, str] | None:
+        """(role, name) of the projection ``u`` feeds, from the weight its contraction reads
+        (``attn.W_Q``) or the hook module on the projection's output (``attn.hook_q``)."""
+        proj = _first_contraction(self, u)
+        if proj is None:
+            return None
+        for a in proj.all_input_nodes:
+            name = self.weight_of(a)
+            if name and (role := _read_role(name)):
+                return role, name
+        n = proj
+        for _ in range(8):
+            users = self.users(n)
+            if len(users) != 1 or not (users[0].target in _ROUTING or self.transparent(users[0])):
+                return None
+            n = users[0]
+            if n.target is mark_op and (role := _read_role(mark_module(n))):
+                return role, mark_module(n)
+        return None
+
+    def weight_of(self, node, limit=8) -> str | None:
+        """The weight ``node`` is, through data-movement ops (a transpose, a reshape)."""
+        for _ in range(limit):
+            if node in self.weights:
+                return self.weights[node]
+            if node.target not in _ROUTING:
+                return None
+            inputs = node.all_input_nodes
+            if len(inputs) != 1:
+                return None
+            node = inputs[0]
+        return None
+
+
+def _read_role(name: str) -> str | None:
+    last = name.rsplit(".", 1)[-1].lower().lstrip("_")  # TransformerLens' GQA: ``_W_K``
+    return next((role for role, names in _READS.items() if last in names), None)
 
 
 def _match(mapping, path):
@@ -125,14 +191,14 @@ def entries(res, where, roles=None) -> tuple[torch.fx.Node, list[Entry]]:
 
 def _classify(r: _Roles, u, via, todo) -> list[Entry]:
     module = r.module(u)
-    if u.target in _TRANSPARENT:
+    if r.transparent(u):
         todo.append(u)
         return []
     role = r.of_module(module)
     if role is not None:
         return [Entry(role, module, u, via)]
     if module and r.is_norm(module):
-        out = r.res.graph.tags.get(module)
+        out = r.res.graph.tags.get(_call_output(module, via))
         if out is None:
             return [Entry("other", module, u, via)]
         todo.append(out)
@@ -141,7 +207,20 @@ def _classify(r: _Roles, u, via, todo) -> list[Entry]:
         return _fused_entries(r, u, via, module)
     if u.target in _SKIP_OPS:
         return [Entry("skip", module, u, via)]
+    read = r.read_role(u)
+    if read is not None:
+        role, name = read
+        return [Entry(r.of_user(name) or role, name, u, via)]
     return [Entry("other", module, u, via)]
+
+
+def _call_output(module: str, via) -> str:
+    """The tag of a module's output for the call that reads ``via``: a module called
+    several times (TransformerLens' ``ln1`` for q, k and v) is tagged ``path@k`` per call."""
+    tag = via.args[1] if via.target is mark_op else ""
+    if tag.endswith(":input") and tag.split("@")[0].removesuffix(":input") == module:
+        return tag.removesuffix(":input")
+    return module
 
 
 def _fused_entries(r: _Roles, u, via, module) -> list[Entry]:
@@ -388,16 +467,21 @@ def blocks(res, roles=None) -> list[Block]:
     """The attention blocks of the model, in order, with their fan-out points."""
     r = _Roles(res, roles)
     types = r.types
+    qkv = {"query", "key", "value"}
+    owned: dict = {}  # module path -> its own weights (TransformerLens: W_Q, W_K, W_V)
+    for w in r.weights.values():
+        owned.setdefault(w.rsplit(".", 1)[0], []).append(w)
     attn = []
     for path, kind in types.items():
         kids = [p for p in types if p.rsplit(".", 1)[0] == path and p != path]
         builtin = {_builtin_role(k) for k in kids}
         chosen = {r.of_module(k) for k in kids}  # with the user's roles, if any
-        kid_roles = builtin if {"query", "key", "value"} <= builtin else chosen
+        kid_roles = builtin if qkv <= builtin else chosen
+        reads = {_read_role(n) for n in kids + owned.get(path, [])}  # W_Q, hook_q, ...
         fused = kind == "MultiheadAttention" or any(
             k.rsplit(".", 1)[-1].lower() in _FUSED for k in kids
         )
-        if fused or {"query", "key", "value"} <= kid_roles:
+        if fused or qkv <= kid_roles or qkv <= reads:
             attn.append(path)
     attn = [a for a in attn if not any(a != b and a.startswith(b + ".") for b in attn)]
     out = []
@@ -448,7 +532,7 @@ def _effective_users(r: _Roles, node):
             if u in seen:
                 continue
             seen.add(u)
-            (todo if u.target in _TRANSPARENT else out).append(u)
+            (todo if r.transparent(u) else out).append(u)
     return out
 
 
