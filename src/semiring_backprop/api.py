@@ -194,7 +194,7 @@ def _stamp(model):
 
 
 def _check_output(graph, per_example: bool):
-    outputs = graph.nodes[-1].args[0]
+    outputs = graph.user_outputs
     if len(outputs) != 1:
         raise InputError(
             f"output(model(...)) returned {len(outputs)} tensors (a tuple or a model output "

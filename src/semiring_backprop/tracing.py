@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch.export.graph_signature import InputKind, TensorArgument
+from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from . import (
@@ -135,8 +135,16 @@ class Graph:
         return True
 
     @property
+    def user_outputs(self) -> list:
+        """What ``output(model(...))`` returned, without the inputs and buffers the model
+        wrote into in place (torch.export returns their new values too)."""
+        specs = self.program.graph_signature.output_specs
+        outs = self.nodes[-1].args[0]
+        return [o for o, s in zip(outs, specs) if s.kind == OutputKind.USER_OUTPUT]
+
+    @property
     def output_node(self) -> torch.fx.Node:
-        (out,) = self.nodes[-1].args[0]
+        (out,) = self.user_outputs
         return out
 
     def module_of(self, node: torch.fx.Node) -> str | None:

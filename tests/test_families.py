@@ -1,0 +1,366 @@
+"""The model matrix: one tiny random config per Hugging Face family, as a new user meets it.
+
+For each family (float64, eval mode, nothing downloaded): ``Real`` equals
+torch.autograd at the model's input, the top gradient path's product equals the
+``MaxProduct`` readout it starts from (both signs), the path entropy is finite, and
+``layer_table`` finds every attention block with its skip / query / key / value and
+MLP branches. One line per family in ``FAMILIES``; the README's table lists the same.
+
+Tolerances: families that run part of the model in float32 even in a float64 model
+(rotary embeddings, RMSNorm, routers, softmax; as autograd does) agree to float32
+rounding, the others to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import semiring_backprop as sbp
+
+T = pytest.importorskip("transformers")
+
+F64 = torch.float64
+V = 64  # vocabulary
+SEMIRINGS = [sbp.Real(), sbp.MaxProduct(), sbp.Entropy()]
+ROLES = {"skip", "query", "key", "value", "mlp"}
+IDS = [[3, 7, 1, 9, 4, 11]]
+
+
+def _small(**kw):
+    """The shared tiny sizes, under each family's own names."""
+    return kw
+
+
+@dataclass(frozen=True)
+class Family:
+    cls: str
+    config: object  # () -> config
+    kind: str = "lm"  # lm: inputs_embeds -> logits; seq2seq; vision; audio; encoder
+    rtol: float = 1e-10  # 1e-6 where the family computes in float32 in places
+    roles: frozenset = frozenset(ROLES)
+    extra: dict = field(default_factory=dict)  # config attributes set after construction
+
+
+def _lm(name, **kw):
+    return getattr(T, name)(vocab_size=V, **kw)
+
+
+FAMILIES = {
+    "bert": Family("BertForMaskedLM", lambda: _lm(
+        "BertConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32)),
+    "distilbert": Family("DistilBertForMaskedLM", lambda: _lm(
+        "DistilBertConfig", dim=16, n_layers=2, n_heads=2, hidden_dim=32,
+        max_position_embeddings=32)),
+    "roberta": Family("RobertaForMaskedLM", lambda: _lm(
+        "RobertaConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=40, pad_token_id=1)),
+    "albert": Family("AlbertForMaskedLM", lambda: _lm(
+        "AlbertConfig", embedding_size=8, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32, max_position_embeddings=32)),
+    "electra": Family("ElectraForMaskedLM", lambda: _lm(
+        "ElectraConfig", embedding_size=8, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32, max_position_embeddings=32)),
+    "deberta-v2": Family("DebertaV2ForMaskedLM", lambda: _lm(
+        "DebertaV2Config", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, relative_attention=True,
+        pos_att_type=["p2c", "c2p"], max_relative_positions=16, position_buckets=8)),
+    "bart": Family("BartForConditionalGeneration", lambda: _lm(
+        "BartConfig", d_model=16, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+        decoder_ffn_dim=32, max_position_embeddings=32), kind="seq2seq"),
+    "t5": Family("T5ForConditionalGeneration", lambda: _lm(
+        "T5Config", d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+        num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        decoder_start_token_id=0), kind="seq2seq"),
+    "t5-encoder": Family("T5EncoderModel", lambda: _lm(
+        "T5Config", d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16),
+        kind="encoder"),
+    "gpt2": Family("GPT2LMHeadModel", lambda: _lm(
+        "GPT2Config", n_embd=16, n_layer=2, n_head=2, n_positions=32)),
+    "llama": Family("LlamaForCausalLM", lambda: _lm(
+        "LlamaConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32), rtol=1e-6),
+    "mistral": Family("MistralForCausalLM", lambda: _lm(
+        "MistralConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32,
+        head_dim=8), rtol=1e-6),
+    "qwen2": Family("Qwen2ForCausalLM", lambda: _lm(
+        "Qwen2Config", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32), rtol=1e-6),
+    "gemma": Family("GemmaForCausalLM", lambda: _lm(
+        "GemmaConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, head_dim=8,
+        max_position_embeddings=32), rtol=1e-6),
+    "gemma2": Family("Gemma2ForCausalLM", lambda: _lm(
+        "Gemma2Config", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, head_dim=8, max_position_embeddings=32,
+        sliding_window=4), rtol=1e-6),
+    "phi": Family("PhiForCausalLM", lambda: _lm(
+        "PhiConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32), rtol=1e-6),
+    "phi3": Family("Phi3ForCausalLM", lambda: _lm(
+        "Phi3Config", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32,
+        pad_token_id=0, eos_token_id=1, bos_token_id=2), rtol=1e-6),
+    "gpt-neox": Family("GPTNeoXForCausalLM", lambda: _lm(
+        "GPTNeoXConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32), rtol=1e-6),
+    "falcon": Family("FalconForCausalLM", lambda: _lm(
+        "FalconConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2)),
+    "opt": Family("OPTForCausalLM", lambda: _lm(
+        "OPTConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2, ffn_dim=32,
+        max_position_embeddings=32, word_embed_proj_dim=16), rtol=1e-6),
+    "bloom": Family("BloomForCausalLM", lambda: _lm(
+        "BloomConfig", hidden_size=16, n_layer=2, n_head=2), rtol=1e-6),
+    "gpt-j": Family("GPTJForCausalLM", lambda: _lm(
+        "GPTJConfig", n_embd=16, n_layer=2, n_head=2, rotary_dim=4, n_positions=32,
+        bos_token_id=0, eos_token_id=0), rtol=1e-6),
+    "clip-text": Family("CLIPTextModel", lambda: _lm(
+        "CLIPTextConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32, bos_token_id=0, eos_token_id=2),
+        kind="ids", rtol=1e-6),
+    "mixtral": Family("MixtralForCausalLM", lambda: _lm(
+        "MixtralConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32), rtol=1e-6,
+        # torch's grouped matmul has no float64 CPU kernel (the model itself fails)
+        extra={"_experts_implementation": "batched_mm"}),
+    "qwen2-moe": Family("Qwen2MoeForCausalLM", lambda: _lm(
+        "Qwen2MoeConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32), rtol=1e-6,
+        extra={"_experts_implementation": "batched_mm"}),
+    "vit": Family("ViTForImageClassification", lambda: T.ViTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32, num_labels=3), kind="vision", rtol=1e-6),
+    "whisper-encoder": Family("WhisperForAudioClassification", lambda: T.WhisperConfig(
+        vocab_size=V, num_mel_bins=4, d_model=16, encoder_layers=2, encoder_attention_heads=2,
+        decoder_layers=1, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+        max_source_positions=8, num_labels=3, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1), kind="audio"),
+}  # fmt: skip
+
+
+@functools.cache
+def _model(name):
+    fam = FAMILIES[name]
+    config = fam.config()
+    config._attn_implementation = "eager"
+    for key, value in fam.extra.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    return getattr(T, fam.cls)(config).to(F64).eval()
+
+
+def _inputs(name, model):
+    """``(kwargs, key of the explained input, output function)``."""
+    kind = FAMILIES[name].kind
+    gen = torch.Generator().manual_seed(1)
+    if kind == "vision":
+        x = torch.randn(1, 3, 8, 8, generator=gen, dtype=F64)
+        return {"pixel_values": x}, "pixel_values", lambda out: out.logits[0, 1]
+    if kind == "audio":
+        x = torch.randn(1, 4, 16, generator=gen, dtype=F64)
+        return {"input_features": x}, "input_features", lambda out: out.logits[0, 1]
+    if kind == "ids":  # the model takes token ids only: explained from its embeddings
+        emb = model.get_input_embeddings()
+        key = next(n for n, m in model.named_modules() if m is emb)
+        return {"input_ids": torch.tensor(IDS)}, key, lambda out: out.pooler_output[0, 3]
+    embeds = model.get_input_embeddings()(torch.tensor(IDS)).detach()
+    kwargs = {"inputs_embeds": embeds}
+    if kind == "encoder":
+        return kwargs, "inputs_embeds", lambda out: out.last_hidden_state[0, -1, 3]
+    if kind == "seq2seq":
+        kwargs["decoder_input_ids"] = torch.tensor([[0, 5, 6]])
+    return kwargs, "inputs_embeds", lambda out: out.logits[0, -1, 5]
+
+
+def _run(name):
+    model = _model(name)
+    kwargs, key, output = _inputs(name, model)
+    res = sbp.backprop(model, kwargs=kwargs, output=output, semirings=SEMIRINGS)
+    return model, kwargs, key, output, res
+
+
+def _autograd(model, kwargs, key, output):
+    """Autograd's gradient at input ``key``, or at the output of module ``key``."""
+    kwargs = dict(kwargs)
+    if key in kwargs:
+        leaf = kwargs[key] = kwargs[key].clone().requires_grad_()
+        (g,) = torch.autograd.grad(output(model(**kwargs)), leaf)
+        return g
+    kept = []
+    hook = dict(model.named_modules())[key].register_forward_hook(
+        lambda mod, args, out: kept.append(out) or out.retain_grad()
+    )
+    try:
+        output(model(**kwargs)).backward()
+    finally:
+        hook.remove()
+    return kept[0].grad
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family(name):
+    fam = FAMILIES[name]
+    model, kwargs, key, output, res = _run(name)
+    want = _autograd(model, kwargs, key, output)
+    got = res.at(key, sbp.Real())
+    scale = float(want.abs().max())
+    assert scale > 0, "the output must depend on the input for the check to mean anything"
+    torch.testing.assert_close(got, want, rtol=fam.rtol, atol=fam.rtol * scale)
+
+    ent = res.at(key, sbp.Entropy())
+    assert bool(torch.isfinite(ent.entropy).all()) and bool(torch.isfinite(ent.log_z).all())
+    assert float(ent.entropy.max()) > 0  # many paths: a real distribution, not a stub
+
+    # the top path from the first token (first channel for images and audio) and from
+    # the best element of the whole input: its product is the MaxProduct readout
+    mp = res.at(key, sbp.MaxProduct())
+    agg = res.aggregate(key, sbp.MaxProduct(), dims=tuple(range(2, mp.hi.dim())))
+    rel = max(fam.rtol, 1e-9) * 10
+    for source, hi, lo in [((key, (0, 0)), agg.hi[0, 0], agg.lo[0, 0]),
+                           (key, mp.hi.max(), mp.lo.min())]:  # fmt: skip
+        for sign, want_value in (("+", hi), ("-", lo)):
+            path = res.top_path(source, sign=sign)
+            assert math.isclose(path.value, float(want_value), rel_tol=rel), (source, sign)
+            assert len(path.steps) > 5  # through the model, not a stub
+
+    table = res.layer_table()
+    assert fam.roles <= set(table["branch"]), sorted(set(table["branch"]))
+    attention = table[table["sublayer"] == "attention"]
+    assert {"query", "key", "value"} <= set(attention["branch"])
+
+
+# -- vision and sentence embeddings without Hugging Face heads ---------------------------
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 4, 3, padding=1),
+            torch.nn.BatchNorm2d(4),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2),
+            torch.nn.GroupNorm(2, 6),
+            torch.nn.GELU(),
+            torch.nn.AdaptiveAvgPool2d(1),
+        )
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x).flatten(1))
+
+
+def _check_vision(model, x, rtol=1e-10):
+    model = model.to(F64).eval()
+    output = lambda out: out[0, 1]  # noqa: E731
+    res = sbp.backprop(model, (x,), output=output, semirings=SEMIRINGS)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(output(model(leaf)), leaf)
+    torch.testing.assert_close(res.at(0, sbp.Real()), want, rtol=rtol, atol=rtol)
+    assert bool(torch.isfinite(res.at(0, sbp.Entropy()).entropy).all())
+    mp = res.at(0, sbp.MaxProduct())
+    for sign, want_value in (("+", mp.hi.max()), ("-", mp.lo.min())):
+        path = res.top_path(0, sign=sign)
+        assert math.isclose(path.value, float(want_value), rel_tol=1e-9)
+    return res
+
+
+def test_small_cnn_with_batch_norm_and_max_pool():
+    torch.manual_seed(0)
+    model = SmallCNN()
+    bn = model.features[1]
+    bn.running_mean.normal_()
+    bn.running_var.uniform_(0.5, 2.0)  # eval-mode statistics that are not the identity
+    res = _check_vision(model, torch.randn(2, 3, 8, 8, dtype=F64))
+    path = res.top_path(0)
+    assert {"features.0", "features.4", "head"} <= set(path.modules)
+
+
+def test_torchvision_resnet18():
+    models = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    model = models.resnet18(num_classes=3)
+    for m in model.modules():  # running statistics other than (0, 1)
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.normal_(0, 0.1)
+            m.running_var.uniform_(0.5, 1.5)
+    _check_vision(model, torch.randn(1, 3, 32, 32, dtype=F64), rtol=1e-9)
+
+
+def test_sentence_embedding_similarity():
+    """A sentence-transformers model, unmodified: mean pooling over the attention mask,
+    normalized embeddings, their cosine similarity explained for both sentences."""
+    torch.manual_seed(0)
+    config = T.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=2,
+                          num_attention_heads=2, intermediate_size=32)  # fmt: skip
+    bert = T.BertModel(config, add_pooling_layer=False).to(F64).eval()
+
+    class Similarity(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask):
+            hidden = self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+            m = mask[..., None].to(hidden.dtype)
+            pooled = torch.nn.functional.normalize((hidden * m).sum(1) / m.sum(1), dim=-1)
+            return torch.nn.functional.cosine_similarity(pooled[0], pooled[1], dim=0)
+
+    model = Similarity().eval()
+    ids = torch.tensor([[3, 7, 1, 9, 4], [5, 2, 8, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    where = "bert.embeddings.word_embeddings"
+    res = sbp.backprop(model, (ids, mask), semirings=SEMIRINGS)
+    got = res.at(where, sbp.Real())
+    want = _autograd_module(model, where, lambda: model(ids, mask))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert not got[1, 3:].any()  # padding: no path
+    assert bool(torch.isfinite(res.at(where, sbp.Entropy()).entropy).all())
+
+
+def _autograd_module(model, name, run):
+    kept = []
+    hook = dict(model.named_modules())[name].register_forward_hook(
+        lambda mod, args, out: kept.append(out) or out.retain_grad()
+    )
+    try:
+        run().backward()
+    finally:
+        hook.remove()
+    return kept[0].grad
+
+
+def test_plain_module_that_casts_halfway():
+    """A float64 model that runs a block in float32 and casts back: the pass follows."""
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4).double()
+            self.b = torch.nn.Linear(4, 4).float()
+
+        def forward(self, x):
+            h = self.b(torch.tanh(self.a(x)).float()).softmax(-1)
+            return h.to(torch.float64) * x + x.float().exp()  # f64 * f64 + f32 -> f64
+
+    torch.manual_seed(0)
+    model = Mixed().eval()
+    x = torch.randn(2, 4, dtype=F64)
+    output = lambda y: y[0, 1] - y[1, 2]  # noqa: E731
+    res = sbp.backprop(model, (x,), output=output, semirings=SEMIRINGS)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(output(model(leaf)), leaf)
+    torch.testing.assert_close(res.at(0, sbp.Real()), want, rtol=1e-6, atol=1e-7)
+    assert res.at("b", sbp.Real()).dtype == torch.float32  # the island keeps its dtype
