@@ -671,3 +671,124 @@ def test_input_not_on_any_path_is_not_found():
     res = _unused_input()
     with pytest.raises(sbp.NotFoundError):
         res.top_path(1)
+
+
+# -- a result that does not hold together is refused ------------------------------------
+
+TAMPER_SEMIRINGS = [sbp.MaxProduct(), sbp.MaxProduct("tensor"), sbp.MaxAbs(), sbp.TopK(2)]
+
+# reader -> (semiring, how it reads the path from input 0)
+READERS = {
+    "maxproduct+": (sbp.MaxProduct(), lambda res: res.top_path(0)),
+    "maxproduct-": (sbp.MaxProduct(), lambda res: res.top_path(0, sign="-")),
+    "tensor+": (sbp.MaxProduct("tensor"), lambda res: res.top_path(0, sbp.MaxProduct("tensor"))),
+    "tensor-": (
+        sbp.MaxProduct("tensor"),
+        lambda res: res.top_path(0, sbp.MaxProduct("tensor"), sign="-"),
+    ),
+    "maxabs": (sbp.MaxAbs(), lambda res: res.top_path(0, sbp.MaxAbs())),
+    "topk-top_paths": (sbp.TopK(2), lambda res: res.top_paths(0, 2, sbp.TopK(2))[0]),
+    "topk-top_path": (sbp.TopK(2), lambda res: res.top_path(0, sbp.TopK(2))),
+}
+
+
+def _tamper_result():
+    """A fresh result (nothing memoized): every path from x passes through tanh."""
+    gen = torch.Generator().manual_seed(3)
+    W = torch.randn(3, 4, dtype=F64, generator=gen)
+
+    def f(x, y):
+        return torch.tanh(x @ W)[0].sum() * y.sum()
+
+    x, y = torch.randn(2, 3, dtype=F64, generator=gen), torch.randn(2, dtype=F64, generator=gen)
+    return sbp.backprop(f, (x, y), semirings=TAMPER_SEMIRINGS)
+
+
+def _tamper_stored(res, sr, path):
+    """Make the semiring's value at the path's source element more extreme (it stays the
+    one the reader picks), leaving everything the path is recomputed from as it was."""
+    node = _node(res, path.source.node)
+    k = res.semirings.index(sr)
+    raw = res._store[node][k]
+    if path.source.index is None:  # tensor granularity: the most extreme element
+        ro = sr.finalize(raw)
+        e = int(ro.hi.argmax() if path.sign == "+" else ro.lo.argmin())
+    else:
+        e = flat_index(path.source.index, tuple(res.values[node].shape))
+    fields = list(raw)
+    if isinstance(sr, sbp.MaxProduct):  # hi (sign +) or lo (sign -), doubled
+        f = 0 if path.sign == "+" else 1
+        assert (path.value > 0) == (f == 0) and path.value != 0
+        changed = [f]
+    elif isinstance(sr, sbp.MaxAbs):  # log |value| + 1
+        changed = [0]
+    else:  # TopK: every rank's log |value| + 1
+        changed = list(range(sr.k))
+    for f in changed:
+        fields[f] = fields[f].clone()
+        if isinstance(sr, sbp.MaxProduct):
+            fields[f].view(-1)[e] *= 2
+        else:
+            fields[f].view(-1)[e] += 1
+    res._store[node][k] = type(raw)(fields)
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_reader_refuses_a_changed_semiring_value(reader):
+    sr, read = READERS[reader]
+    honest = read(_tamper_result())  # the check passes on the untouched result
+    res = _tamper_result()
+    _tamper_stored(res, sr, honest)
+    with pytest.raises(sbp.errors.PathMismatchError, match="changed after the pass") as info:
+        read(res)
+    assert sr.name in str(info.value)
+    assert isinstance(info.value, sbp.SemiringBackpropError)
+
+
+@pytest.mark.parametrize("reader", list(READERS))
+def test_reader_refuses_a_changed_forward_value(reader):
+    """tanh's edge weight is 1 - tanh(x)^2, read from its output: halving the output
+    changes the weight of a step every path takes, not the stored semiring values."""
+    sr, read = READERS[reader]
+    res = _tamper_result()
+    tanh = next(n for n in res.graph.nodes if str(n.target) == "aten.tanh.default")
+    res.values[tanh] = res.values[tanh] * 0.5
+    with pytest.raises(sbp.errors.PathMismatchError, match="changed after the pass") as info:
+        read(res)
+    assert sr.name in str(info.value)
+
+
+def test_topk_reader_refuses_a_flipped_sign():
+    """TopK stores the sign apart from log |value|: a sign flipped at the source makes the
+    path product's sign disagree, with magnitudes equal."""
+    sr, read = READERS["topk-top_paths"]
+    honest = read(_tamper_result())
+    res = _tamper_result()
+    node = _node(res, honest.source.node)
+    k = res.semirings.index(sr)
+    e = flat_index(honest.source.index, tuple(res.values[node].shape))
+    fields = list(res._store[node][k])
+    for r in range(sr.k):  # the sign fields follow the k value fields
+        fields[sr.k + r] = fields[sr.k + r].clone()
+        fields[sr.k + r].view(-1)[e] *= -1
+    res._store[node][k] = type(res._store[node][k])(fields)
+    with pytest.raises(sbp.errors.PathMismatchError, match="TopK"):
+        read(res)
+
+
+@pytest.mark.parametrize("reader", ["maxproduct+", "maxproduct-", "maxabs", "topk-top_paths"])
+def test_reader_refuses_edge_weights_that_disagree_with_the_pass(reader, monkeypatch):
+    """The product check itself: edge weights recomputed 1.5 times too large (as from a
+    rule whose real weights disagree with its semiring pass) leave every stored value and
+    pointer as it was, but not the path's product."""
+    from semiring_backprop.analysis import paths
+
+    sr, read = READERS[reader]
+    res = _tamper_result()
+    real = paths._Edges.weights
+    monkeypatch.setattr(
+        paths._Edges, "weights", lambda self, *a: [(s, w * 1.5) for s, w in real(self, *a)]
+    )
+    with pytest.raises(sbp.errors.PathMismatchError, match="the path from") as info:
+        read(res)
+    assert sr.name in str(info.value)

@@ -8,6 +8,13 @@ recomputed from the op's own rule under the real semiring (the partial derivativ
 that output element with respect to that input element, per argument slot), which also
 tells where the sign flips: a negative edge continues from the consumer's most negative
 value.
+
+Every reader checks what it read against the pass, and raises ``PathMismatchError``
+rather than return a path that does not hold: at neuron granularity the product of the
+edge weights must be the semiring's value at the source (MaxAbs and TopK compare in log
+space, as they store it); MaxProduct's replayed ⊕ must give the stored value at every
+element the path passes (at tensor granularity, where a path has no edge weights, this
+is the whole check).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import engine
-from ..errors import InputError, NotFoundError
+from ..errors import InputError, NotFoundError, PathMismatchError
 from ..semirings import MaxAbs, MaxProduct, Real, TopK
 from ..semirings.base import stack
 from ..semirings.maxproduct import unpack_pointer
@@ -251,14 +258,21 @@ class _Pointers:
 
     def consumer(self, node, e: int, f: int) -> int:
         """The id of the consumer op that won element ``e`` of ``node``'s ⊕ (field ``f``:
-        0 hi, 1 lo); -1 where no consumer has a path."""
-        return int(self.consumers(node)[f].reshape(-1)[e])
-
-    def consumers(self, node) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per element of ``node``, the id of the consumer op that won hi and lo."""
+        0 hi, 1 lo); -1 where no consumer has a path. The replayed ⊕ must give the value
+        the pass stored there: a pointer found from other values would lead elsewhere."""
         if node not in self.winners:
             self.winners[node] = self._replay(node)
-        return self.winners[node]
+        replayed = self.winners[node]
+        stored = self.sr._normalize(_raw(self.res, node, self.k))
+        got, want = float(replayed[f].reshape(-1)[e]), float(stored[f].reshape(-1)[e])
+        if not (got == want or math.isclose(got, want, rel_tol=_tol(self.res), abs_tol=1e-300)):
+            where = _unravel(e, self.res.values[node].shape)
+            raise PathMismatchError(
+                f"{self.sr.name} path reading: at node `{node.name}` element {where} the "
+                f"consumers' values ⊕ to {('hi', 'lo')[f]} = {got!r}, but the pass stored "
+                f"{want!r}. {_STALE}"
+            )
+        return int(replayed[2 + f].reshape(-1)[e])
 
     def _replay(self, node):
         res, sr, graph = self.res, self.sr, self.res.graph
@@ -280,7 +294,7 @@ class _Pointers:
                         acc = v if acc is None else sr.pointed.plus(acc, v)
         if acc is None:
             raise _broken(node)
-        return acc[2], acc[3]
+        return sr.pointed._normalize(acc)
 
     def element(self, c_id: int, node, e: int, f: int) -> int:
         """The element of consumer ``c_id``'s output that element ``e`` of ``node``
@@ -414,7 +428,7 @@ def _top_path_maxproduct(res, source, sr: MaxProduct, sign: str) -> Path:
         running *= w
         node, e = c, c_idx
         steps.append(_step(res, node, _unravel(e, shape(node)), w, running, slot))
-    _check(running, value, res)
+    _check(running, value, _tol(res), sr, steps[0])
     return Path(tuple(steps), value, sr.name, sign)
 
 
@@ -443,7 +457,7 @@ def _top_path_maxabs(res, source, sr: MaxAbs) -> Path:
     edges, graph, out_node = _Edges(res), res.graph, res.graph.output_node
     shape = lambda n: res.values[n].shape  # noqa: E731
     steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
-    running = 1.0
+    running, log_running = 1.0, 0.0
     while node is not out_node:
         a = _raw(res, node, k)
         c_id, c_idx = int(a[1].reshape(-1)[e]), int(a[2].reshape(-1)[e])
@@ -454,16 +468,17 @@ def _top_path_maxabs(res, source, sr: MaxAbs) -> Path:
         best = None
         for slot, w in edges.weights(c_id, c_idx, node):
             w = float(w[e])
-            cand = lc + (math.log(abs(w)) if w != 0 else -math.inf)
+            cand = lc + _log_abs(w)
             if best is None or cand > best[0]:
                 best = (cand, slot, w)
         if best is None:
             raise _broken(node)
         _, slot, w = best
         running *= w
+        log_running += _log_abs(w)
         node, e = c, c_idx
         steps.append(_step(res, node, _unravel(e, shape(node)), w, running, slot))
-    _check(abs(running), math.exp(log_value), res)
+    _check_log(log_running, log_value, _tol(res), sr, steps[0])
     return Path(tuple(steps), running, sr.name, "+")
 
 
@@ -511,7 +526,7 @@ def _follow_topk(res, sr, s_idx, edges, node, e, r) -> Path:
     log_value = float(groups[0].reshape(-1, sr.k)[e, r])
     sign = float(groups[1].reshape(-1, sr.k)[e, r])
     steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
-    running = 1.0
+    running, log_running = 1.0, 0.0
     while node is not out_node:
         v, _, pn, pi, pr = (g.reshape(-1, sr.k)[e] for g in sr._pack(_raw(res, node, s_idx)))
         c_id, c_idx, c_rank = int(pn[r]), int(pi[r]), int(pr[r])
@@ -527,27 +542,52 @@ def _follow_topk(res, sr, s_idx, edges, node, e, r) -> Path:
         slots = []
         for slot, w in edges.weights(c_id, c_idx, node):
             w = float(w[e])
-            cand = lc + (math.log(abs(w)) if w != 0 else -math.inf)
+            cand = lc + _log_abs(w)
             slots.append((cand, slot, w))
         if not slots:
             raise _broken(node)
         slots.sort(key=lambda t: (-t[0], t[1]))
         _, slot, w = slots[min(twins.index(r), len(slots) - 1)]
         running *= w
+        log_running += _log_abs(w)
         node, e, r = c, c_idx, c_rank
         steps.append(_step(res, node, _unravel(e, shape(node)), w, running, slot))
     value = sign * math.exp(log_value)
-    _check(running, value, res)
+    if (running < 0) != (sign < 0):
+        _mismatch(f"is {running!r}", f"{value!r}", sr, steps[0])
+    _check_log(log_running, log_value, _tol(res), sr, steps[0])
     return Path(tuple(steps), value, sr.name, "+" if value >= 0 else "-")
 
 
-def _check(got: float, want: float, res):
-    tol = _tol(res)
-    if not math.isclose(got, want, rel_tol=tol, abs_tol=1e-300):
-        raise RuntimeError(
-            f"internal error: the path product {got!r} read from back-pointers differs from "
-            f"the semiring's value {want!r}; please report this with the model"
-        )
+_STALE = (
+    "The result does not hold together: its values or the model's forward values were "
+    "changed after the pass (or this is a bug: please report it with the model). Run "
+    "backprop again; no path was returned."
+)
+
+
+def _log_abs(w: float) -> float:
+    return math.log(abs(w)) if w != 0 else -math.inf
+
+
+def _check(got: float, want: float, tol: float, sr, source: Step):
+    """The product along the path must be the semiring's value at its source."""
+    if not (got == want or math.isclose(got, want, rel_tol=tol, abs_tol=1e-300)):
+        _mismatch(f"is {got!r}", f"{want!r}", sr, source)
+
+
+def _check_log(got: float, want: float, tol: float, sr, source: Step):
+    """The same in log space (MaxAbs and TopK store log |product|; the product itself
+    may underflow): the sum of log |edge weight| along the path."""
+    if not (got == want or math.isclose(got, want, rel_tol=tol / 100, abs_tol=tol)):
+        _mismatch(f"has log |product| {got!r}", f"log |value| {want!r}", sr, source)
+
+
+def _mismatch(got: str, want: str, sr, source: Step):
+    raise PathMismatchError(
+        f"{sr.name} path reading: the path from `{source.node}` element {source.index} "
+        f"{got}, but the semiring's value there is {want}. {_STALE}"
+    )
 
 
 def _no_value(res, source, node):
@@ -560,6 +600,7 @@ def _no_value(res, source, node):
 
 
 def _broken(node):
-    return RuntimeError(
-        f"internal error: the back-pointer chain breaks at node `{node.name}`; please report"
+    return PathMismatchError(
+        f"path reading: the back-pointer chain breaks at node `{node.name}` (no consumer "
+        f"carries the path on to the output). {_STALE}"
     )
