@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+from torch.fx.node import map_arg
 
 from .. import engine
 from ..errors import InputError, NotFoundError
@@ -49,6 +50,11 @@ _NAMES = {
         "fc_in",
         "w1",
         "lin1",
+        "densereludense",
+        "wi",
+        "wi_0",
+        "wi_1",
+        "gate_up_proj",
     },  # fmt: skip
 }
 #: weights and hook modules that name the projection a contraction makes (TransformerLens)
@@ -194,7 +200,10 @@ def _classify(r: _Roles, u, via, todo) -> list[Entry]:
     if r.transparent(u):
         todo.append(u)
         return []
-    role = r.of_module(module)
+    role = r.of_user(module)
+    if role is None and _is_residual(u):  # Bloom adds the residual inside its MLP module
+        role = "skip"
+    role = role or r.of_module(module)
     if role is not None:
         return [Entry(role, module, u, via)]
     if module and r.is_norm(module):
@@ -214,6 +223,11 @@ def _classify(r: _Roles, u, via, todo) -> list[Entry]:
     return [Entry("other", module, u, via)]
 
 
+def _is_residual(u) -> bool:
+    """A tensor + tensor add: the fan-out point added to a branch's result."""
+    return u.target in _SKIP_OPS and sum(isinstance(a, torch.fx.Node) for a in u.args) == 2
+
+
 def _call_output(module: str, via) -> str:
     """The tag of a module's output for the call that reads ``via``: a module called
     several times (TransformerLens' ``ln1`` for q, k and v) is tagged ``path@k`` per call."""
@@ -224,35 +238,42 @@ def _call_output(module: str, via) -> str:
 
 
 def _fused_entries(r: _Roles, u, via, module) -> list[Entry]:
-    """q/k/v from a fused projection: label its output columns by part, follow the labels
-    through the data-movement ops until each consumer reads one part only."""
+    """q/k/v from a fused projection: label its output columns by index and follow them
+    through the data-movement ops to the first ops that take a part of them (slices,
+    selects, indexing). Those parts, in the order of their first column, are the query,
+    the key and the value: ``[q | k | v]`` (GPT-2), per head ``[q k v]`` (GPT-NeoX,
+    Bloom), ``[q heads | k | v]`` of unequal widths (grouped-query Phi-3, Falcon)."""
     proj = _first_contraction(r, u)
     if proj is None:
         return [Entry("other", module, u, via)]
-    width = r.res.values[proj].shape[-1]
-    parts = 3 if width % 3 == 0 else 2 if width % 2 == 0 else 0
-    if not parts:
-        return [Entry("other", module, u, via)]
-    names = ("query", "key", "value")[3 - parts :]
-    part = torch.arange(width).div(width // parts, rounding_mode="floor")
-    labels = {proj: part.expand(r.res.values[proj].shape).contiguous()}
-    found, todo = [], [proj]
+    shape = r.res.values[proj].shape
+    width = shape[-1]
+    labels = {proj: torch.arange(width).expand(shape).contiguous()}
+    parts: dict = {}  # frozenset of columns -> [(op, the node it reads)]
+    todo = [proj]
     while todo:
         n = todo.pop(0)
         for c in r.users(n):
             if c in labels:
                 continue
-            lab = _route(c, n, labels[n])
+            lab = _route(c, n, labels[n], r.res.values)
             if lab is None:  # not a data-movement op: the labels stop here
                 return [Entry("other", module, u, via)]
-            uniq = lab.unique()
-            if uniq.numel() == 1:
-                found.append(Entry(names[int(uniq)], r.module(c), c, n))
-            else:
+            cols = frozenset(lab.unique().tolist())
+            if len(cols) == width:  # every column still: a reshape, a permute
                 labels[c] = lab
                 todo.append(c)
+            else:
+                parts.setdefault(cols, []).append((c, n))
+    order = sorted(parts, key=min)
+    disjoint = sum(map(len, order)) == len(frozenset().union(*order)) if order else False
+    if len(order) not in (2, 3) or not disjoint:
+        return [Entry("other", module, u, via)]
+    names = ("query", "key", "value")[3 - len(order) :]
     # everything from the input up to each part's entry is one region: enter at ``u``
-    return found or [Entry("other", module, u, via)]
+    return [
+        Entry(name, r.module(c), c, n) for name, cols in zip(names, order) for c, n in parts[cols]
+    ]
 
 
 def _first_contraction(r, u):
@@ -272,20 +293,25 @@ _ROUTING = {
     aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
     aten.squeeze.default, aten.clone.default, aten.slice.Tensor, aten.select.int,
     aten.expand.default, aten.alias.default, aten.t.default, aten.contiguous.default, mark_op,
+    aten.index.Tensor, aten.index_select.default,
 }  # fmt: skip
 
 
-def _route(node, src, labels):
+def _route(node, src, labels, values):
+    """Where ``node`` moves the elements of ``src`` (their labels), or None if it is not
+    a data-movement op. Other tensor arguments (indices) are read from ``values``."""
     if node.target not in _ROUTING:
         return None
     if node.target is mark_op:
         return labels
     if node.target in (aten.view.default, aten._unsafe_view.default):
-        return labels.reshape(node.args[1])
-    args = [labels if a is src else a for a in node.args]
-    if any(isinstance(a, torch.fx.Node) for a in args):
+        return labels.reshape(values[node].shape)
+    args, kwargs = map_arg((node.args, node.kwargs), lambda a: labels if a is src else values[a])
+    if node.target is aten.index.Tensor and any(
+        isinstance(i, torch.Tensor) and i.is_floating_point() for i in args[1]
+    ):
         return None
-    return node.target(*args, **node.kwargs)
+    return node.target(*args, **kwargs)
 
 
 # -- contributions --------------------------------------------------------------------
@@ -318,18 +344,18 @@ def contribution(res, v, entry: Entry, down=None) -> list:
     down = down if down is not None else _descendants(v)
     region = _ancestors(entry.via, down)
     acc: dict = {}
-    for inp, s, c in engine.contributions(
-        graph, values, res.semirings, u_id, res._store[entry.op], needed
-    ):
-        if inp in region:
-            slot = acc.setdefault(inp, [None] * len(res.semirings))
-            sr = res.semirings[s]
-            slot[s] = sr.accumulate(slot[s], c)
-    for inp, slot in acc.items():
-        for s, sr in enumerate(res.semirings):
-            if slot[s] is None:
-                slot[s] = sr.zero(values[inp].shape, values[inp])
-    with torch.no_grad():
+    with torch.no_grad():  # the weights are constants here, as in the pass
+        for inp, s, c in engine.contributions(
+            graph, values, res.semirings, u_id, res._store[entry.op], needed
+        ):
+            if inp in region:
+                slot = acc.setdefault(inp, [None] * len(res.semirings))
+                sr = res.semirings[s]
+                slot[s] = sr.accumulate(slot[s], c)
+        for inp, slot in acc.items():
+            for s, sr in enumerate(res.semirings):
+                if slot[s] is None:
+                    slot[s] = sr.zero(values[inp].shape, values[inp])
         store = engine.propagate(graph, values, res.semirings, acc, needed, within=region)
     if v not in store:
         return [sr.zero(values[v].shape, values[v]) for sr in res.semirings]
@@ -536,10 +562,17 @@ def _effective_users(r: _Roles, node):
     return out
 
 
+_RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+
 def _next_fanout(r: _Roles, node, limit=8):
-    """From a residual add, the next tensor that feeds several branches (through norms)."""
+    """From a residual add, the next tensor that feeds several branches (through norms
+    and reshapes: OPT flattens the batch between its sublayers)."""
     for _ in range(limit):
         users = _effective_users(r, node)
+        if len(users) == 1 and users[0].target in _RESHAPES:
+            node = users[0]
+            continue
         mods = {r.module(u) for u in users}
         if len(mods) == 1 and (m := next(iter(mods))) and r.is_norm(m):
             node = r.res.graph.tags.get(m)
