@@ -11,8 +11,10 @@ from .analysis import Path, Step
 from .api import Backprop, backprop
 from .errors import (
     InputError,
+    LoadError,
     NonFiniteError,
     NotFoundError,
+    PathMismatchError,
     SemiringBackpropError,
     TracingError,
     TrainingModeError,
@@ -37,6 +39,7 @@ __all__ = [
     "Entropy",
     "Graph",
     "InputError",
+    "LoadError",
     "LogAbs",
     "MaxAbs",
     "MaxProduct",
@@ -44,6 +47,7 @@ __all__ = [
     "NotFoundError",
     "Path",
     "PathCount",
+    "PathMismatchError",
     "Real",
     "Result",
     "Semiring",

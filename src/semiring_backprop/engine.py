@@ -30,10 +30,19 @@ def needed_nodes(graph, start) -> frozenset:
     return cache[start]
 
 
+#: ops that read only an input's size: what is computed from them (positions made by
+#: ``arange(seq_len)`` in a graph traced for any length) is no function of its values
+_SIZE_OPS = frozenset(
+    {torch.ops.aten.sym_size.int, torch.ops.aten.sym_stride.int, torch.ops.aten.sym_numel.default}
+)
+
+
 def _needed_nodes(graph, start) -> frozenset:
     from_input = set(graph.user_inputs.values())
     for node in graph.nodes:
-        if node.op == "call_function" and any(a in from_input for a in node.all_input_nodes):
+        if node.op != "call_function" or node.target in _SIZE_OPS:
+            continue
+        if any(a in from_input for a in node.all_input_nodes):
             from_input.add(node)
     reach, todo = set(), [start]
     while todo:
