@@ -10,6 +10,7 @@
 from .analysis import Path, Step
 from .api import Backprop, backprop
 from .errors import (
+    ForwardError,
     InputError,
     LoadError,
     NonFiniteError,
@@ -37,6 +38,7 @@ from .tracing import Graph, trace
 __all__ = [
     "Backprop",
     "Entropy",
+    "ForwardError",
     "Graph",
     "InputError",
     "LoadError",

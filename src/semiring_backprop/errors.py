@@ -29,6 +29,10 @@ class PathMismatchError(SemiringBackpropError, RuntimeError):
     result is inconsistent (changed after the pass, or a bug); the path is not returned."""
 
 
+class ForwardError(SemiringBackpropError, RuntimeError):
+    """Running the traced model on the given inputs failed (an op raised)."""
+
+
 class NonFiniteError(SemiringBackpropError, FloatingPointError):
     """The forward pass produced NaN or inf."""
 

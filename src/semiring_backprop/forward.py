@@ -6,7 +6,7 @@ import torch
 from torch.fx.node import map_arg
 
 from . import rules
-from .errors import InputError, NonFiniteError, where
+from .errors import ForwardError, InputError, NonFiniteError, where
 from .memory import stand_in
 from .tracing import Graph, input_tensors, mark_op
 
@@ -50,7 +50,10 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
     for node, check in _plan(graph):
         a = map_arg(node.args, values.__getitem__)
         k = map_arg(node.kwargs, values.__getitem__)
-        out = a[0] if node.target is mark_op else node.target(*a, **k)
+        try:
+            out = a[0] if node.target is mark_op else node.target(*a, **k)
+        except Exception as e:  # torch raises many types: say where, in the user's model
+            raise _failed(graph, node, e) from e
         values[node] = out
         if (check is True or (check and first)) and _is_float(out):
             checked.append((node, out.sum()))
@@ -74,6 +77,17 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
             raise
     graph._static_checked = True
     return values
+
+
+def _failed(graph, node, e) -> ForwardError:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return ForwardError(
+        f"running the traced model failed at {where(node, graph.module_of(node))} "
+        f"({node.target}): {type(e).__name__}: {first[:500]}\n"
+        "The model's own forward fails the same way on these inputs (the trace runs the "
+        "same ops): check their dtypes and devices against the model's (some kernels, "
+        "such as torch's grouped matmul on a CPU, have no float64 version)."
+    )
 
 
 def _is_float(t) -> bool:
