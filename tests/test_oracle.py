@@ -224,6 +224,16 @@ def case_conv_padding_groups():
     return f, (randn(1, 2, 4),), lambda y: (y * c).sum(), [0]
 
 
+def case_conv_more_output_channels():
+    """Few input channels (an image's first conv): the other order of contraction."""
+    w, c = randn(6, 1, 2, 2), randn(1, 6, 2, 2)
+
+    def f(x):
+        return F.conv2d(x, w, stride=2, padding=1, groups=1)
+
+    return f, (randn(1, 1, 3, 3),), lambda y: (y * c).sum(), [0]
+
+
 def case_conv2d_transposed_and_weight_input():
     c = randn(1, 2, 2, 2)
 
@@ -360,6 +370,7 @@ CASES = {
     "pointwise_zoo": case_pointwise_zoo,
     "conv_padding_groups": case_conv_padding_groups,
     "conv2d_transposed_and_weight_input": case_conv2d_transposed_and_weight_input,
+    "conv_more_output_channels": case_conv_more_output_channels,
     "pooling": case_pooling,
     "topk_routing": case_topk_routing,
     "inplace_view_writes": case_inplace_view_writes,

@@ -318,6 +318,19 @@ CASES: dict[object, list] = {
             lambda: (r(2, 2, 7, 6), r(3, 2, 3, 2, seed=1), r(3, seed=2)),
         ),  # fmt: skip
         Traced(lambda x, w: F.conv3d(x, w), lambda: (r(1, 2, 3, 3, 3), r(2, 2, 2, 1, 2, seed=1))),
+        # fewer input than output channels: D(x) contracts over the output channels first
+        Traced(
+            lambda x, w: F.conv2d(x, w, stride=2, padding=1),
+            lambda: (r(1, 2, 5, 5), r(8, 2, 3, 3, seed=1)),
+        ),  # fmt: skip
+        Traced(
+            lambda x, w: F.conv1d(x, w, stride=2, groups=2),
+            lambda: (r(2, 2, 9), r(8, 1, 3, seed=1)),
+        ),  # fmt: skip
+        Traced(
+            lambda x, w: F.conv_transpose2d(x, w, groups=2),
+            lambda: (r(1, 2, 3, 3), r(2, 4, 3, 3, seed=1)),
+        ),  # fmt: skip
         Traced(
             lambda x, w: F.conv_transpose2d(
                 x,

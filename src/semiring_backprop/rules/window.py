@@ -115,7 +115,14 @@ def _convolution(sr, g, op, x, w, bias, stride, padding, dilation, transposed, o
     npos, nk = index.shape
     taps = _gather(sr, g, index, 2)  # [N, O, P, K]
     dx = dw = db = None
-    if op.needs(0):
+    npos_out = math.prod(op.out.shape[-n:])
+    if op.needs(0) and c_in * nk * (npos_out + npos) < c_out * npos * nk:
+        # fewer input channels than output ones (an image's first conv, a patch
+        # embedding): contract over o first, on the output's grid, then gather
+        dx = _conv_dx_by_columns(sr, g, w, index, gr, transposed, (batch, c_in, *p_in))
+        if unbatched:
+            dx = fmap(lambda f: f.squeeze(0), dx)
+    elif op.needs(0):
         # rows (g, n, p), columns (o, k): ⊕_(o, k) taps ⊗ w[o, c, k] -> [g, n·p, c]
         a = fmap(
             lambda f: (
@@ -165,6 +172,41 @@ def _convolution(sr, g, op, x, w, bias, stride, padding, dilation, transposed, o
         dims = [d for d in range(g[0].dim()) if d != 1]
         db = sr.sum(g, dims)
     return [dx, dw, db]
+
+
+def _conv_dx_by_columns(sr, g, w, index, groups, transposed, x_shape):
+    """``D(x)``, contracting over the output channels on the output's grid first:
+    ``cols[n, c, k, q] = ⊕_o g[n, o, q] ⊗ w[o, c, k]``, then ``D(x)[n, c, p] =
+    ⊕_k cols[n, c, k, q(p, k)]``; the same terms as the other order, with temporaries
+    of the input's channels (autograd's col2im) instead of the output's."""
+    batch, c_in = x_shape[:2]
+    npos, nk = index.shape
+    c_out = g[0].shape[1]
+    o_g, c_g = c_out // groups, c_in // groups
+    a = fmap(
+        lambda f: f.reshape(batch, groups, o_g, -1).permute(1, 0, 3, 2).reshape(groups, -1, o_g),
+        g,
+    )  # [g, n·q, o/g]
+    if transposed:  # w: (c, o/g, *k) -> [g, o/g, (c/g)·k]
+        wm = w.reshape(groups, c_g, o_g, nk).permute(0, 2, 1, 3).reshape(groups, o_g, -1)
+    else:  # w: (o, c/g, *k)
+        wm = w.reshape(groups, o_g, c_g * nk)
+    cols = sr.matmul(a, wm)  # [g, n·q, (c/g)·k]
+    cols = fmap(
+        lambda f: (
+            f.reshape(groups, batch, -1, c_g, nk)
+            .permute(1, 0, 3, 4, 2)
+            .reshape(batch, c_in, nk, -1)
+        ),
+        cols,
+    )  # [n, c, k, q]
+    pad = sr.zero((batch, c_in, nk, 1), g[0])
+    padded = fmap2(lambda f, z: torch.cat([f, z], -1), tuple(cols), pad)
+    q = padded[0].shape[-1] - 1
+    qq = torch.where(index >= 0, index, q)  # [p, k]
+    kk = torch.arange(nk, device=index.device).expand(npos, nk)
+    taps = fmap(lambda f: f[:, :, kk, qq], padded)  # [n, c, p, k]
+    return fmap(lambda f: f.reshape(x_shape), sr.sum(taps, -1))
 
 
 def _weight_matrix(w, groups, transposed):
