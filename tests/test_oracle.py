@@ -666,6 +666,35 @@ def test_maxproduct_tensor_granularity_is_gradient_without_fanout():
     assert grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("fewer_inputs", [False, True], ids=["gather_first", "columns_first"])
+def test_maxproduct_tensor_granularity_is_gradient_through_convolutions(fewer_inputs):
+    """The same for a CNN without fan-out (convolutions, transposed, pooling): inside an
+    op tensor granularity takes the real sum, so hi == lo == grad."""
+    c_in = 1 if fewer_inputs else 4
+    model = (
+        nn.Sequential(
+            nn.Conv2d(c_in, 3, 3, padding=1, stride=2),
+            nn.Tanh(),
+            nn.ConvTranspose2d(3, 2, 2, stride=2, groups=1),
+            nn.AvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(18, 1),
+        )
+        .double()
+        .eval()
+    )
+    x = randn(2, c_in, 6, 6)
+    tensor = sbp.MaxProduct(granularity="tensor")
+    res = sbp.backprop(model, (x,), output=lambda y: y.sum(), semirings=[sbp.Real(), tensor])
+    xg = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(model(xg).sum(), xg)
+    t = res.at(0, tensor)
+    torch.testing.assert_close(res.at(0, sbp.Real()), grad)
+    torch.testing.assert_close(t.hi, grad)
+    torch.testing.assert_close(t.lo, grad)
+    assert grad.abs().sum() > 0
+
+
 def test_generic_pointwise_rule_matches_oracle():
     """Ops without a derivative formula (gelu kept whole, expm1) go through the generic
     pointwise rule (torch.func.jvp). Its first use imports torch's jvp decompositions,
