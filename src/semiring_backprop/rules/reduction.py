@@ -14,6 +14,8 @@ aten = torch.ops.aten
 
 
 def _reduced_dims(x, dims):
+    if x.dim() == 0:  # a scalar reduced over dim 0 or -1 (torch allows both): the identity
+        return ()
     if dims is None or (isinstance(dims, list | tuple) and len(dims) == 0):
         return tuple(range(x.dim()))
     return _dims(dims, max(x.dim(), 1))
