@@ -92,7 +92,7 @@ COMPOSITES = """
     nn.functional.pixel_shuffle nn.functional.pad.reflect nn.functional.pad.replicate
     nn.functional.pad.circular nn.functional.unfold nn.functional.interpolate.nearest
     nn.functional.interpolate.bilinear
-    cumsum prod nn.functional.scaled_dot_product_attention
+    cumsum prod nn.functional.scaled_dot_product_attention torch.ops.aten._safe_softmax.default
     nn.functional.cross_entropy nn.functional.nll_loss nn.functional.mse_loss
     nn.functional.binary_cross_entropy_with_logits nn.functional.kl_div
 """.split()
@@ -137,6 +137,10 @@ REFUSED: dict[tuple[str, int], str] = {
     ("nanmean", 34): "a NaN input: the forward check refuses it (nanmean would skip it)",
     ("narrow", 9): "start given as a tensor: a data-dependent size, not traceable",
     ("nn.functional.interpolate.nearest", 11): "no rule for aten.upsample_nearest2d.vec",
+    # a row of -inf only: torch decomposes _safe_softmax as where(row dead, 0, softmax);
+    # our softmax is NaN there first (decompositions.py has no _safe_softmax entry)
+    ("torch.ops.aten._safe_softmax.default", 0): "a row all -inf: NaN inside the softmax",
+    ("torch.ops.aten._safe_softmax.default", 7): "a row all -inf: NaN inside the softmax",
     # torch's decomposition computes both branches of a where; the unused one is
     # log1p(-1) = -inf, an infinite edge weight (autograd runs the fused kernel)
     ("special.log_ndtr", 0): "-inf in the unselected branch of torch's decomposition",
