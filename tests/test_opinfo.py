@@ -137,23 +137,13 @@ REFUSED: dict[tuple[str, int], str] = {
     ("nanmean", 34): "a NaN input: the forward check refuses it (nanmean would skip it)",
     ("narrow", 9): "start given as a tensor: a data-dependent size, not traceable",
     ("nn.functional.interpolate.nearest", 11): "no rule for aten.upsample_nearest2d.vec",
-    # a row of -inf only: torch decomposes _safe_softmax as where(row dead, 0, softmax);
-    # our softmax is NaN there first (decompositions.py has no _safe_softmax entry)
-    ("torch.ops.aten._safe_softmax.default", 0): "a row all -inf: NaN inside the softmax",
-    ("torch.ops.aten._safe_softmax.default", 7): "a row all -inf: NaN inside the softmax",
     # torch's decomposition computes both branches of a where; the unused one is
     # log1p(-1) = -inf, an infinite edge weight (autograd runs the fused kernel)
     ("special.log_ndtr", 0): "-inf in the unselected branch of torch's decomposition",
 }
 
 # known failures: (op, sample index) -> diagnosis; the op's test xfails on these alone
-_EMPTY_BATCH = "window.py _gather: reshape(rows, -1) with 0 rows (an empty batch) is ambiguous"
-KNOWN: dict[tuple[str, int], str] = {
-    ("nn.functional.adaptive_avg_pool1d", 0): _EMPTY_BATCH,
-    ("nn.functional.adaptive_avg_pool3d", 0): _EMPTY_BATCH,
-    ("nn.functional.avg_pool1d", 4): _EMPTY_BATCH,
-    ("nn.functional.avg_pool3d", 7): _EMPTY_BATCH,
-}
+KNOWN: dict[tuple[str, int], str] = {}
 
 
 def _name(op) -> str:

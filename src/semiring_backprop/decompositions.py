@@ -36,6 +36,15 @@ def softmax(x, dim, dtype=None):
     return e / e.sum(dim, keepdim=True)
 
 
+def safe_softmax(x, dim, dtype=None):
+    """torch's safe softmax: a row that may attend to nothing (all -inf) gets zeros and
+    no edges, not NaN."""
+    if dtype is not None:
+        x = x.to(dtype)
+    dead = torch.isneginf(x).all(dim, keepdim=True)
+    return softmax(x.masked_fill(dead, 0.0), dim).masked_fill(dead, 0.0)
+
+
 def _softmax(x, dim, half_to_float=False):
     return softmax(x, dim)
 
@@ -220,6 +229,7 @@ _OURS = {
     "gelu": {aten.gelu.default: gelu},
     None: {
         aten.logsumexp.default: logsumexp,
+        aten._safe_softmax.default: safe_softmax,
         aten.rms_norm.default: rms_norm,
         aten._native_batch_norm_legit_no_training.default: batch_norm_no_training,
         aten._native_batch_norm_legit.no_stats: batch_norm_no_stats,

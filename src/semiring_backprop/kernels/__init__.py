@@ -11,6 +11,7 @@ them.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 
@@ -110,8 +111,9 @@ def _run(name, a, wt):
 
 def _flat(fields, wt):
     batch = torch.broadcast_shapes(fields[0].shape[:-2], wt.shape[:-2])
-    fields = [f.expand(*batch, *f.shape[-2:]).reshape(-1, *f.shape[-2:]) for f in fields]
-    wt = wt.expand(*batch, *wt.shape[-2:]).reshape(-1, *wt.shape[-2:])
+    b = math.prod(batch)  # not -1: a batch of 0 rows is no error
+    fields = [f.expand(*batch, *f.shape[-2:]).reshape(b, *f.shape[-2:]) for f in fields]
+    wt = wt.expand(*batch, *wt.shape[-2:]).reshape(b, *wt.shape[-2:])
     return batch, fields, wt
 
 

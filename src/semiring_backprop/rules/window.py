@@ -80,10 +80,10 @@ def _gather(sr, g, index, n_lead):
     rows = math.prod(lead)
     # positions first: index_select of whole rows (a gather along the last dim, or
     # advanced indexing, is 10-50x slower on a CPU)
-    flat = fmap(lambda f: f.reshape(rows, -1).t(), g)
+    q = math.prod(g[0].shape[n_lead:])  # explicit sizes: an empty batch is no error
+    flat = fmap(lambda f: f.reshape(rows, q).t(), g)
     pad = sr.zero((1, rows), g[0])
     padded = fmap2(lambda f, z: torch.cat([f, z], 0), tuple(flat), pad)
-    q = padded[0].shape[0] - 1
     idx = torch.where(index >= 0, index, q).reshape(-1)
     return fmap(lambda f: f.index_select(0, idx).t().reshape(*lead, *index.shape), padded)
 
@@ -108,6 +108,12 @@ def _conv_map(op, x, w, stride, padding, dilation, transposed):
 @register(aten.convolution.default, "contraction")
 def _convolution(sr, g, op, x, w, bias, stride, padding, dilation, transposed, out_pad, groups):
     n = w.dim() - 2
+    if x.numel() == 0 or op.out.numel() == 0:  # an empty batch: no edges at all
+        args = (x, w, bias)
+        return [
+            sr.zero(t.shape, t) if isinstance(t, torch.Tensor) and op.needs(i) else None
+            for i, t in enumerate(args)
+        ]
     unbatched = x.dim() == n + 1
     if unbatched:
         x, g = x.unsqueeze(0), fmap(lambda f: f.unsqueeze(0), g)
@@ -131,7 +137,7 @@ def _convolution(sr, g, op, x, w, bias, stride, padding, dilation, transposed, o
             lambda f: (
                 f.reshape(batch, gr, c_out // gr, npos, nk)
                 .permute(1, 0, 3, 2, 4)
-                .reshape(gr, batch * npos, -1)
+                .reshape(gr, batch * npos, (c_out // gr) * nk)
             ),
             taps,
         )
@@ -186,25 +192,25 @@ def _conv_dx_by_columns(sr, g, w, index, groups, transposed, x_shape):
     npos, nk = index.shape
     c_out = g[0].shape[1]
     o_g, c_g = c_out // groups, c_in // groups
+    q = math.prod(g[0].shape[2:])  # explicit sizes throughout: an empty batch is no error
     a = fmap(
-        lambda f: f.reshape(batch, groups, o_g, -1).permute(1, 0, 3, 2).reshape(groups, -1, o_g),
+        lambda f: (
+            f.reshape(batch, groups, o_g, q).permute(1, 0, 3, 2).reshape(groups, batch * q, o_g)
+        ),
         g,
     )  # [g, n·q, o/g]
     if transposed:  # w: (c, o/g, *k) -> [g, o/g, (c/g)·k]
-        wm = w.reshape(groups, c_g, o_g, nk).permute(0, 2, 1, 3).reshape(groups, o_g, -1)
+        wm = w.reshape(groups, c_g, o_g, nk).permute(0, 2, 1, 3).reshape(groups, o_g, c_g * nk)
     else:  # w: (o, c/g, *k)
         wm = w.reshape(groups, o_g, c_g * nk)
     cols = sr.matmul(a, wm)  # [g, n·q, (c/g)·k]
     cols = fmap(
         lambda f: (
-            f.reshape(groups, batch, -1, c_g, nk)
-            .permute(1, 0, 3, 4, 2)
-            .reshape(batch, c_in, nk, -1)
+            f.reshape(groups, batch, q, c_g, nk).permute(1, 0, 3, 4, 2).reshape(batch, c_in, nk, q)
         ),
         cols,
     )  # [n, c, k, q]
-    q = cols[0].shape[-1]
-    rows = fmap(lambda f: f.reshape(batch * c_in, -1).t(), cols)  # [(k, q), n·c]
+    rows = fmap(lambda f: f.reshape(batch * c_in, nk * q).t(), cols)  # [(k, q), n·c]
     pad = sr.zero((1, batch * c_in), g[0])
     padded = fmap2(lambda f, z: torch.cat([f, z], 0), tuple(rows), pad)
     # cols[.., k, q] is row k·q_count + q; none is the zero row at the end

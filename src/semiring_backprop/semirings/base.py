@@ -105,7 +105,7 @@ def move_to_end(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     rest = [d for d in range(t.dim()) if d not in dims]
     if list(dims) != list(range(len(rest), t.dim())):  # not already the trailing dims
         t = t.permute(*rest, *dims)
-    return t.reshape(*t.shape[: len(rest)], -1)
+    return t.reshape(*t.shape[: len(rest)], math.prod(t.shape[len(rest) :]))  # 0 elements too
 
 
 def reduced_shape(shape, dims, keepdim):
