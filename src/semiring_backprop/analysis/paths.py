@@ -260,9 +260,7 @@ class _Pointers:
         """The id of the consumer op that won element ``e`` of ``node``'s ⊕ (field ``f``:
         0 hi, 1 lo); -1 where no consumer has a path. The replayed ⊕ must give the value
         the pass stored there: a pointer found from other values would lead elsewhere."""
-        if node not in self.winners:
-            self.winners[node] = self._replay(node)
-        replayed = self.winners[node]
+        replayed = self._replayed(node)
         stored = self.sr._normalize(_raw(self.res, node, self.k))
         got, want = float(replayed[f].reshape(-1)[e]), float(stored[f].reshape(-1)[e])
         if not (got == want or math.isclose(got, want, rel_tol=_tol(self.res), abs_tol=1e-300)):
@@ -273,6 +271,16 @@ class _Pointers:
                 f"{want!r}. {_STALE}"
             )
         return int(replayed[2 + f].reshape(-1)[e])
+
+    def consumers(self, node) -> tuple:
+        """The winning consumer ids of every element of ``node`` (hi, lo; -1: none)."""
+        replayed = self._replayed(node)
+        return replayed[2], replayed[3]
+
+    def _replayed(self, node):
+        if node not in self.winners:
+            self.winners[node] = self._replay(node)
+        return self.winners[node]
 
     def _replay(self, node):
         res, sr, graph = self.res, self.sr, self.res.graph
