@@ -651,39 +651,33 @@ def test_maxproduct_tensor_granularity_by_hand():
     _close(n.lo, [[-2.0, -4.0, -1.0]], "broadcast neuron lo")
 
 
-def test_maxproduct_tensor_granularity_is_gradient_without_fanout():
-    """On a 4-8-1 MLP (no tensor feeds two ops) tensor granularity gives hi == lo == grad."""
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)).double().eval()
-    x = randn(3, 4)
-    tensor = sbp.MaxProduct(granularity="tensor")
-    res = sbp.backprop(model, (x,), output=lambda y: y.sum(), semirings=[sbp.Real(), tensor])
-    xg = x.clone().requires_grad_()
-    (grad,) = torch.autograd.grad(model(xg).sum(), xg)
-    t = res.at(0, tensor)
-    torch.testing.assert_close(res.at(0, sbp.Real()), grad)
-    torch.testing.assert_close(t.hi, grad)
-    torch.testing.assert_close(t.lo, grad)
-    assert grad.abs().sum() > 0
+def _cnn(c_in):
+    """Convolutions (with ``c_in=1``, D(x) contracts over the output channels first), a
+    transposed one and average pooling, none of whose tensors feeds two ops."""
+    layers = [
+        nn.Conv2d(c_in, 3, 3, padding=1, stride=2),
+        nn.Tanh(),
+        nn.ConvTranspose2d(3, 2, 2, stride=2),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(18, 1),
+    ]
+    return nn.Sequential(*layers), randn(2, c_in, 6, 6)
 
 
-@pytest.mark.parametrize("fewer_inputs", [False, True], ids=["gather_first", "columns_first"])
-def test_maxproduct_tensor_granularity_is_gradient_through_convolutions(fewer_inputs):
-    """The same for a CNN without fan-out (convolutions, transposed, pooling): inside an
-    op tensor granularity takes the real sum, so hi == lo == grad."""
-    c_in = 1 if fewer_inputs else 4
-    model = (
-        nn.Sequential(
-            nn.Conv2d(c_in, 3, 3, padding=1, stride=2),
-            nn.Tanh(),
-            nn.ConvTranspose2d(3, 2, 2, stride=2, groups=1),
-            nn.AvgPool2d(2),
-            nn.Flatten(),
-            nn.Linear(18, 1),
-        )
-        .double()
-        .eval()
-    )
-    x = randn(2, c_in, 6, 6)
+NO_FANOUT = {
+    "mlp_4_8_1": lambda: (nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), randn(3, 4)),
+    "cnn_gather_first": lambda: _cnn(4),
+    "cnn_columns_first": lambda: _cnn(1),
+}
+
+
+@pytest.mark.parametrize("name", list(NO_FANOUT))
+def test_maxproduct_tensor_granularity_is_gradient_without_fanout(name):
+    """Where no tensor feeds two ops, tensor granularity (the real sum inside every op)
+    gives hi == lo == grad."""
+    model, x = NO_FANOUT[name]()
+    model = model.double().eval()
     tensor = sbp.MaxProduct(granularity="tensor")
     res = sbp.backprop(model, (x,), output=lambda y: y.sum(), semirings=[sbp.Real(), tensor])
     xg = x.clone().requires_grad_()
