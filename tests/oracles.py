@@ -47,9 +47,7 @@ _CONTRACTIONS = {
 _DIFFERENTIABLE = {
     # ``dst.copy_(src)`` made functional: the result is ``src`` (cast, broadcast); the old
     # values of ``dst`` are gone (no edges from them)
-    aten.copy.default: lambda dst, src, non_blocking=False: (
-        src.to(dst.dtype).expand(dst.shape) + 0 * dst.detach()
-    ),
+    aten.copy.default: lambda dst, src, non_blocking=False: src.to(dst.dtype).expand(dst.shape),
 }
 # declared without edges (DESIGN §1: non-differentiable inputs and outputs)
 _NO_EDGES = {

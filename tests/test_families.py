@@ -197,15 +197,7 @@ def _autograd(model, kwargs, key, output):
         leaf = kwargs[key] = kwargs[key].clone().requires_grad_()
         (g,) = torch.autograd.grad(output(model(**kwargs)), leaf)
         return g
-    kept = []
-    hook = dict(model.named_modules())[key].register_forward_hook(
-        lambda mod, args, out: kept.append(out) or out.retain_grad()
-    )
-    try:
-        output(model(**kwargs)).backward()
-    finally:
-        hook.remove()
-    return kept[0].grad
+    return _autograd_module(model, key, lambda: output(model(**kwargs)))
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

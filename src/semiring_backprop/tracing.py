@@ -415,6 +415,7 @@ def _select_by_indices(program) -> None:
     """
     graph = program.graph_module.graph
     changed = False
+    order = {n: i for i, n in enumerate(graph.nodes)}  # of the traced nodes (inserts come after)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in (_ALONG_DIM.keys() | _IN_PLANE.keys()):
             continue
@@ -423,7 +424,6 @@ def _select_by_indices(program) -> None:
         if values is None or not values.users:
             continue
         idx = outs.get(1)
-        order = {n: i for i, n in enumerate(graph.nodes)}
         at = values if idx is None or order[values] > order[idx] else idx
         emit = _Emitter(graph, node, at)
         if idx is None:

@@ -210,15 +210,9 @@ def _conv_dx_by_columns(sr, g, w, index, groups, transposed, x_shape):
         ),
         cols,
     )  # [n, c, k, q]
-    rows = fmap(lambda f: f.reshape(batch * c_in, nk * q).t(), cols)  # [(k, q), n·c]
-    pad = sr.zero((1, batch * c_in), g[0])
-    padded = fmap2(lambda f, z: torch.cat([f, z], 0), tuple(rows), pad)
-    # cols[.., k, q] is row k·q_count + q; none is the zero row at the end
-    flat = torch.arange(nk, device=index.device) * q + index
-    flat = torch.where(index >= 0, flat, nk * q).reshape(-1)
-    taps = fmap(
-        lambda f: f.index_select(0, flat).t().reshape(batch, c_in, npos, nk), padded
-    )  # [n, c, p, k]
+    # cols[.., k, q] is flat position k·q_count + q of the trailing (k, q)
+    flat = torch.where(index >= 0, torch.arange(nk, device=index.device) * q + index, -1)
+    taps = _gather(sr, cols, flat, 2)  # [n, c, p, k]
     return fmap(lambda f: f.reshape(x_shape), sr.sum(taps, -1))
 
 
