@@ -8,7 +8,7 @@
 """
 
 from .analysis import Path, Step
-from .api import Backprop, backprop
+from .api import Backprop, backprop, clear_traces
 from .errors import (
     ForwardError,
     InputError,
@@ -60,6 +60,7 @@ __all__ = [
     "TrainingModeError",
     "UnsupportedOpError",
     "backprop",
+    "clear_traces",
     "register",
     "supported_ops",
     "trace",

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dis
+import functools
+import types
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -25,6 +29,7 @@ def backprop(
     keep: Sequence | None = None,
     allow_training: bool = False,
     per_example: bool = False,
+    reuse: bool = True,
 ) -> Result:
     """Semiring backpropagation of ``output(model(*args, **kwargs))``.
 
@@ -42,14 +47,35 @@ def backprop(
         allow_training: explain a model in training mode as it is (random edges).
         per_example: allow a 1-D output of per-example scalars (examples must not
             interact); all are seeded at once.
+        reuse: reuse the trace of an earlier call (see below); ``False`` traces anew.
+
+    A call traces the model for these inputs' shapes; a later call with the same model
+    object, an output function of the same code and equal constants, the same
+    ``whole``, ``allow_training`` and ``per_example``, and inputs of the same structure,
+    shapes, dtypes, devices and non-tensor values reuses that trace (the model is held
+    weakly: deleting it frees its traces). Equal constants: the values the output
+    function's closure, defaults and globals hold (numbers, strings, small tensors and
+    containers of them, compared by value; modules and functions by identity); an
+    output function that reads anything else (a large tensor, a model) is traced on
+    every call. The model is traced again when its parameters or buffers are replaced
+    or modified in place, its modules are replaced, its hooks or train/eval mode change,
+    or a plain attribute of a module (a norm's ``eps``, a scale) changes.
+    :func:`clear_traces` drops every kept trace.
 
     >>> res = backprop(mlp, (x,), output=lambda y: y[0, 1], semirings=[Real(), Entropy()])
     >>> res.at(0, Real())  # == torch.autograd.grad(mlp(x)[0, 1], x)
     """
+    options = {"whole": tuple(whole), "allow_training": allow_training, "per_example": per_example}
+    traces = _kept_traces(model, output, options) if reuse else None
     return Backprop(
-        model, output, semirings, whole=whole, keep=keep, allow_training=allow_training,
-        per_example=per_example, weight_cache=0, dynamic=False,
+        model, output, semirings, keep=keep, weight_cache=0, dynamic=False, **options,
+        _traces=traces,
     )(args, kwargs)  # fmt: skip
+
+
+def clear_traces() -> None:
+    """Forget every trace :func:`backprop` keeps for reuse."""
+    _KEPT.clear()
 
 
 class Backprop:
@@ -94,6 +120,7 @@ class Backprop:
         per_example: bool = False,
         weight_cache: int = 2**30,
         dynamic: bool = True,
+        _traces: _Traces | None = None,
     ):
         semirings = list(semirings)
         if not semirings or not all(isinstance(s, Semiring) for s in semirings):
@@ -102,15 +129,21 @@ class Backprop:
             )
         if len(set(semirings)) != len(semirings):
             raise InputError(f"semirings contains duplicates: {semirings}")
-        self.model, self.output, self.semirings = model, output, semirings
-        self.whole, self.allow_training = tuple(whole), allow_training
-        self.per_example = per_example
+        self.semirings = semirings
         if isinstance(keep, str | int):
             keep = (keep,)
         self.keep = None if keep is None else tuple(keep)
-        self.weight_cache, self.dynamic = int(weight_cache), dynamic
-        self._graphs: dict = {}  # signature -> graphs traced for it
-        self._stamp = self._prepared = None
+        options = {"whole": tuple(whole), "allow_training": allow_training,
+                   "per_example": per_example}  # fmt: skip
+        self._traces = _traces or _Traces(model, output, options, int(weight_cache), dynamic)
+
+    @property
+    def model(self):
+        return self._traces.model
+
+    @property
+    def output(self):
+        return self._traces.output
 
     def graph(self, args=(), kwargs: dict | None = None):
         """The traced graph for inputs like these (traced on first use).
@@ -120,30 +153,16 @@ class Backprop:
         (sentences of any length, usually); inputs that do not fit are traced again.
         """
         args = tuple(args) if isinstance(args, tuple | list) else (args,)
-        kwargs = dict(kwargs or {})
-        key = _signature(args, kwargs)
-        stamp = _stamp(self.model)
-        if stamp != self._stamp:  # new or modified weights: every trace is stale
-            self._graphs, self._stamp = {}, stamp
-            self._prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
-        given = input_tensors(args, kwargs)
-        leaves = pytree.tree_leaves((args, kwargs))
-        for graph in self._graphs.get(key, ()):
-            if graph.accepts(given, leaves):
-                return graph
-        graph = trace(
-            self.model, args, kwargs, self.output, whole=self.whole,
-            allow_training=self.allow_training, dynamic=self.dynamic,
-        )  # fmt: skip
-        _check_output(graph, self.per_example)
-        graph.prepared = self._prepared
-        self._graphs.setdefault(key, []).append(graph)
-        return graph
+        return self._traces.graph(args, dict(kwargs or {}))
 
     @property
     def traces(self) -> int:
         """How many graphs are traced now (for the current weights)."""
-        return sum(len(graphs) for graphs in self._graphs.values())
+        return self._traces.count
+
+    @property
+    def _prepared(self):
+        return self._traces.prepared
 
     def __call__(self, args=(), kwargs: dict | None = None) -> Result:
         args = tuple(args) if isinstance(args, tuple | list) else (args,)
@@ -160,6 +179,146 @@ class Backprop:
         if kept is not None:
             values = {n: v for n, v in values.items() if n in kept}
         return Result(graph, values, store, self.semirings, kept=kept)
+
+
+class _Traces:
+    """The graphs traced for one model and output function, by input signature, and the
+    weights they were traced with. ``weak``: the model is held by a weak reference (the
+    traces :func:`backprop` keeps must not keep a model alive)."""
+
+    def __init__(self, model, output, options, weight_cache=0, dynamic=True, *, weak=False,
+                 limit=None):  # fmt: skip
+        self._model = weakref.ref(model) if weak else (lambda: model)
+        self.output, self.options = output, options
+        self.weight_cache, self.dynamic = weight_cache, dynamic
+        self.limit = limit  # most graphs kept per input signature (None: all)
+        self.graphs: dict = {}  # signature -> graphs traced for it
+        self.stamp = self.prepared = None
+
+    @property
+    def model(self):
+        return self._model()
+
+    @property
+    def count(self) -> int:
+        return sum(len(graphs) for graphs in self.graphs.values())
+
+    def graph(self, args: tuple, kwargs: dict):
+        model = self.model
+        key = _signature(args, kwargs)
+        stamp = _stamp(model)
+        if stamp != self.stamp:  # new or modified weights or modules: every trace is stale
+            self.graphs, self.stamp = {}, stamp
+            self.prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
+        given = input_tensors(args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        for graph in self.graphs.get(key, ()):
+            if graph.accepts(given, leaves):
+                return graph
+        opts = self.options
+        graph = trace(
+            model, args, kwargs, self.output, whole=opts["whole"],
+            allow_training=opts["allow_training"], dynamic=self.dynamic,
+        )  # fmt: skip
+        _check_output(graph, opts["per_example"])
+        graph.prepared = self.prepared
+        if self.limit is not None and any(part[0] == "I" for part in key[1]):
+            return graph  # an argument known by identity only: not kept (ids are reused)
+        kept = self.graphs.setdefault(key, [])
+        kept.append(graph)
+        if self.limit is not None and len(kept) > self.limit:
+            del kept[0]
+        return graph
+
+
+#: model -> {(output key, options): _Traces}, most recently used last
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_KEPT_PER_MODEL = 8  # output functions per model
+_GRAPHS_PER_SIGNATURE = 8  # input shapes per output function
+
+
+def _kept_traces(model, output, options) -> _Traces | None:
+    """The traces :func:`backprop` keeps for this model and output function (made on
+    first use), or None where they cannot be keyed safely."""
+    try:
+        key = (_function_key(output), tuple(sorted(options.items())))
+        hash(key)
+        per_model = _KEPT.setdefault(model, {})
+    except (_Unkeyed, TypeError):  # not comparable by value, or no weak reference
+        return None
+    try:
+        traces = per_model.pop(key)
+    except KeyError:
+        traces = _Traces(model, output, options, 0, False, weak=True, limit=_GRAPHS_PER_SIGNATURE)
+    traces.output = output  # the same code and constants; this call's object
+    per_model[key] = traces  # most recently used last
+    while len(per_model) > _KEPT_PER_MODEL:
+        del per_model[next(iter(per_model))]
+    return traces
+
+
+class _Unkeyed(Exception):
+    """A value an output function reads cannot be compared by value."""
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _function_key(fn, depth=0):
+    """What decides what ``fn`` computes: its code and the values it reads (closure,
+    defaults, the globals its code names), by value; raises ``_Unkeyed`` where one of
+    them cannot be compared by value."""
+    if fn is None:
+        return None
+    if depth > 3:
+        raise _Unkeyed
+    if isinstance(fn, functools.partial):
+        return ("partial", _function_key(fn.func, depth + 1), _value_key(fn.args, depth),
+                _value_key(fn.keywords, depth))  # fmt: skip
+    if isinstance(fn, types.BuiltinFunctionType | torch._ops.OpOverloadPacket):
+        return ("builtin", fn)
+    if not isinstance(fn, types.FunctionType):
+        raise _Unkeyed  # a callable object or a bound method: its state is not known
+    code = fn.__code__
+    glob = tuple(
+        (name, _value_key(fn.__globals__[name], depth))
+        for name in sorted(_globals_read(code)) if name in fn.__globals__
+    )  # fmt: skip
+    cells = tuple(_value_key(c.cell_contents, depth) for c in fn.__closure__ or ())
+    defaults = (_value_key(fn.__defaults__, depth), _value_key(fn.__kwdefaults__, depth))
+    return ("function", code, glob, cells, defaults)
+
+
+@functools.lru_cache(maxsize=256)
+def _globals_read(code: types.CodeType) -> frozenset:
+    """The global names ``code`` reads, nested functions and comprehensions included
+    (``co_names`` alone also lists attribute names)."""
+    names = set()
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            names.add(ins.argval)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _globals_read(c)
+    return frozenset(names)
+
+
+def _value_key(v, depth):
+    if isinstance(v, _SCALARS):
+        return (type(v).__name__, v)
+    if isinstance(v, tuple | list):
+        return (type(v).__name__, tuple(_value_key(x, depth) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((_value_key(k, depth), _value_key(x, depth)) for k, x in v.items()))
+    if isinstance(v, torch.Tensor):
+        if v.numel() > 64 or v.requires_grad or v.is_meta or v.layout != torch.strided:
+            raise _Unkeyed
+        return ("tensor", v.dtype, v.device, tuple(v.shape), tuple(v.flatten().tolist()))
+    if isinstance(v, types.ModuleType | type):
+        return ("object", v)  # held by the key: modules and classes live long anyway
+    if isinstance(v, types.FunctionType | functools.partial | types.BuiltinFunctionType):
+        return _function_key(v, depth + 1)
+    raise _Unkeyed
 
 
 def _signature(args, kwargs):
@@ -181,16 +340,46 @@ def _signature(args, kwargs):
 
 
 def _stamp(model):
-    """Identity and in-place version of every parameter and buffer, and the mode."""
+    """What the trace of ``model`` depends on besides the inputs: every module (identity
+    and class), its mode, its hooks and its plain attributes (numbers, strings, flags,
+    also those of an attribute object such as a config), and every parameter and buffer
+    (identity, storage, in-place version)."""
     if not isinstance(model, torch.nn.Module):
         return (id(model),)
-    stamp = []  # one walk over the modules (parameters() and buffers() walk it again)
-    for m in model.modules():
-        stamp.append(m.training)
+    stamp, seen = [], {}
+    for m in model.modules():  # one walk (parameters() and buffers() walk it again)
+        stamp.append((id(m), type(m), m.training, *map(tuple, _hooks(m))))
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None:
                 stamp.append((id(t), t.data_ptr(), t._version))
+        stamp.append(_plain(m.__dict__, seen))
     return tuple(stamp)
+
+
+def _hooks(m):
+    return (m._forward_hooks, m._forward_pre_hooks, m._forward_hooks_with_kwargs,
+            m._forward_pre_hooks_with_kwargs)  # fmt: skip
+
+
+def _plain(attrs: dict, seen: dict, depth: int = 0) -> tuple:
+    """The plain values in ``attrs`` (one level into other objects, each once)."""
+    out = []
+    for name, v in attrs.items():
+        if isinstance(v, _SCALARS):
+            out.append((name, v))
+        elif isinstance(v, tuple) and all(isinstance(x, _SCALARS) for x in v):
+            out.append((name, v))
+        elif (
+            depth == 0
+            and hasattr(v, "__dict__")
+            and not isinstance(
+                v, torch.nn.Module | torch.Tensor | types.FunctionType | types.MethodType | type
+            )
+        ):
+            if id(v) not in seen:  # a config shared by every layer: once
+                seen[id(v)] = _plain(vars(v), seen, 1)
+            out.append((name, id(v), seen[id(v)]))
+    return tuple(out)
 
 
 def _check_output(graph, per_example: bool):
