@@ -48,9 +48,10 @@ def _weights(m, p, batch=(), dtype=F64):
 def compiled(monkeypatch):
     """Force the compiled kernels even on small problems."""
     monkeypatch.setattr(kernels, "MIN_WORK", 0)
+    mode = kernels._state["compile"]
     kernels.set_compile(True)
     yield
-    kernels.set_compile(True)
+    kernels.set_compile(mode)
     # the compiled kernels really ran (a failure would have fallen back to eager)
     assert not kernels._state["failed"], kernels._state["failed"]
 
@@ -88,6 +89,31 @@ def test_compiled_maxplus_equals_eager(compiled):
     slow = kernels.maxplus(m, lw.mT)
     for a, b in zip(fast, slow, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_auto_compiles_once_eager_work_would_have_paid_for_it(monkeypatch):
+    """``auto``: eager while the eager work done so far costs less than one compilation
+    (estimated from the problem sizes, not timed), compiled from then on; the values
+    are the same either way."""
+    monkeypatch.setattr(kernels, "MIN_WORK", 0)
+    monkeypatch.setattr(kernels, "_COMPILED_KEYS", set())
+    monkeypatch.setitem(kernels._state, "eager_s", {})
+    mode = kernels._state["compile"]
+    kernels.set_compile("auto")
+    ran = []
+    monkeypatch.setattr(kernels, "_compiled", lambda name: ran.append(name) or kernels._EAGER[name])
+    hi, lo = _fields(5, 7)
+    w = _weights(7, 4).transpose(-2, -1)
+    per_call = 5 * 7 * 4 * kernels._EAGER_S_PER_TRIPLE["cpu"]
+    monkeypatch.setattr(kernels, "COMPILE_COST_S", 2.5 * per_call)
+    try:
+        outs = [kernels.maxtimes(hi, lo, w) for _ in range(4)]
+    finally:
+        kernels.set_compile(mode)
+    assert ran == ["maxtimes", "maxtimes"]  # calls 1-2 eager (2x < 2.5x), 3-4 compiled
+    for out in outs[1:]:
+        for a, b in zip(outs[0], out, strict=True):
+            assert torch.equal(a, b)
 
 
 SEMIRINGS = oracles.all_semirings()

@@ -2,10 +2,16 @@
 
 ``torch.compile`` turns each into one loop nest that never materializes the (n, m, p)
 broadcast (CPU and CUDA alike); shapes are dynamic, so one compilation serves every
-size. Small problems, or any problem when compiling is unavailable or disabled
-(``SEMIRING_BACKPROP_COMPILE=0`` or :func:`set_compile`), run the same formulas eagerly
-in row chunks under a memory budget. Both paths compute the same values; tests compare
-them.
+size. Otherwise the same formulas run eagerly in row chunks under a memory budget. Both
+paths compute the same values; tests compare them.
+
+When to compile (:func:`set_compile`, or ``SEMIRING_BACKPROP_COMPILE`` = ``auto``,
+``1``, ``0``): a compilation costs seconds (about 4 s on a CPU once torch's on-disk
+caches are warm, twice that the first time on a machine), so by default (``auto``) a
+kernel runs eagerly until the eager work it has done in this process would have paid
+for compiling it, then compiles (never more than twice the better choice's time, known
+only in hindsight): a single explanation runs eagerly, a data set compiles early on.
+``1`` compiles at once, ``0`` never; small problems always run eagerly.
 """
 
 from __future__ import annotations
@@ -24,8 +30,17 @@ INF = float("inf")
 #: below this many (row, inner, column) triples a kernel runs eagerly: a compiled call
 #: costs about 0.1 ms more, the eager broadcast about 4 ns per triple
 MIN_WORK = 2**15
+#: seconds one compilation costs (``auto``: compile once eager work would have paid it)
+COMPILE_COST_S = 4.0
+#: seconds of eager work per (row, inner, column) triple, by device type
+_EAGER_S_PER_TRIPLE = {"cpu": 4e-9, "cuda": 2e-11}
 
-_state = {"compile": os.environ.get("SEMIRING_BACKPROP_COMPILE", "1") != "0", "failed": set()}
+_MODES = {"auto": "auto", "1": True, "0": False}
+_state = {
+    "compile": _MODES.get(os.environ.get("SEMIRING_BACKPROP_COMPILE", "auto").lower(), "auto"),
+    "failed": set(),
+    "eager_s": {},  # kernel key -> estimated seconds of eager work done so far
+}
 
 
 def chunk_rows(n: int, per_row: int, budget: int = 2**24) -> int:
@@ -33,9 +48,23 @@ def chunk_rows(n: int, per_row: int, budget: int = 2**24) -> int:
     return max(1, min(n, budget // max(per_row, 1)))
 
 
-def set_compile(enabled: bool) -> None:
-    """Use compiled kernels (default) or the chunked eager ones."""
-    _state["compile"] = bool(enabled)
+def set_compile(enabled: bool | str) -> None:
+    """Compile kernels once eager work would have paid for it (``"auto"``, default),
+    always (``True``), or never (``False``: the chunked eager ones)."""
+    if enabled != "auto":
+        enabled = bool(enabled)
+    _state["compile"] = enabled
+
+
+def _should_compile(key, work: int, device) -> bool:
+    mode = _state["compile"]
+    if not mode or work < MIN_WORK or key in _state["failed"]:
+        return False
+    if mode is True or key in _COMPILED_KEYS:
+        return True
+    spent = _state["eager_s"].get(key, 0.0) + work * _EAGER_S_PER_TRIPLE.get(device.type, 4e-9)
+    _state["eager_s"][key] = spent
+    return spent >= COMPILE_COST_S
 
 
 def _first(hit):
@@ -83,6 +112,7 @@ def _maxplus(m, lwt):
 
 _EAGER = {"maxtimes": _maxtimes, "maxtimes_values": _maxtimes_values, "maxplus": _maxplus}
 _COMPILED: dict = {}
+_COMPILED_KEYS: set = set()  # (name, dtype, device type) that ran compiled
 
 
 def _compiled(name):
@@ -96,11 +126,13 @@ def _run(name, a, wt):
     n, m, p = a[0].shape[-2], a[0].shape[-1], wt.shape[-2]
     work = a[0].shape[0] * n * m * p
     key = (name, a[0].dtype, a[0].device.type)
-    if _state["compile"] and work >= MIN_WORK and key not in _state["failed"]:
+    if _should_compile(key, work, a[0].device):
         try:  # contiguous inputs: one compiled graph for every shape (no stride guards)
             with warnings.catch_warnings():  # torch's own deprecations, raised while compiling
                 warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
-                return _compiled(name)(*(f.contiguous() for f in a), wt.contiguous())
+                out = _compiled(name)(*(f.contiguous() for f in a), wt.contiguous())
+            _COMPILED_KEYS.add(key)
+            return out
         except Exception as e:  # no compiler, unsupported device: same formulas, eagerly
             _state["failed"].add(key)
             log.warning("compiled %s kernel unavailable (%s); using the eager one", name, e)
