@@ -33,6 +33,7 @@ SETS = {  # label -> (semirings, Backprop options)
     "MaxProduct(tensor)": ([sbp.MaxProduct("tensor")], {}),
     "MaxProduct": ([sbp.MaxProduct()], {}),
     "Entropy": ([sbp.Entropy()], {}),
+    "TopK(3)": ([sbp.TopK(3)], {}),
     "Real+MaxProduct+Entropy": ([sbp.Real(), sbp.MaxProduct(), sbp.Entropy()], {}),
     # the same pass keeping only the readouts at the input embeddings (frees the rest)
     "Real+MaxProduct+Entropy, keep=inputs": (
@@ -43,6 +44,9 @@ SETS = {  # label -> (semirings, Backprop options)
 DEFAULT_SETS = [
     "Real",
     "MaxProduct(tensor)",
+    "MaxProduct",
+    "Entropy",
+    "TopK(3)",
     "Real+MaxProduct+Entropy",
     "Real+MaxProduct+Entropy, keep=inputs",
 ]
@@ -210,9 +214,54 @@ def bench_case(name, reps, dtype, device, sets):
         t, r, ref = _paired(autograd, call, reps, device)
         refs += ref
         rows.append((title, tokens, label, t, r, peak, peak / max(rows[0][5], 1), first, cache))
+    # sbp.backprop called again on the same model and output function: the trace is reused
+    again = lambda: sbp.backprop(model, kwargs={"inputs_embeds": emb}, output=output)  # noqa: E731
+    t0 = time.perf_counter()
+    again()
+    first = time.perf_counter() - t0
+    t, r, ref = _paired(autograd, again, reps, device)
+    refs += ref
+    rows.append((title, tokens, "sbp.backprop again (Real)", t, r, None, None, first, 0))
     if refs:  # autograd's time: every round it ran in
         rows[0] = (*rows[0][:3], statistics.median(refs), *rows[0][4:])
     return rows
+
+
+_COLD = """
+import time
+t0 = time.perf_counter()
+import torch, semiring_backprop as sbp
+import bench_backprop as b
+t1 = time.perf_counter()
+title, build, tokens = b.CASES[{case!r}]
+torch.manual_seed(0)
+model, output = build(tokens, torch.float32, "cpu")
+model = model.eval().requires_grad_(False)
+emb = b._inputs(model, tokens, torch.float32, "cpu")
+t2 = time.perf_counter()
+# what sbp.backprop does: a static trace, then the forward and the pass
+bp = sbp.Backprop(model, output, {semirings}, dynamic=False, weight_cache=0)
+bp.graph(kwargs={{"inputs_embeds": emb}})
+t3 = time.perf_counter()
+bp(kwargs={{"inputs_embeds": emb}})
+t4 = time.perf_counter()
+print(f"{{t1 - t0:.2f}} {{t3 - t2:.2f}} {{t4 - t3:.2f}}")
+"""
+
+
+def cold_first_call(case, semirings="[sbp.Real()]"):
+    """A fresh process: import time, then ``sbp.backprop``'s first call in two parts: the
+    trace (static shapes) and the forward and pass (with whatever kernel compiles it
+    triggers)."""
+    import os
+    import subprocess
+    import sys
+
+    code = _COLD.format(case=case, semirings=semirings)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True).stdout  # fmt: skip
+    return [float(x) for x in out.split()[-3:]]
 
 
 def _paired(ref, fn, reps, device):
@@ -262,6 +311,8 @@ def main(argv=None):
                    "sets up) or the defaults")  # fmt: skip
     p.add_argument("--sentences", type=int, default=0, help="also time N sentences (10-60)")
     p.add_argument("--sentences-sets", nargs="+", default=["Real"], choices=list(SETS))
+    p.add_argument("--cold", nargs="*", default=["bert20"], help="cases whose first call is "
+                   "also timed in a fresh process (CPU, float32)")  # fmt: skip
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.set_grad_enabled(True)
@@ -276,9 +327,17 @@ def main(argv=None):
             name, args.reps, dtype, args.device, args.sets
         ):
             f = "" if first is None else f"{first:.2f}"
-            print(f"| {title} | {tokens} | {label} | {t:.3f} | {ratio:.2f} | "
-                  f"{peak / 2**20:.0f} | {mratio:.2f} | {f} | {cache / 2**20:.0f} |",
-                  flush=True)  # fmt: skip
+            mem = "| |" if peak is None else f"| {peak / 2**20:.0f} | {mratio:.2f} |"
+            print(f"| {title} | {tokens} | {label} | {t:.3f} | {ratio:.2f} {mem} {f} | "
+                  f"{cache / 2**20:.0f} |", flush=True)  # fmt: skip
+    for case in args.cold:
+        for label, srs in (("Real", "[sbp.Real()]"),
+                           ("Real+MaxProduct+Entropy",
+                            "[sbp.Real(), sbp.MaxProduct(), sbp.Entropy()]")):  # fmt: skip
+            imp, tr, run = cold_first_call(case, srs)
+            print(f"first call in a fresh process, {CASES[case][0]} at {CASES[case][2]} tokens, "
+                  f"{label}: {tr + run:.2f} s (trace {tr:.2f} s, forward and pass {run:.2f} s; "
+                  f"imports before it {imp:.2f} s)", flush=True)  # fmt: skip
     for label in args.sentences_sets if args.sentences else ():
         rate, lengths, traces = bench_sentences(args.sentences, args.device, dtype, label)
         print(f"{args.sentences} sentences of 10-60 tokens ({lengths} distinct lengths), "
