@@ -97,6 +97,19 @@ def test_other_constants_or_inputs_trace_again():
     assert _check(model, x, scaled).graph is not g2
 
 
+def test_a_reused_trace_computes_with_weights_written_through_data():
+    """``p.data`` writes bypass the version counter (no new trace), but the trace reads
+    the parameters' memory: every semiring sees the new weights."""
+    model, x = _net(), _x()
+    sr = [sbp.Real(), sbp.MaxProduct()]
+    first = sbp.backprop(model, (x,), output=_pick(1), semirings=sr)
+    model.lin.weight.data.mul_(2)
+    reused = _check(model, x, _pick(1), semirings=sr)
+    fresh = sbp.backprop(model, (x,), output=_pick(1), semirings=sr, reuse=False)
+    assert reused.graph is first.graph
+    assert torch.equal(reused.at(0, sbp.MaxProduct()).hi, fresh.at(0, sbp.MaxProduct()).hi)
+
+
 @pytest.mark.parametrize(
     "change",
     ["eps", "swap_module", "hook", "weights_replaced", "weights_in_place", "train_mode"],
