@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import allocator, engine, forward, memory, rules
+from . import allocator, checkpoints, engine, forward, memory, rules
 from .errors import InputError
 from .result import Result, resolve_keep
 from .semirings import Real, Semiring
@@ -169,6 +169,14 @@ class Backprop:
         kwargs = dict(kwargs or {})
         allocator.auto()  # freed host memory reused, not faulted in again (see allocator)
         graph = self.graph(args, kwargs)
+        if self.keep is None and checkpoints.ENABLED and checkpoints.usable(graph):
+            needed = engine.needed_nodes(graph, graph.output_node)
+            with torch.no_grad():
+                ckpt = checkpoints.run(
+                    graph, lambda drop: forward.run(graph, args, kwargs, drop),
+                    self.semirings, needed, frozenset(graph.user_inputs.values()),
+                )  # fmt: skip
+            return Result(graph, ckpt.values, ckpt.store, self.semirings)
         kept = None if self.keep is None else resolve_keep(graph, self.keep)
         drop = None  # with keep=, values no rule reads are not kept through the forward
         if kept is not None:

@@ -70,7 +70,7 @@ def _is_complex(node) -> bool:
     return isinstance(val, torch.Tensor) and val.is_complex()
 
 
-def reverse(graph, values: dict, semirings: list, seed_node, keep=None) -> dict:
+def reverse(graph, values: dict, semirings: list, seed_node, keep=None, snapshots=None) -> dict:
     """D(v) for every needed node v, as ``{node: [value per semiring]}``.
 
     With ``keep`` (a set of nodes), D is stored for those nodes only, and the pass
@@ -84,20 +84,30 @@ def reverse(graph, values: dict, semirings: list, seed_node, keep=None) -> dict:
         )
     out = values[seed_node]
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
-    return propagate(graph, values, semirings, acc, needed, keep=keep)
+    return propagate(graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots)
 
 
-def propagate(graph, values, semirings, acc: dict, needed, within=None, keep=None) -> dict:
+def propagate(
+    graph, values, semirings, acc: dict, needed, within=None, keep=None, *,
+    start=None, stop=0, snapshots=None,
+) -> dict:  # fmt: skip
     """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
 
     With ``within`` (a set of nodes), only paths inside it are followed: the pass then
     gives ⊕ over the paths that start at a node of ``within`` and reach a seed through
-    ``within`` alone (used for the contribution of one branch).
+    ``within`` alone (used for the contribution of one branch). ``start`` / ``stop``:
+    only the nodes with ids ``start - 1`` down to ``stop``. ``snapshots``
+    (``{node id: None}``): at each of these ids, before its node's rule runs, the
+    partial sums are copied there (the state to run the pass on from, see
+    :mod:`checkpoints`).
     """
     store = {}
     lean = memory.plan(graph, needed, keep) if keep is not None else None
     plan = _plan(graph, needed)
-    for node_id in range(len(graph.nodes) - 1, -1, -1):
+    start = len(graph.nodes) if start is None else start
+    for node_id in range(start - 1, stop - 1, -1):
+        if snapshots is not None and node_id in snapshots:
+            snapshots[node_id] = {n: list(slot) for n, slot in acc.items()}
         if lean is not None:  # let go of values no rule from here reads, recompute some
             memory.before_rule(lean, node_id, values)
         node = graph.nodes[node_id]

@@ -350,8 +350,9 @@ def _tol(res) -> float:
     set by the least precise float dtype in the pass (a float64 Llama still runs its
     RMSNorm in float32)."""
     if not hasattr(res, "_path_tol"):
+        vals = (n.meta.get("val") for n in res.graph.nodes)  # from the trace: no values read
         eps = max(
-            (torch.finfo(v.dtype).eps for v in res.values.values()
+            (torch.finfo(v.dtype).eps for v in vals
              if isinstance(v, torch.Tensor) and v.is_floating_point()),
             default=torch.finfo(torch.float64).eps,
         )  # fmt: skip

@@ -1,0 +1,215 @@
+"""Paths and branch tables without holding every node: a pass keeps checkpoints, and
+the values path reading asks for are computed again, one segment of the graph at a time.
+
+The graph's nodes, in order, are cut into segments where few values cross the cut. A
+pass with ``keep=None`` holds, besides what its rules read while it runs (as with
+``keep=``, :mod:`memory`):
+
+- the forward values each segment reads from before it (its *frontier*), and
+- the reverse pass's partial sums at each cut (copied as the pass crosses it).
+
+Asking for a value or a ``D`` in segment ``s`` runs ``s``'s ops again from its frontier
+and the pass over ``s`` again from the partial sums at its end: the same ops on the same
+inputs in the same order, so the same values, bit for bit, as a pass that held every
+node. The last few segments asked for are kept, so that reading a path (segment after
+segment, each looked at several times) computes each segment about once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.fx.node import map_arg
+
+from . import engine, memory
+from .tracing import _random, mark_op
+
+#: False: a pass with ``keep=None`` holds every node instead (the same values)
+ENABLED = True
+#: segments kept computed (a path reads a node's consumers: the next segment too)
+CACHED_SEGMENTS = 3
+#: a symbolic size counts as this many elements when cuts are placed
+_NOMINAL_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Layout:
+    bounds: tuple  #: segment s holds the node ids ``bounds[s]`` to ``bounds[s + 1] - 1``
+    segment: dict  #: ops' node -> its segment
+    frontier: frozenset  #: values some segment reads from before it
+
+
+def usable(graph) -> bool:
+    """Whether values can be computed again (no op draws random numbers)."""
+    return not any(_random(n) for n in graph.nodes if n.op == "call_function")
+
+
+def layout(graph, needed) -> Layout:
+    """Where the graph is cut (cached per graph and needed set)."""
+    cache = graph.__dict__.setdefault("_checkpoint_layout", {})
+    if needed not in cache:
+        cache[needed] = _layout(graph, needed)
+    return cache[needed]
+
+
+def _layout(graph, needed) -> Layout:
+    nodes, ids = graph.nodes, graph.ids
+    n = len(nodes)
+    ops = [i for i, node in enumerate(nodes) if node.op == "call_function"]
+    if not ops:
+        return Layout((0, n), {}, frozenset())
+    first, last = ops[0], ops[-1] + 1
+    # live[b]: bytes of op values made before id b and read at b or later
+    live = [0.0] * (n + 1)
+    for i in ops:
+        node = nodes[i]
+        end = max((ids[u] for u in node.users), default=i)
+        if end > i:
+            w = _bytes(node, graph)
+            live[i + 1] += w
+            live[end + 1] -= w
+    for b in range(1, n + 1):
+        live[b] += live[b - 1]
+    k = max(1, min(64, round(math.sqrt(max(len(needed), 1)))))
+    span = (last - first) / k
+    cuts = []
+    for j in range(1, k):
+        lo = max(first + 1, round(first + (j - 0.25) * span), (cuts[-1] + 1) if cuts else 0)
+        hi = min(last - 1, round(first + (j + 0.25) * span))
+        if lo <= hi:
+            cuts.append(min(range(lo, hi + 1), key=lambda b: (live[b], abs(b - first - j * span))))
+    bounds = (0, *cuts, n)
+    segment, frontier = {}, set()
+    for s in range(len(bounds) - 1):
+        a, b = bounds[s], bounds[s + 1]
+        for node in nodes[a:b]:
+            if node.op != "call_function":
+                continue
+            segment[node] = s
+            frontier.update(
+                x for x in node.all_input_nodes if x.op == "call_function" and ids[x] < a
+            )
+    return Layout(bounds, segment, frozenset(frontier))
+
+
+def _bytes(node, graph) -> float:
+    """Size of a node's value, from the trace (a symbolic size counts as nominal)."""
+    if node in graph.static:
+        return 0.0  # the weights' views: the same on every call, usually no memory
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    numel = 1
+    for d in val.shape:
+        numel *= int(d) if isinstance(d, int) else _NOMINAL_SIZE
+    return float(numel * val.element_size())
+
+
+class Checkpoints:
+    """What a checkpointed pass holds, and each segment computed again on demand."""
+
+    def __init__(self, graph, needed, semirings, lay: Layout, held: dict, store: dict, snaps):
+        self.graph, self.needed, self.semirings, self.layout = graph, needed, semirings, lay
+        self.held, self.held_store, self.snaps = held, store, snaps
+        self._cache: OrderedDict = OrderedDict()
+        self.values = _Lazy(self, held, 0)
+        self.store = _Lazy(self, store, 1)
+
+    def segment(self, s: int):
+        """``(values, store)`` of segment ``s`` (computed again if not cached)."""
+        if s in self._cache:
+            self._cache.move_to_end(s)
+            return self._cache[s]
+        a, b = self.layout.bounds[s], self.layout.bounds[s + 1]
+        with torch.no_grad():
+            vals = self._forward(a, b)
+            both = _Chain(vals, self.held)
+            snap = self.snaps.get(b - 1)
+            acc = {} if snap is None else {n: list(slot) for n, slot in snap.items()}
+            store = engine.propagate(
+                self.graph, both, self.semirings, acc, self.needed, start=b, stop=a
+            )
+        self._cache[s] = (vals, store)
+        while len(self._cache) > CACHED_SEGMENTS:
+            self._cache.popitem(last=False)
+        return self._cache[s]
+
+    def _forward(self, a: int, b: int) -> dict:
+        vals: dict = {}
+        get = lambda n: vals[n] if n in vals else self.held[n]  # noqa: E731
+        for node in self.graph.nodes[a:b]:
+            if node.op != "call_function":
+                continue
+            args, kwargs = map_arg(node.args, get), map_arg(node.kwargs, get)
+            vals[node] = args[0] if node.target is mark_op else node.target(*args, **kwargs)
+        return vals
+
+
+class _Chain(Mapping):
+    """A segment's values, then the held ones (what the segment's rules read)."""
+
+    def __init__(self, first: dict, second: dict):
+        self.first, self.second = first, second
+
+    def __getitem__(self, node):
+        return self.first[node] if node in self.first else self.second[node]
+
+    def __contains__(self, node):
+        return node in self.first or node in self.second
+
+    def __iter__(self):
+        yield from self.first
+        yield from (n for n in self.second if n not in self.first)
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+class _Lazy(Mapping):
+    """Node -> forward value (``which`` 0) or D per semiring (1): the held ones, else
+    the node's segment, computed again on demand."""
+
+    def __init__(self, ckpt: Checkpoints, held: dict, which: int):
+        self.ckpt, self.held, self.which = ckpt, held, which
+
+    def __getitem__(self, node):
+        if node in self.held:
+            return self.held[node]
+        s = self.ckpt.layout.segment.get(node)
+        if s is None:
+            raise KeyError(node)
+        return self.ckpt.segment(s)[self.which][node]
+
+    def __contains__(self, node):
+        try:
+            self[node]
+        except KeyError:
+            return False
+        return True
+
+    def __iter__(self):  # every node, segment by segment (computes each segment once)
+        for node in self.ckpt.graph.nodes:
+            if node in self:
+                yield node
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+def run(graph, forward_run, semirings, needed, inputs: frozenset):
+    """A checkpointed pass: ``forward_run(drop)`` computes the forward values (dropping
+    ``drop``); returns the :class:`Checkpoints` (its ``values`` and ``store``: every
+    node's, on demand)."""
+    lay = layout(graph, needed)
+    kept = lay.frontier | inputs
+    values = forward_run(memory.unread_values(graph, needed, kept))
+    held = {n: values[n] for n in (*lay.frontier, *graph.constants, *graph.user_inputs.values())}
+    held[graph.output_node] = values[graph.output_node]
+    snaps = dict.fromkeys(b - 1 for b in lay.bounds[1:])
+    store = engine.reverse(graph, values, semirings, graph.output_node, kept, snapshots=snaps)
+    store = {n: d for n, d in store.items() if n in inputs}
+    return Checkpoints(graph, needed, semirings, lay, held, store, snaps)

@@ -1,0 +1,147 @@
+"""A pass with ``keep=None`` holds checkpoints, not every node (:mod:`checkpoints`).
+
+Oracle: the same pass holding every node (``checkpoints.ENABLED = False``, how every
+pass ran before checkpoints). Every node's forward value and every semiring's D, read
+through the checkpoints (each segment computed again), must be the same bits; so must
+top paths, top-k paths and branch tables. And what the checkpointed result holds must
+be a fraction of what the full one does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import semiring_backprop as sbp
+from semiring_backprop import checkpoints
+
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+SEMIRINGS = [
+    sbp.Real(),
+    sbp.MaxProduct(),
+    sbp.MaxProduct("tensor"),
+    sbp.Entropy(),
+    sbp.MaxAbs(),
+    sbp.LogAbs(),
+    sbp.TopK(2),
+]
+
+
+def _bert(layers=2, hidden=8):
+    cfg = transformers.BertConfig(
+        vocab_size=30, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=2,
+        intermediate_size=2 * hidden, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(cfg).to(F64).eval()
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(
+        vocab_size=30, n_embd=8, n_layer=2, n_head=2, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).to(F64).eval()
+
+
+def _lm(out):
+    lp = out.logits[0, 2].log_softmax(-1)
+    return lp[7] - lp[9]
+
+
+def _pair(build, semirings, monkeypatch, ids=None):
+    model = build()
+    ids = torch.tensor([[1, 5, 4, 8, 2, 6]]) if ids is None else ids
+    kw = {"input_ids": ids}
+    ck = sbp.backprop(model, kwargs=kw, output=_lm, semirings=semirings, reuse=False)
+    monkeypatch.setattr(checkpoints, "ENABLED", False)
+    full = sbp.backprop(model, kwargs=kw, output=_lm, semirings=semirings, reuse=False)
+    monkeypatch.setattr(checkpoints, "ENABLED", True)
+    assert isinstance(ck._store, checkpoints._Lazy) and isinstance(full._store, dict)
+    return ck, full
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_every_value_and_d_is_the_full_passs(build, monkeypatch):
+    ck, full = _pair(build, SEMIRINGS, monkeypatch)
+    lay = ck._store.ckpt.layout
+    assert len(lay.bounds) > 3  # really cut into segments
+    # two traces of one model: the same nodes in the same order
+    for mine, node in zip(ck.graph.nodes, full.graph.nodes, strict=True):
+        assert mine.name == node.name
+        assert (node in full.values) == (mine in ck.values), node
+        if node in full.values:
+            _same(ck.values[mine], full.values[node])
+        assert (node in full._store) == (mine in ck._store), node
+        if node in full._store:
+            _same(ck._store[mine], full._store[node])
+
+
+def test_paths_and_branch_tables_are_the_full_passs(monkeypatch):
+    ck, full = _pair(_bert, [sbp.Real(), sbp.MaxProduct(), sbp.Entropy(), sbp.TopK(3)],
+                     monkeypatch)  # fmt: skip
+    for token in range(6):
+        src = ("bert.embeddings", (0, token))
+        assert ck.top_path(src).to_dict() == full.top_path(src).to_dict()
+        assert ck.top_path(src, sign="-").to_dict() == full.top_path(src, sign="-").to_dict()
+        mine = [p.to_dict() for p in ck.top_paths(src, 3)]
+        assert mine == [p.to_dict() for p in full.top_paths(src, 3)]
+    for sr in (sbp.MaxProduct(), sbp.Entropy()):
+        a = ck.branches("bert.encoder.layer.1:input", sr)
+        b = full.branches("bert.encoder.layer.1:input", sr)
+        assert a.equals(b)
+    assert ck.layer_table().equals(full.layer_table())
+
+
+def _held_bytes(*objs) -> int:
+    seen, total, todo = set(), 0, list(objs)
+    while todo:
+        o = todo.pop()
+        if isinstance(o, torch.Tensor):
+            key = o.untyped_storage().data_ptr()
+            if key not in seen and o.numel() and o.stride() != (0,) * o.dim():
+                seen.add(key)
+                total += o.untyped_storage().nbytes()
+        elif isinstance(o, dict):
+            todo.extend(o.values())
+        elif isinstance(o, list | tuple):
+            todo.extend(o)
+    return total
+
+
+def test_a_checkpointed_pass_holds_a_fraction_of_every_node(monkeypatch):
+    sr = [sbp.Real(), sbp.MaxProduct(), sbp.Entropy()]
+    ck, full = _pair(lambda: _bert(layers=4, hidden=32), sr, monkeypatch,
+                     ids=torch.randint(1, 30, (1, 40)))  # fmt: skip
+    params = {id(t) for t in full.graph.constants.values()}
+    c = ck._store.ckpt
+    held = {n: v for n, v in c.held.items() if id(v) not in params}
+    mine = _held_bytes(held, c.held_store, c.snaps)
+    every = _held_bytes({n: v for n, v in full.values.items() if id(v) not in params},
+                        full._store)  # fmt: skip
+    assert mine < every / 4, (mine, every)
+
+
+def test_random_ops_hold_every_node():
+    """A training-mode model draws random numbers: computing a value again would give
+    another one, so such a pass holds every node."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 1)).to(F64).train()
+    x = torch.randn(3, 4, dtype=F64)
+    res = sbp.backprop(model, (x,), output=lambda y: y.sum(), semirings=[sbp.MaxProduct()],
+                       allow_training=True)  # fmt: skip
+    assert isinstance(res._store, dict)
+    assert res.top_path((0, (1,))).steps
