@@ -11,15 +11,16 @@ pass with ``keep=None`` holds, besides what its rules read while it runs (as wit
 Asking for a value or a ``D`` in segment ``s`` runs ``s``'s ops again from its frontier
 and the pass over ``s`` again from the partial sums at its end: the same ops on the same
 inputs in the same order, so the same values, bit for bit, as a pass that held every
-node. The last few segments asked for are kept, so that reading a path (segment after
-segment, each looked at several times) computes each segment about once.
+node; D is computed again for the semiring asked for only. The last few segments asked
+for are kept, so that reading a path (segment after segment, each looked at several
+times) computes each segment about once.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,33 +111,46 @@ def _bytes(node, graph) -> float:
 
 
 class Checkpoints:
-    """What a checkpointed pass holds, and each segment computed again on demand."""
+    """What a checkpointed pass holds, and each segment computed again on demand: its
+    forward values once, and its D for one semiring at a time (what a path or a table
+    of one semiring reads)."""
 
-    def __init__(self, graph, needed, semirings, lay: Layout, held: dict, store: dict, snaps):
+    def __init__(self, graph, needed, semirings, lay: Layout, held: dict, store: dict,
+                 snaps: dict, reached: set):  # fmt: skip
         self.graph, self.needed, self.semirings, self.layout = graph, needed, semirings, lay
-        self.held, self.held_store, self.snaps = held, store, snaps
-        self._cache: OrderedDict = OrderedDict()
-        self.values = _Lazy(self, held, 0)
-        self.store = _Lazy(self, store, 1)
+        self.held, self.held_store, self.snaps, self.reached = held, store, snaps, reached
+        self._values: OrderedDict = OrderedDict()  # segment -> its forward values
+        self._d: OrderedDict = OrderedDict()  # (segment, semiring index) -> its D
+        self.values = _Values(self)
+        self.store = _Store(self)
 
-    def segment(self, s: int):
-        """``(values, store)`` of segment ``s`` (computed again if not cached)."""
-        if s in self._cache:
-            self._cache.move_to_end(s)
-            return self._cache[s]
-        a, b = self.layout.bounds[s], self.layout.bounds[s + 1]
-        with torch.no_grad():
-            vals = self._forward(a, b)
-            both = _Chain(vals, self.held)
-            snap = self.snaps.get(b - 1)
-            acc = {} if snap is None else {n: list(slot) for n, slot in snap.items()}
-            store = engine.propagate(
-                self.graph, both, self.semirings, acc, self.needed, start=b, stop=a
-            )
-        self._cache[s] = (vals, store)
-        while len(self._cache) > CACHED_SEGMENTS:
-            self._cache.popitem(last=False)
-        return self._cache[s]
+    def segment_values(self, s: int) -> dict:
+        """Forward values of segment ``s``'s ops."""
+        if s not in self._values:
+            a, b = self.layout.bounds[s], self.layout.bounds[s + 1]
+            with torch.no_grad():
+                self._values[s] = self._forward(a, b)
+            while len(self._values) > CACHED_SEGMENTS:
+                self._values.popitem(last=False)
+        self._values.move_to_end(s)
+        return self._values[s]
+
+    def segment_d(self, s: int, k: int) -> dict:
+        """``{node: D}`` of semiring ``k`` for segment ``s``'s nodes."""
+        key = (s, k)
+        if key not in self._d:
+            a, b = self.layout.bounds[s], self.layout.bounds[s + 1]
+            both = _Chain(self.segment_values(s), self.held)
+            snap = self.snaps.get(b - 1) or {}
+            acc = {n: [slot[k]] for n, slot in snap.items() if slot[k] is not None}
+            sr = [self.semirings[k]]
+            with torch.no_grad():
+                store = engine.propagate(self.graph, both, sr, acc, self.needed, start=b, stop=a)
+            self._d[key] = {n: d[0] for n, d in store.items()}
+            while len(self._d) > CACHED_SEGMENTS * len(self.semirings):
+                self._d.popitem(last=False)
+        self._d.move_to_end(key)
+        return self._d[key]
 
     def _forward(self, a: int, b: int) -> dict:
         vals: dict = {}
@@ -169,35 +183,68 @@ class _Chain(Mapping):
         return sum(1 for _ in self)
 
 
-class _Lazy(Mapping):
-    """Node -> forward value (``which`` 0) or D per semiring (1): the held ones, else
-    the node's segment, computed again on demand."""
+class _Values(Mapping):
+    """Node -> forward value: a held one, else its segment's (computed on demand)."""
 
-    def __init__(self, ckpt: Checkpoints, held: dict, which: int):
-        self.ckpt, self.held, self.which = ckpt, held, which
+    def __init__(self, ckpt: Checkpoints):
+        self.ckpt = ckpt
 
     def __getitem__(self, node):
-        if node in self.held:
-            return self.held[node]
-        s = self.ckpt.layout.segment.get(node)
+        c = self.ckpt
+        if node in c.held:
+            return c.held[node]
+        s = c.layout.segment.get(node)
         if s is None:
             raise KeyError(node)
-        return self.ckpt.segment(s)[self.which][node]
+        return c.segment_values(s)[node]
 
     def __contains__(self, node):
-        try:
-            self[node]
-        except KeyError:
-            return False
-        return True
+        return node in self.ckpt.held or node in self.ckpt.layout.segment
 
-    def __iter__(self):  # every node, segment by segment (computes each segment once)
-        for node in self.ckpt.graph.nodes:
-            if node in self:
-                yield node
+    def __iter__(self):  # graph order: each segment computed once
+        return (n for n in self.ckpt.graph.nodes if n in self)
 
     def __len__(self):
         return sum(1 for _ in self)
+
+
+class _Store(Mapping):
+    """Node -> its D per semiring (a :class:`_Row`, computed on demand per semiring)."""
+
+    def __init__(self, ckpt: Checkpoints):
+        self.ckpt = ckpt
+
+    def __getitem__(self, node):
+        if node not in self:
+            raise KeyError(node)
+        return _Row(self.ckpt, node)
+
+    def __contains__(self, node):
+        return node in self.ckpt.reached
+
+    def __iter__(self):
+        return (n for n in self.ckpt.graph.nodes if n in self.ckpt.reached)
+
+    def __len__(self):
+        return len(self.ckpt.reached)
+
+
+class _Row(Sequence):
+    """One node's D, one entry per semiring, each computed when first read."""
+
+    def __init__(self, ckpt: Checkpoints, node):
+        self.ckpt, self.node = ckpt, node
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(len(self))[k]]
+        c = self.ckpt
+        if self.node in c.held_store:
+            return c.held_store[self.node][k]
+        return c.segment_d(c.layout.segment[self.node], k % len(self))[self.node]
+
+    def __len__(self):
+        return len(self.ckpt.semirings)
 
 
 def run(graph, forward_run, semirings, needed, inputs: frozenset):
@@ -209,7 +256,7 @@ def run(graph, forward_run, semirings, needed, inputs: frozenset):
     values = forward_run(memory.unread_values(graph, needed, kept))
     held = {n: values[n] for n in (*lay.frontier, *graph.constants, *graph.user_inputs.values())}
     held[graph.output_node] = values[graph.output_node]
-    snaps = dict.fromkeys(b - 1 for b in lay.bounds[1:])
-    store = engine.reverse(graph, values, semirings, graph.output_node, kept, snapshots=snaps)
+    snaps, reached = dict.fromkeys(b - 1 for b in lay.bounds[1:]), set()
+    store = engine.reverse(graph, values, semirings, graph.output_node, kept, snaps, reached)
     store = {n: d for n, d in store.items() if n in inputs}
-    return Checkpoints(graph, needed, semirings, lay, held, store, snaps)
+    return Checkpoints(graph, needed, semirings, lay, held, store, snaps, reached)

@@ -70,7 +70,9 @@ def _is_complex(node) -> bool:
     return isinstance(val, torch.Tensor) and val.is_complex()
 
 
-def reverse(graph, values: dict, semirings: list, seed_node, keep=None, snapshots=None) -> dict:
+def reverse(
+    graph, values: dict, semirings: list, seed_node, keep=None, snapshots=None, reached=None
+) -> dict:
     """D(v) for every needed node v, as ``{node: [value per semiring]}``.
 
     With ``keep`` (a set of nodes), D is stored for those nodes only, and the pass
@@ -84,12 +86,14 @@ def reverse(graph, values: dict, semirings: list, seed_node, keep=None, snapshot
         )
     out = values[seed_node]
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
-    return propagate(graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots)
+    return propagate(
+        graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached
+    )
 
 
 def propagate(
     graph, values, semirings, acc: dict, needed, within=None, keep=None, *,
-    start=None, stop=0, snapshots=None,
+    start=None, stop=0, snapshots=None, reached=None,
 ) -> dict:  # fmt: skip
     """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
 
@@ -99,7 +103,7 @@ def propagate(
     only the nodes with ids ``start - 1`` down to ``stop``. ``snapshots``
     (``{node id: None}``): at each of these ids, before its node's rule runs, the
     partial sums are copied there (the state to run the pass on from, see
-    :mod:`checkpoints`).
+    :mod:`checkpoints`); ``reached`` (a set) collects every node that gets a D.
     """
     store = {}
     lean = memory.plan(graph, needed, keep) if keep is not None else None
@@ -114,6 +118,8 @@ def propagate(
         d = acc.pop(node, None)
         if d is None:
             continue
+        if reached is not None:
+            reached.add(node)
         stored = keep is None or node in keep
         if stored:
             store[node] = d

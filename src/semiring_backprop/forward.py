@@ -75,6 +75,8 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
             if dropped:  # again with every value, to name the first bad one
                 return run(graph, args, kwargs)
             raise
+        if dropped:  # the bad value may be one of those dropped: look again at every value
+            return run(graph, args, kwargs)
     graph._static_checked = True
     return values
 

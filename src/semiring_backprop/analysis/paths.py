@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import torch
@@ -248,13 +249,16 @@ class _Pointers:
     consumers' contributions (their rules, run again on their stored values); the
     element of the winner's output, by running its rule with pointer fields
     (``MaxProduct.pointed``), which gives the same values and names the element. Both
-    are kept on the result, so later paths through the same ops reuse them."""
+    are kept on the result for the last ``MEMO`` nodes, so later paths through the same
+    ops reuse them, and reading paths holds as much as a few layers' values."""
+
+    MEMO = 8
 
     def __init__(self, res, k, sr):
         self.res, self.k, self.sr = res, k, sr
         memo = res.__dict__.setdefault("_pointers", {})
-        self.winners = memo.setdefault(("winners", k), {})
-        self.full = memo.setdefault(("full", k), {})
+        self.winners = memo.setdefault(("winners", k), _Recent(self.MEMO))
+        self.full = memo.setdefault(("full", k), _Recent(self.MEMO))
 
     def consumer(self, node, e: int, f: int) -> int:
         """The id of the consumer op that won element ``e`` of ``node``'s ⊕ (field ``f``:
@@ -322,6 +326,23 @@ class _Pointers:
         if p_id != c_id:
             raise _broken(node)
         return p_idx
+
+
+class _Recent(OrderedDict):
+    """A dict of the ``size`` entries set or read last."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def __getitem__(self, key):
+        self.move_to_end(key)
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        while len(self) > self.size:
+            self.popitem(last=False)
 
 
 def _float(t):

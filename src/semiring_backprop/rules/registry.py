@@ -163,7 +163,7 @@ class Op:
 
         if self.prepared is None or self.node.args[i] not in self.static:
             return both()
-        return self.prepared.get((sr, self.node, i), both, self.args[i])
+        return self.prepared.get((sr.prepares_as, self.node, i), both, self.args[i])
 
     def cached(self, key, fn):
         if key not in self.memo:

@@ -177,6 +177,12 @@ class Semiring:
         """What :meth:`matmul` derives from ``w`` alone (default: nothing)."""
         return None
 
+    @property
+    def prepares_as(self) -> Semiring:
+        """The semiring whose :meth:`prepare` this one's is (prepared weights kept
+        across calls are shared with it)."""
+        return self
+
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         raise NotImplementedError
 

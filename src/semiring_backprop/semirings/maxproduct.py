@@ -352,6 +352,10 @@ class _Pointed(MaxProduct):
 
     fields = ("hi", "lo", "hi_ptr", "lo_ptr")
 
+    @property
+    def prepares_as(self) -> MaxProduct:
+        return MaxProduct(self.granularity)  # the same transposed weights
+
     def _make(self, hi, lo):
         ptr = full_int(hi.shape, -1, hi)
         return (hi, lo, ptr, ptr) if self.neuron else _Normal((hi, lo, ptr, ptr))
