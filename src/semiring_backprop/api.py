@@ -42,8 +42,10 @@ def backprop(
             ``"layer_norm"``, ``"gelu"``); by default they are decomposed.
         keep: the places whose values the result keeps (inputs, module paths, with
             ``:input`` and ``*`` wildcards: ``("inputs_embeds", "*.attention:input")``);
-            everything else is freed during the pass. ``None`` (default) keeps every
-            node, which paths and branch tables need.
+            everything else is freed during the pass. ``None`` (default): every
+            node's value can be read (paths and branch tables read many): the pass
+            holds checkpoints and computes the rest again when asked
+            (:mod:`semiring_backprop.checkpoints`).
         allow_training: explain a model in training mode as it is (random edges).
         per_example: allow a 1-D output of per-example scalars (examples must not
             interact); all are seeded at once.
@@ -92,7 +94,8 @@ class Backprop:
 
     ``keep`` (places, as for :meth:`Result.at`, with ``*`` wildcards) keeps only those
     values and frees the rest during the pass, for memory; paths and branch tables
-    need every value (``keep=None``, the default).
+    need every value (``keep=None``, the default: checkpoints, from which what they
+    read is computed again, one segment of the graph at a time).
 
     ``weight_cache`` (bytes, default 1 GiB; 0 turns it off): what contractions derive
     from a weight alone (``log |w|`` for ``Entropy`` and ``MaxAbs``, a transposed copy for
