@@ -7,6 +7,7 @@
 >>> res.at(0, sbp.MaxProduct()).hi  # the most positive path product
 """
 
+from ._threads import threads
 from .analysis import Path, Step
 from .api import Backprop, backprop, clear_traces
 from .errors import (
@@ -63,6 +64,7 @@ __all__ = [
     "clear_traces",
     "register",
     "supported_ops",
+    "threads",
     "trace",
 ]
 

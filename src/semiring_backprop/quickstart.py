@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from ._threads import threads
 from .api import backprop
 from .semirings import Entropy, MaxProduct, PathCount, Real, TopK
 
@@ -26,6 +27,7 @@ class TinyClassifier(torch.nn.Module):
         return self.head(h[:, 0])
 
 
+@threads()
 def run(seed: int = 0, print_fn=print) -> dict:
     torch.manual_seed(seed)
     model = TinyClassifier().double().eval()

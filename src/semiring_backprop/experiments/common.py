@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .._threads import TRAIN, threads
 from ..errors import InputError
 
 
@@ -74,6 +75,7 @@ def accuracy(model, split, batch_size: int = 1024) -> float:
     return right / max(len(split), 1)
 
 
+@threads(TRAIN)
 def train(
     model,
     train_split,
@@ -89,7 +91,11 @@ def train(
 ) -> list[dict]:
     """Adam on cross-entropy. Returns the history, one dict per epoch (loss and, with a
     validation split, accuracy); stops early once validation accuracy reaches
-    ``stop_at``. Leaves the model in eval mode."""
+    ``stop_at``. Leaves the model in eval mode.
+
+    Trains on one thread whatever the caller's setting (``SEMIRING_BACKPROP_THREADS``
+    included): another count splits sums otherwise, and one seed would train other
+    weights on another machine."""
     from tqdm.auto import tqdm
 
     torch.manual_seed(seed)

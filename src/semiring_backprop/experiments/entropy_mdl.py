@@ -38,7 +38,8 @@ the items of a collection: ``"ContainsTokenSet(tokens=1+2+3)"``, ``"BinCountOnes
 
 ``Config.quick()``: Contains1 and BinCountOnes k = 2, 3, one seed, 600/120/120 examples,
 15 epochs (block models too), blocks at 5, 10, 25, 50, 100 %, 32 explained examples:
-1–3 minutes on 2 CPU cores (one thread, ``OMP_NUM_THREADS=1``, is faster on busy cores).
+1–3 minutes on 2 CPU cores. Like every experiment it runs on one thread (see
+:func:`semiring_backprop.threads`).
 
 Files: ``runs.jsonl`` / ``runs.csv`` (one row per task × seed), ``mdl_blocks.jsonl``
 (bits per block), ``entropy.jsonl`` (per validation example), ``summary.json``,
@@ -63,6 +64,7 @@ from pathlib import Path
 
 import torch
 
+from .._threads import threads
 from ..api import Backprop
 from ..errors import InputError
 from ..semirings import Entropy
@@ -280,6 +282,7 @@ def run_key(spec: str, seed: int) -> str:
     return f"{spec.strip()}/seed={seed}"
 
 
+@threads()
 def run(out, config: Config | None = None, progress: bool = True) -> dict:
     """Train every task × seed (or reload), code its labels, measure the entropy, write
     the rows, summary and figure. The data of every task is made first, so a bad task

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .._threads import threads
 from ..api import Backprop
 from ..errors import InputError
 from ..semirings import Entropy, PathCount
@@ -74,6 +75,13 @@ def quiet(progress: bool):
     finally:
         if was and not progress:
             logging.enable_progress_bar()
+
+
+def lm_threads(config):
+    """The thread count around ``config``'s masked LM: the library's (one thread, or
+    ``SEMIRING_BACKPROP_THREADS``) for the random small BERT, the caller's for a given
+    model (``config.model``), which may be large."""
+    return threads(None if config.model is None else 0)
 
 
 def random_masked_lm(path, words, *, hidden=64, layers=2, heads=2, intermediate=128, seed=0):
@@ -226,28 +234,30 @@ def lengths(out: Path, config: Config, progress: bool = True) -> list[dict]:
     records = Records(out / "length.jsonl")
     todo = [(n, i) for n in config.lengths for i in range(config.per_length)]
     todo = [(n, i) for n, i in todo if not records.has(f"{n}-{i}")]
-    if todo:
-        words = pseudo_words(config.vocab_words, config.seed) + [config.target, config.foil]
-        model, tok = language_model(config, out, words, progress)
-        limit = getattr(model.config, "max_position_embeddings", None)
-        longest = max(config.lengths) + len(with_special_tokens(tok, []))
-        if limit and longest > limit:
-            raise InputError(
-                f"lengths go up to {longest} tokens with the special tokens; the model "
-                f"takes at most {limit}: use shorter lengths"
-            )
-        good, bad = word_id(tok, config.target, "masked"), word_id(tok, config.foil, "masked")
-        wrapper = MaskedScore(model).eval()
-        place = embedding_place(wrapper)
-        bp = Backprop(wrapper, output=lambda y: y, semirings=[Entropy(), PathCount()])
-        candidates = _candidates(tok)
-    for n, i in tqdm(todo, desc="sentences", disable=not progress, leave=False):
-        ids, pos = sentence(tok, candidates, n, i, config.seed)
-        res = bp(kwargs=score_inputs(ids, pos, good, bad))
-        records.add({"key": f"{n}-{i}", "length": n, "index": i, "tokens": len(ids),
-                     "position": pos, "input_ids": ids,
-                     "score": float(res.values[res.graph.output_node]),
-                     **embedding_entropy(res, place)})  # fmt: skip
+    with lm_threads(config):
+        if todo:
+            words = pseudo_words(config.vocab_words, config.seed) + [config.target, config.foil]
+            model, tok = language_model(config, out, words, progress)
+            limit = getattr(model.config, "max_position_embeddings", None)
+            longest = max(config.lengths) + len(with_special_tokens(tok, []))
+            if limit and longest > limit:
+                raise InputError(
+                    f"lengths go up to {longest} tokens with the special tokens; the model "
+                    f"takes at most {limit}: use shorter lengths"
+                )
+            good = word_id(tok, config.target, "masked")
+            bad = word_id(tok, config.foil, "masked")
+            wrapper = MaskedScore(model).eval()
+            place = embedding_place(wrapper)
+            bp = Backprop(wrapper, output=lambda y: y, semirings=[Entropy(), PathCount()])
+            candidates = _candidates(tok)
+        for n, i in tqdm(todo, desc="sentences", disable=not progress, leave=False):
+            ids, pos = sentence(tok, candidates, n, i, config.seed)
+            res = bp(kwargs=score_inputs(ids, pos, good, bad))
+            records.add({"key": f"{n}-{i}", "length": n, "index": i, "tokens": len(ids),
+                         "position": pos, "input_ids": ids,
+                         "score": float(res.values[res.graph.output_node]),
+                         **embedding_entropy(res, place)})  # fmt: skip
     wanted = {f"{n}-{i}" for n in config.lengths for i in range(config.per_length)}
     return [r for r in records.rows if r["key"] in wanted]
 
@@ -262,6 +272,7 @@ def mlp(hidden: int, features: int = 4) -> torch.nn.Module:
     )
 
 
+@threads()
 def widths(out: Path, config: Config, progress: bool = True) -> list[dict]:
     """One record per hidden size: per-feature entropy at the input, per example and mean."""
     from tqdm.auto import tqdm

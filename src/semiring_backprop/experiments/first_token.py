@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .._threads import threads
 from ..api import Backprop
 from ..semirings import MaxProduct
 from .common import GoldLogit, Records, bert_classifier, same_settings, train, trained, write_json
@@ -59,8 +60,10 @@ def token_classes(x: torch.Tensor, y: torch.Tensor) -> list[list[str]]:
     return out
 
 
+@threads()
 def run(out, config: Config | None = None, progress: bool = True) -> dict:
-    """Train (or reload), explain the validation set, write CSV, figure and summary."""
+    """Train (or reload), explain the validation set, write CSV, figure and summary
+    (on one thread, or ``SEMIRING_BACKPROP_THREADS``; training always on one)."""
     from ..data import make_task
 
     config = config or Config()

@@ -40,6 +40,7 @@ from .entropy_sanity import (
     embedding_entropy,
     embedding_place,
     language_model,
+    lm_threads,
     score_inputs,
 )
 
@@ -257,33 +258,34 @@ def explain(examples, every, out: Path, config: Config, progress: bool = True) -
 
     records = Records(out / "examples.jsonl")
     todo = [(i, ex) for i, ex in enumerate(examples) if not records.has(i)]
-    if todo:
-        model, tok = language_model(config, out, vocabulary(every), progress)
-        wrapper = MaskedScore(model).eval()
-        place = embedding_place(wrapper)
-        top = MaxProduct(config.granularity)
-        bp = Backprop(wrapper, output=lambda y: y, semirings=[top, Entropy(), PathCount()])
-        max_length = getattr(model.config, "max_position_embeddings", None)
-    for i, ex in tqdm(todo, desc="examples", disable=not progress, leave=False):
-        head = {"key": i, "source": ex.source, "length": len(ex.words)}
-        item = prepare(ex, tok, max_length)
-        if "skipped" in item:
-            records.add({**head, "skipped": item["skipped"]})
-            continue
-        res = bp(kwargs=item["inputs"])
-        tokens = tok.convert_ids_to_tokens(item["ids"])
-        values = []
-        for agg in config.aggregation:
-            table = res.layer_table(semirings=[top, Entropy()], aggregate=agg, tokens=tokens,
-                                    by="role")  # fmt: skip
-            values += group_values(table, item["groups"], agg)
-        records.add({**head, "attractors": item["attractors"], "tokens": len(item["ids"]),
-                     "input_ids": item["ids"], "position": item["position"],
-                     "good": item["good"], "bad": item["bad"],
-                     "subject_tokens": item["groups"]["subject"],
-                     "attractor_tokens": item["groups"]["attractor"],
-                     "score": float(res.values[res.graph.output_node]),
-                     **embedding_entropy(res, place), "values": values})  # fmt: skip
+    with lm_threads(config):
+        if todo:
+            model, tok = language_model(config, out, vocabulary(every), progress)
+            wrapper = MaskedScore(model).eval()
+            place = embedding_place(wrapper)
+            top = MaxProduct(config.granularity)
+            bp = Backprop(wrapper, output=lambda y: y, semirings=[top, Entropy(), PathCount()])
+            max_length = getattr(model.config, "max_position_embeddings", None)
+        for i, ex in tqdm(todo, desc="examples", disable=not progress, leave=False):
+            head = {"key": i, "source": ex.source, "length": len(ex.words)}
+            item = prepare(ex, tok, max_length)
+            if "skipped" in item:
+                records.add({**head, "skipped": item["skipped"]})
+                continue
+            res = bp(kwargs=item["inputs"])
+            tokens = tok.convert_ids_to_tokens(item["ids"])
+            values = []
+            for agg in config.aggregation:
+                table = res.layer_table(semirings=[top, Entropy()], aggregate=agg, tokens=tokens,
+                                        by="role")  # fmt: skip
+                values += group_values(table, item["groups"], agg)
+            records.add({**head, "attractors": item["attractors"], "tokens": len(item["ids"]),
+                         "input_ids": item["ids"], "position": item["position"],
+                         "good": item["good"], "bad": item["bad"],
+                         "subject_tokens": item["groups"]["subject"],
+                         "attractor_tokens": item["groups"]["attractor"],
+                         "score": float(res.values[res.graph.output_node]),
+                         **embedding_entropy(res, place), "values": values})  # fmt: skip
     return [r for r in records.rows if r["key"] < len(examples)]
 
 
