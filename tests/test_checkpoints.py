@@ -155,3 +155,12 @@ def test_an_overflow_in_a_dropped_value_is_still_refused(keep):
     x = torch.linspace(-50, 5, 8, dtype=F64)
     with pytest.raises(sbp.NonFiniteError, match="log1p"):
         sbp.backprop(torch.special.log_ndtr, (x,), output=lambda y: y.sum(), keep=keep)
+
+
+def test_a_nodes_d_reads_as_a_list(monkeypatch):
+    ck, full = _pair(_bert, [sbp.Real(), sbp.MaxProduct()], monkeypatch)
+    node = next(n for n in ck._store if n.op == "call_function")
+    real, maxp = ck._store[node]  # unpacks: one value per semiring
+    assert len(ck._store[node]) == 2 and ck._store[node][-1] is maxp
+    with pytest.raises(IndexError):
+        ck._store[node][2]

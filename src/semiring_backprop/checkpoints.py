@@ -238,6 +238,8 @@ class _Row(Sequence):
     def __getitem__(self, k):
         if isinstance(k, slice):
             return [self[i] for i in range(len(self))[k]]
+        if not -len(self) <= k < len(self):
+            raise IndexError(k)
         c = self.ckpt
         if self.node in c.held_store:
             return c.held_store[self.node][k]
