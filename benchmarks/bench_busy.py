@@ -36,6 +36,21 @@ def _demo(out: str, limit: float) -> float | None:
     return time.perf_counter() - start
 
 
+def _cores_in_use(seconds: float = 2.0) -> float | None:
+    """Cores other work keeps busy now (Linux ``/proc/stat``), to check "quiet"."""
+    try:
+        with open("/proc/stat") as f:
+            a = [int(v) for v in f.readline().split()[1:]]
+        time.sleep(seconds)
+        with open("/proc/stat") as f:
+            b = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return None
+    d = [y - x for x, y in zip(a, b)]
+    idle = d[3] + d[4]  # idle, iowait
+    return (os.cpu_count() or 1) * (1 - idle / max(sum(d), 1))
+
+
 def _show(seconds: float | None, limit: float) -> str:
     return f"> {limit:.0f} s (stopped)" if seconds is None else f"{seconds:.1f} s"
 
@@ -45,6 +60,7 @@ def main(argv=None):
     ap.add_argument("--load", choices=list(LOADS), default="matmul")
     ap.add_argument("--limit", type=float, default=1200, help="stop a demo after this many s")
     args = ap.parse_args(argv)
+    before = _cores_in_use()
     with tempfile.TemporaryDirectory() as tmp:
         quiet = _demo(os.path.join(tmp, "quiet"), args.limit)
         load = [subprocess.Popen([sys.executable, "-c", code]) for code in LOADS[args.load]]
@@ -58,6 +74,9 @@ def main(argv=None):
     threads = os.environ.get("OMP_NUM_THREADS", "not set")
     print(f"semiring-backprop demo, {os.cpu_count()} cores, load: {args.load}, "
           f"OMP_NUM_THREADS {threads}")  # fmt: skip
+    if before is not None:
+        print(f"cores in use before the quiet run: {before:.1f}"
+              + (" (not quiet: other work is running)" if before > 0.3 else ""))  # fmt: skip
     print(f"quiet: {_show(quiet, args.limit)}")
     print(f"busy:  {_show(busy, args.limit)}")
     if quiet is not None:
