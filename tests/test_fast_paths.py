@@ -1,6 +1,8 @@
 """Fast paths give the same answers as the plain implementation.
 
-- compiled max-times / max-plus kernels == the eager formulas (values and argmax);
+- compiled max-times / max-plus kernels == the eager formulas (values and argmax); the
+  blocked max-plus top-k == brute force (values, and indices that point at them), and
+  TopK through it == every path of a two-layer net enumerated;
 - MaxProduct's pass without pointers (found again when a path is read) == the pass
   that carries full pointers through every rule;
 - constant edge weights through ``scale`` == through ``times``;
@@ -89,6 +91,54 @@ def test_compiled_maxplus_equals_eager(compiled):
     slow = kernels.maxplus(m, lw.mT)
     for a, b in zip(fast, slow, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_compiled_maxplus_topk_finds_the_k_best(compiled, k):
+    # 300 inner elements (padded to 320 with log 0, as TopK.prepare pads), integer
+    # values (ties), holes and one row without any path
+    g = torch.Generator().manual_seed(k)
+    m = torch.randint(-4, 4, (2, 5, 300), generator=g).to(F64)
+    m[torch.rand(m.shape, generator=g) < 0.3] = -INF
+    m[:, 0] = -INF
+    lw = torch.randint(-4, 4, (2, 300, 7), generator=g).to(F64)
+    lwt = torch.nn.functional.pad(lw.mT, (0, 20), value=-INF)
+    fast = kernels.maxplus_topk(m, lwt, k)
+    assert ("maxplus_topk", F64, "cpu") in kernels._COMPILED_KEYS
+    kernels.set_compile(False)
+    slow = kernels.maxplus_topk(m, lwt, k)
+    every = m[..., :, None, :] + lw.mT[..., None, :, :]  # (2, 5, 7, 300): brute force
+    best = every.sort(-1, descending=True).values[..., :k]
+    for vals, idx in (fast, slow):
+        assert torch.equal(vals, best)
+        live = vals > -INF
+        assert torch.equal(every.gather(-1, idx.clamp(max=299))[live], vals[live])
+        for a in range(k):  # a path is listed once
+            for b in range(a):
+                assert not (live[..., a] & (idx[..., a] == idx[..., b])).any()
+
+
+def test_compiled_topk_semiring_equals_path_enumeration(compiled):
+    """TopK(3) at the input of x -> x W1 -> W2 -> sum, with W1 (4, 300): the matmul takes
+    the blocked kernel; every one of the 4 x 300 x 2 paths enumerated."""
+    g = torch.Generator().manual_seed(0)
+    w1 = torch.randn(4, 300, generator=g, dtype=F64)
+    w2 = torch.randn(300, 2, generator=g, dtype=F64)
+    w1[0, :150] = 0.0  # edges of weight 0: no path through them
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            return ((x @ w1) @ w2).sum()
+
+    x = torch.randn(1, 4, generator=g, dtype=F64)
+    res = sbp.backprop(Net().eval(), x, semirings=[sbp.TopK(3)])
+    got = res.at(0, sbp.TopK(3)).values[0]  # (4, 3)
+    paths = w1[:, :, None] * w2[None, :, :]  # (4, 300, 2): every path's product
+    paths = torch.where(paths == 0, 0.0, paths).flatten(1)
+    order = paths.abs().argsort(-1, descending=True)[:, :3]
+    expected = paths.gather(-1, order)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=0)
+    assert ("maxplus_topk", F64, "cpu") in kernels._COMPILED_KEYS
 
 
 def test_auto_compiles_once_eager_work_would_have_paid_for_it(monkeypatch):

@@ -1,4 +1,5 @@
-"""Fused semiring matmuls: max-times (sign-aware, with argmax) and max-plus (with argmax).
+"""Fused semiring matmuls: max-times (sign-aware, with argmax) and max-plus (with argmax);
+and max-plus top-k (the k best with their indices), eager.
 
 ``torch.compile`` turns each into one loop nest that never materializes the (n, m, p)
 broadcast (CPU and CUDA alike); shapes are dynamic, so one compilation serves every
@@ -172,3 +173,78 @@ def maxplus(m, lwt):
     batch, (m,), lwt = _flat((m,), lwt)
     outs = _run("maxplus", (m,), lwt)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
+
+
+#: max-plus top-k: inner sizes are padded to a multiple of this (``PAD``) and cut in
+#: blocks of ``_block(m)``; below ``BLOCKED_MIN`` one eager ``topk`` is faster
+PAD, BLOCKED_MIN = 64, 256
+
+
+def _block(m: int) -> int:
+    return 64 if m >= 2048 else 16  # measured on a 2-core CPU, BERT's shapes
+
+
+def _block_max(m, lwt, bs: int):
+    """(B, n, m) x (B, p, m) -> (B, n, p, m // bs): max of m + lw over each block of bs."""
+    c = m[:, :, None, :] + lwt[:, None, :, :]
+    return c.view(*c.shape[:-1], c.shape[-1] // bs, bs).amax(-1)
+
+
+def _block_candidates(m, lwt, blocks, bs: int):
+    """m + lw at every element of the chosen blocks (B, n, p, kb), and their indices."""
+    b, n, p, _ = blocks.shape
+    idx = (blocks[..., None] * bs + torch.arange(bs, device=m.device)).flatten(-2)
+    bi = torch.arange(b, device=m.device)[:, None, None, None]
+    ri = torch.arange(n, device=m.device)[None, :, None, None]
+    ji = torch.arange(p, device=m.device)[None, None, :, None]
+    return m[bi, ri, idx] + lwt[bi, ji, idx], idx
+
+
+_EAGER.update(block_max=_block_max, block_candidates=_block_candidates)
+
+
+def _topk_blocked(m, lwt, k: int):
+    """The k best of each (row, column) from the k blocks with the best maxima (every
+    value above a block's max is in a block whose max is higher: the k best values are
+    in those k blocks, ties included); two compiled loops and two small ``topk``."""
+    bs = _block(m.shape[-1])
+    maxima = _compiled("block_max")(m, lwt, bs)
+    _, blocks = maxima.topk(min(k, maxima.shape[-1]), -1)
+    cand, idx = _compiled("block_candidates")(m, lwt, blocks, bs)
+    best, j = cand.topk(k, -1)
+    return best, idx.gather(-1, j)
+
+
+def maxplus_topk(m, lwt, k: int):
+    """The ``k`` largest of ``m[..., i, j] + lw[..., j, l]`` over ``j``, descending, and
+    their ``j`` (``(values, indices)``, each ``(..., i, l, k)``), for the transposed
+    ``lwt[..., l, j] = lw[..., j, l]``; ``k`` at most the size of ``j``. Where fewer
+    than ``k`` sums are finite, the rest are -inf with indices that mean nothing (past
+    ``j``'s size, where ``lwt`` is padded with -inf beyond ``m``'s size).
+
+    Compiled (:func:`set_compile`): the best blocks first, then the best of their
+    elements (BERT's (20, 2048) x (2048, 512), k = 3: 8 ms, against 37 ms for one
+    ``topk`` over the broadcast). Eagerly: that ``topk``, in row chunks.
+    """
+    pad = lwt.shape[-1] - m.shape[-1]
+    if pad:
+        m = torch.nn.functional.pad(m, (0, pad), value=-INF)
+    batch, (m,), lwt = _flat((m,), lwt)
+    b, n, inner, p = m.shape[0], m.shape[-2], m.shape[-1], lwt.shape[-2]
+    key = ("maxplus_topk", m.dtype, m.device.type)
+    if inner >= BLOCKED_MIN and inner % PAD == 0 and _should_compile(key, b * n * inner * p,
+                                                                     m.device):  # fmt: skip
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
+                out = _topk_blocked(m.contiguous(), lwt.contiguous(), k)
+            _COMPILED_KEYS.add(key)
+            return tuple(o.reshape(*batch, n, p, k) for o in out)
+        except Exception as e:  # no compiler, unsupported device: the eager one
+            _state["failed"].add(key)
+            log.warning("compiled max-plus top-k unavailable (%s); using the eager one", e)
+    step = chunk_rows(n, 2 * inner * p * b)
+    outs = [
+        (m[:, r : r + step, None, :] + lwt[:, None, :, :]).topk(k, -1) for r in range(0, n, step)
+    ]
+    return tuple(torch.cat(parts, 1).reshape(*batch, n, p, k) for parts in zip(*outs))

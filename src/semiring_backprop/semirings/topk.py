@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kernels
 from ..errors import InputError
 from .base import (
     INF,
     Semiring,
     Value,
     _dims,
-    chunk_rows,
     full_int,
     log_abs,
     move_to_end,
@@ -27,6 +27,25 @@ _GROUPS = ("v", "s", "node", "idx", "rank")
 class TopKReadout:
     values: torch.Tensor  #: (..., k) signed path products, descending |value|; 0 = no path
     log_abs: torch.Tensor  #: (..., k) log |value|, -inf where fewer than k paths exist
+
+
+def _stack(fields) -> torch.Tensor:
+    """``torch.stack(fields, -1)``; a view, not a copy, where the fields are equally
+    spaced views of one tensor (as ``_unpack`` makes them, and as moves keep them)."""
+    f0 = fields[0]
+    if len(fields) > 1:
+        step = fields[1].storage_offset() - f0.storage_offset()
+        shape, stride, storage = f0.shape, f0.stride(), f0.untyped_storage().data_ptr()
+        if step != 0 and all(
+            f.shape == shape
+            and f.stride() == stride
+            and f.dtype == f0.dtype
+            and f.storage_offset() == f0.storage_offset() + r * step
+            and f.untyped_storage().data_ptr() == storage
+            for r, f in enumerate(fields)
+        ):
+            return f0.as_strided((*shape, len(fields)), (*stride, step))
+    return torch.stack(fields, -1)
 
 
 def _sign(w: torch.Tensor) -> torch.Tensor:
@@ -56,7 +75,7 @@ class TopK(Semiring):
     # values are tuples of 5k fields; inside the operations we stack them to (..., k)
     def _pack(self, a: Value) -> list[torch.Tensor]:
         k = self.k
-        return [torch.stack(a[i * k : (i + 1) * k], -1) for i in range(len(_GROUPS))]
+        return [_stack(a[i * k : (i + 1) * k]) for i in range(len(_GROUPS))]
 
     def _unpack(self, groups) -> Value:
         return tuple(t for g in groups for t in g.unbind(-1))
@@ -87,6 +106,10 @@ class TopK(Semiring):
         """Keep the k best of the trailing candidate dim; gather every group along."""
         v, j = cand_v.topk(self.k, -1)
         return [v] + [g.gather(-1, j) for g in groups]
+
+    def accumulate(self, prev, c):
+        # zero ⊕ c is c: every value lists its k entries in descending order
+        return c if prev is None else self.plus(prev, c)
 
     def plus(self, a, b):
         ga, gb = self._pack(a), self._pack(b)
@@ -119,31 +142,44 @@ class TopK(Semiring):
         out = self._select(flat[1:], flat[0])
         return self._unpack([g.reshape(*shape, self.k) for g in out])
 
+    def prepare(self, w):
+        # log |w| transposed (the kernel reads the reduced dim contiguous), padded with
+        # log 0 to a multiple of kernels.PAD (its blocks)
+        lwt = log_abs(w).transpose(-2, -1)
+        pad = -lwt.shape[-1] % kernels.PAD
+        return torch.nn.functional.pad(lwt, (0, pad), value=-INF).contiguous()
+
     def matmul(self, a, w, prep=None):
+        """The k best of the (m, k) candidates ``v[i, t] + log |w[i, j]|`` of each output
+        element come from the k inputs ``i`` whose best (``t = 0``) candidates are the k
+        best: those k "heads" are found first (a max-plus top-k kernel over (n, m, p),
+        never the (n, m, p, k) broadcast), then the k best of their k x k candidates."""
         k = self.k
-        groups = self._pack(a)  # (..., n, m, k)
-        *batch_groups, w = _batch_broadcast_groups(groups, w)
-        lw = log_abs(w)[..., None, :, :, None]  # (..., 1, m, p, 1)
-        sw = _sign(w)[..., None, :, :, None]
-        n, m, p = batch_groups[0].shape[-3], batch_groups[0].shape[-2], w.shape[-1]
-        step = chunk_rows(n, m * p * k * max(1, w[..., 0, 0].numel()))
-        outs = []
-        for r in range(0, n, step):
-            v, s, *ptrs = (g[..., r : r + step, :, :] for g in batch_groups)
-            cand = (v[..., :, :, None, :] + lw).transpose(-3, -2).flatten(-2)  # (.., r, p, m*k)
-            best, j = cand.topk(k, -1)
-            jm, jr = j // k, j % k
-            flat = jm * k + jr  # index into the (m, k) grid of each row
+        groups = self._pack(a)  # (..., n, m, k) each
+        lwt = self.prepare(w) if prep is None else prep  # (..., p, m)
+        m = groups[0].shape[-2]
+        if m == 0:  # an empty sum: no path
+            return self.zero((*torch.broadcast_shapes(groups[0].shape[:-3], w.shape[:-2]),
+                              groups[0].shape[-3], w.shape[-1]), groups[0])  # fmt: skip
+        heads, rows = kernels.maxplus_topk(groups[0][..., 0], lwt, min(k, m))  # (..., n, p, h)
+        rows = rows.clamp_(max=m - 1)  # where no path is left (heads -inf): any row
+        lwt = lwt[..., :m]
+        *groups, lwt, wt = _batch_broadcast_groups(groups, lwt, w.transpose(-2, -1))
+        n, p, h = rows.shape[-3:]
 
-            def take(g, flat=flat):
-                g = g.flatten(-2)[..., None, :].expand(*g.shape[:-2], p, m * k)
-                return g.gather(-1, flat)
+        def at_rows(t):  # (..., p, m) weights at each head's row -> (..., n, p, h)
+            return t[..., None, :, :].expand(*t.shape[:-2], n, p, m).gather(-1, rows)
 
-            sign = take(s) * torch.gather(
-                sw[..., 0].expand(*v.shape[:-2], m, p).transpose(-1, -2), -1, jm
-            )
-            outs.append([best, sign, *(take(g) for g in ptrs)])
-        return self._unpack([torch.cat(gs, -3) for gs in zip(*outs)])
+        def cands(g):  # (..., n, m, k) -> (..., n, p, h, k): the heads' k entries
+            ix = rows.flatten(-2)[..., None].expand(*rows.shape[:-2], p * h, k)
+            return g.gather(-2, ix).view(*rows.shape, k)
+
+        v = cands(groups[0]) + at_rows(lwt)[..., None]
+        v = v.masked_fill((heads == -INF)[..., None], -INF)  # no path: no head
+        best, j = v.flatten(-2).topk(k, -1)
+        sign = cands(groups[1]).flatten(-2).gather(-1, j) * _sign(at_rows(wt)).gather(-1, j // k)
+        ptrs = (cands(g).flatten(-2).gather(-1, j) for g in groups[2:])
+        return self._unpack([best, sign, *ptrs])
 
     def scalar(self, a) -> torch.Tensor:
         return self.finalize(a).values[..., 0]
@@ -158,7 +194,7 @@ class TopK(Semiring):
         )
 
 
-def _batch_broadcast_groups(groups, w):
-    batch = torch.broadcast_shapes(groups[0].shape[:-3], w.shape[:-2])
+def _batch_broadcast_groups(groups, *ws):
+    batch = torch.broadcast_shapes(groups[0].shape[:-3], *(w.shape[:-2] for w in ws))
     groups = [g.expand(*batch, *g.shape[-3:]) for g in groups]
-    return (*groups, w.expand(*batch, *w.shape[-2:]))
+    return (*groups, *(w.expand(*batch, *w.shape[-2:]) for w in ws))
