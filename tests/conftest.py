@@ -24,3 +24,19 @@ def _offline_quiet():
         yield
     if was_enabled:
         transformers.utils.logging.enable_progress_bar()
+
+
+@pytest.fixture
+def caller_threads():
+    """The caller runs with 3 threads (a count nothing in the library would choose by
+    itself); the test's own count comes back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield 3
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
+def no_thread_setting(monkeypatch):
+    """``SEMIRING_BACKPROP_THREADS`` unset (the library's default thread count)."""
+    monkeypatch.delenv("SEMIRING_BACKPROP_THREADS", raising=False)

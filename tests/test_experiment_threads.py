@@ -12,21 +12,7 @@ import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop.experiments import common, entropy_mdl, entropy_sanity, sva  # noqa: E402
 from semiring_backprop.experiments import first_token as ft  # noqa: E402
 
-CALLER = 3  # a count nothing in the library would choose by itself
-
-
-@pytest.fixture
-def caller_threads():
-    """The caller runs with ``CALLER`` threads; the test's own count comes back after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(CALLER)
-    yield CALLER
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _no_setting(monkeypatch):
-    monkeypatch.delenv("SEMIRING_BACKPROP_THREADS", raising=False)
+pytestmark = pytest.mark.usefixtures("no_thread_setting")
 
 
 # -- training gives the same weights whatever the caller's count -------------------------
@@ -72,7 +58,7 @@ def test_training_runs_on_one_thread_whatever_the_setting(caller_threads, monkey
                                    length=10)  # fmt: skip
     common.train(model, task.train, epochs=1, progress=False)
     assert seen and set(seen) == {1}
-    assert torch.get_num_threads() == CALLER
+    assert torch.get_num_threads() == caller_threads
 
 
 def _task(n):
@@ -136,12 +122,12 @@ def test_entry_points_use_one_thread_and_restore(name, caller_threads, tmp_path,
     seen = _spy(monkeypatch, sbp.Backprop, "__call__")  # sbp.backprop calls it too
     ENTRY_POINTS[name](tmp_path, monkeypatch)
     assert seen and set(seen) == {1}, "every semiring pass on the tiny model: one thread"
-    assert torch.get_num_threads() == CALLER
+    assert torch.get_num_threads() == caller_threads
 
 
 def test_a_given_masked_lm_keeps_the_callers_threads(caller_threads):
     with entropy_sanity.lm_threads(sva.Config()):  # the random small BERT: one thread
         assert torch.get_num_threads() == 1
     with entropy_sanity.lm_threads(sva.Config(model="bert-base-uncased")):
-        assert torch.get_num_threads() == CALLER
-    assert torch.get_num_threads() == CALLER
+        assert torch.get_num_threads() == caller_threads
+    assert torch.get_num_threads() == caller_threads

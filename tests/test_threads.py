@@ -8,21 +8,7 @@ import torch
 import semiring_backprop as sbp
 from semiring_backprop import InputError
 
-CALLER = 3  # a count nothing in the library would choose by itself
-
-
-@pytest.fixture
-def caller_threads():
-    """The caller runs with ``CALLER`` threads; the test's own count comes back after."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(CALLER)
-    yield CALLER
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(autouse=True)
-def _no_setting(monkeypatch):
-    monkeypatch.delenv("SEMIRING_BACKPROP_THREADS", raising=False)
+pytestmark = pytest.mark.usefixtures("no_thread_setting")
 
 
 # -- the context manager -----------------------------------------------------------------
@@ -34,14 +20,14 @@ def test_threads_sets_and_restores(caller_threads):
         with sbp.threads(1):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2
-    assert torch.get_num_threads() == CALLER
+    assert torch.get_num_threads() == caller_threads
 
 
 def test_threads_restores_after_an_exception(caller_threads):
     with pytest.raises(KeyError):
         with sbp.threads(1):
             raise KeyError("inside")
-    assert torch.get_num_threads() == CALLER
+    assert torch.get_num_threads() == caller_threads
 
 
 def test_threads_as_a_decorator(caller_threads):
@@ -51,10 +37,10 @@ def test_threads_as_a_decorator(caller_threads):
             raise ValueError("inside")
         return torch.get_num_threads()
 
-    assert inside() == 1 and torch.get_num_threads() == CALLER
+    assert inside() == 1 and torch.get_num_threads() == caller_threads
     with pytest.raises(ValueError):
         inside(fail=True)
-    assert torch.get_num_threads() == CALLER
+    assert torch.get_num_threads() == caller_threads
 
 
 def test_setting_from_the_environment(caller_threads, monkeypatch):
@@ -65,8 +51,8 @@ def test_setting_from_the_environment(caller_threads, monkeypatch):
         assert torch.get_num_threads() == 1
     monkeypatch.setenv("SEMIRING_BACKPROP_THREADS", "0")  # torch's count, untouched
     with sbp.threads() as n:
-        assert n == torch.get_num_threads() == CALLER
-    assert torch.get_num_threads() == CALLER
+        assert n == torch.get_num_threads() == caller_threads
+    assert torch.get_num_threads() == caller_threads
 
 
 @pytest.mark.parametrize("bad", ["two", "-1", "1.5", ""])
@@ -96,5 +82,5 @@ def test_user_passes_keep_the_callers_threads(caller_threads):
         return y.sum()
 
     res = sbp.backprop(torch.nn.Linear(3, 1).eval(), (torch.randn(2, 3),), output=output)
-    assert seen and set(seen) == {CALLER}
-    assert torch.get_num_threads() == CALLER and res.graph is not None
+    assert seen and set(seen) == {caller_threads}
+    assert torch.get_num_threads() == caller_threads and res.graph is not None

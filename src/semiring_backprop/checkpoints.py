@@ -31,8 +31,9 @@ from .tracing import _random, mark_op
 
 #: False: a pass with ``keep=None`` holds every node instead (the same values)
 ENABLED = True
-#: segments kept computed (a path reads a node's consumers: the next segment too)
-CACHED_SEGMENTS = 3
+#: segments kept computed (a path reads a node's consumers: the next segment too; a
+#: third saved no time on BERT-20's paths and layer table and held 4 MB more)
+CACHED_SEGMENTS = 2
 #: a symbolic size counts as this many elements when cuts are placed
 _NOMINAL_SIZE = 64
 

@@ -249,11 +249,12 @@ class _Pointers:
     consumers' contributions (their rules, run again on their stored values); the
     element of the winner's output, by running its rule with pointer fields
     (``MaxProduct.pointed``), which gives the same values and names the element. Both
-    are kept for the last ``MEMO`` nodes only: a step reads them once or twice, and
+    are kept for the last ``MEMO`` node only: a step reads them once or twice, and
     keeping more held pointer tensors as large as an LM head's logits for no speed
-    (5 paths on BERT-20: 5.9 s keeping 8, 4.3 s keeping 2)."""
+    (5 paths on BERT-20: 0.97 s keeping 1 or 2; the pass and one path peak at 49.6 MB
+    keeping 1, 54.5 MB keeping 2)."""
 
-    MEMO = 2
+    MEMO = 1
 
     def __init__(self, res, k, sr):
         self.res, self.k, self.sr = res, k, sr
@@ -264,9 +265,19 @@ class _Pointers:
     def consumer(self, node, e: int, f: int) -> int:
         """The id of the consumer op that won element ``e`` of ``node``'s ⊕ (field ``f``:
         0 hi, 1 lo); -1 where no consumer has a path. The replayed ⊕ must give the value
-        the pass stored there: a pointer found from other values would lead elsewhere."""
-        replayed = self._replayed(node)
-        stored = self.sr._normalize(_raw(self.res, node, self.k))
+        the pass stored there: a pointer found from other values would lead elsewhere.
+
+        A node with one consumer (most are) needs no replay at neuron granularity: the
+        consumer's rule run with pointer fields (what :meth:`element` reads next) gives
+        the same values, checked here the same way."""
+        res = self.res
+        reached = [c for c in node.users if c in res._store] if self.sr.neuron else ()
+        if len(reached) == 1:
+            winner = res.graph.ids[reached[0]]
+            replayed = self._full(winner, node)
+        else:
+            replayed, winner = self._replayed(node), None
+        stored = self.sr._normalize(_raw(res, node, self.k))
         got, want = float(replayed[f].reshape(-1)[e]), float(stored[f].reshape(-1)[e])
         if not (got == want or math.isclose(got, want, rel_tol=_tol(self.res), abs_tol=1e-300)):
             where = _unravel(e, self.res.values[node].shape)
@@ -275,7 +286,7 @@ class _Pointers:
                 f"consumers' values ⊕ to {('hi', 'lo')[f]} = {got!r}, but the pass stored "
                 f"{want!r}. {_STALE}"
             )
-        return int(replayed[2 + f].reshape(-1)[e])
+        return winner if winner is not None else int(replayed[2 + f].reshape(-1)[e])
 
     def consumers(self, node) -> tuple:
         """The winning consumer ids of every element of ``node`` (hi, lo; -1: none)."""
@@ -312,6 +323,14 @@ class _Pointers:
     def element(self, c_id: int, node, e: int, f: int) -> int:
         """The element of consumer ``c_id``'s output that element ``e`` of ``node``
         takes its ``f`` field from (neuron granularity)."""
+        p_id, p_idx = unpack_pointer(int(self._full(c_id, node)[2 + f].reshape(-1)[e]))
+        if p_id != c_id:
+            raise _broken(node)
+        return p_idx
+
+    def _full(self, c_id: int, node):
+        """Consumer ``c_id``'s rule for ``node``, run with pointer fields: hi, lo and,
+        per element, the element of ``c_id``'s output each comes from."""
         res, sr = self.res, self.sr.pointed
         if (c_id, node) not in self.full:
             c = res.graph.nodes[c_id]
@@ -323,10 +342,7 @@ class _Pointers:
                 if not cs:
                     raise _broken(node)
                 self.full[c_id, node] = cs[0] if len(cs) == 1 else sr.sum(stack(cs), 0)
-        p_id, p_idx = unpack_pointer(int(self.full[c_id, node][2 + f].reshape(-1)[e]))
-        if p_id != c_id:
-            raise _broken(node)
-        return p_idx
+        return self.full[c_id, node]
 
 
 class _Recent(OrderedDict):

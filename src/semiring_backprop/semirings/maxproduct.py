@@ -357,8 +357,9 @@ class _Pointed(MaxProduct):
         return MaxProduct(self.granularity)  # the same transposed weights
 
     def _make(self, hi, lo):
+        # a tensor per field: routing rules write into a fresh zero in place only then
         ptr = full_int(hi.shape, -1, hi)
-        return (hi, lo, ptr, ptr) if self.neuron else _Normal((hi, lo, ptr, ptr))
+        return (hi, lo, ptr, ptr.clone()) if self.neuron else _Normal((hi, lo, ptr, ptr.clone()))
 
     def enter(self, a: Value, node_id: int) -> Value:
         return self.tag(a, node_id)
