@@ -325,6 +325,10 @@ def test_read_blimp(tmp_path):
         (blimp_row(subject=9), r"subject must hold word indices in 0..6, got 9"),
         (blimp_row(attractors=3), "attractors must be a list"),
         (blimp_row(attractors=[1, "x"]), "attractors must hold word indices"),
+        (blimp_row(subject=5), "subject 5 is the verb's own position"),
+        (blimp_row(subject=1, attractors=[4, 4]), "attractors list word 4 more than once"),
+        (blimp_row(subject=1, attractors=[5]), "attractor 5 is the verb's position"),
+        (blimp_row(subject=1, attractors=[1]), "attractor 1 is the subject"),
     ],
 )
 def test_read_blimp_errors_name_file_and_line(tmp_path, line, needle):

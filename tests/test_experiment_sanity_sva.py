@@ -319,6 +319,21 @@ def test_sva_on_a_blimp_file_maps_words_to_pieces_and_skips(word_piece_model, tm
     assert pd.read_csv(out / "entropy.csv")["example"].tolist() == [0, 2]
 
 
+def test_sva_refuses_a_file_without_examples_and_a_run_that_explains_none(
+    word_piece_model, tmp_path
+):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(sbp.InputError, match="empty.jsonl: no examples"):
+        experiments.run("sva", tmp_path / "a", model=str(word_piece_model), data=str(empty),
+                        progress=False)  # fmt: skip
+    none = tmp_path / "none.jsonl"  # every verb is out of the vocabulary: each is skipped
+    none.write_text(_blimp("the dog near the cabinets", "run", "runs", "here", 1, [4]) + "\n")
+    with pytest.raises(sbp.InputError, match=r"none of the 1 examples .*'run'.*examples.jsonl"):
+        experiments.run("sva", tmp_path / "b", model=str(word_piece_model), data=str(none),
+                        aggregation=("oplus",), progress=False)  # fmt: skip
+
+
 class _SlowTokenizer:
     """A tokenizer seen as slow: ``word_pieces`` must tokenize word by word."""
 

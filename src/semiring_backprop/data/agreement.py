@@ -152,9 +152,15 @@ def _blimp_example(where: str, line: str) -> AgreementExample:
     rest = _after(row["sentence_good"], prefix, good, where, "good")
     _after(row["sentence_bad"], prefix, bad, where, "bad")
     words = (*prefix, MASK, *rest)
+    verb = len(prefix)
     subject = row.get("subject")
     if subject is not None:
         _check_index(subject, words, where, "subject")
+        if subject == verb:
+            raise InputError(
+                f"{where}: subject {subject} is the verb's own position (word {verb}, "
+                f"{good!r} / {bad!r}); give the index of the subject's head noun"
+            )
     positions = row.get("attractors")
     if positions is not None:
         if not isinstance(positions, list):
@@ -163,10 +169,22 @@ def _blimp_example(where: str, line: str) -> AgreementExample:
             )
         for i in positions:
             _check_index(i, words, where, "attractors")
+        twice = sorted({i for i in positions if positions.count(i) > 1})
+        if twice:
+            raise InputError(
+                f"{where}: attractors list word {twice[0]} more than once ({positions!r}); "
+                "each attractor counts once"
+            )
+        clash = [i for i in positions if i in (verb, subject)]
+        if clash:
+            what = "the verb's position" if clash[0] == verb else "the subject"
+            raise InputError(
+                f"{where}: attractor {clash[0]} is {what}; an attractor is another noun"
+            )
         positions = tuple(positions)
     return AgreementExample(
         words=words,
-        mask_index=len(prefix),
+        mask_index=verb,
         good=good,
         bad=bad,
         attractors=None if positions is None else len(positions),

@@ -232,9 +232,21 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     else:
         data = Path(config.data)
     every = read_agreement(data)
+    if not every:
+        raise InputError(
+            f"{data}: no examples (the file is empty or holds only blank lines); give a "
+            "BLiMP JSON-lines or Linzen/Goldberg TSV file with at least one example"
+        )
     examples = locate(every[: config.limit])  # an InputError if positions cannot be found
     rows = explain(examples, every, out, config, progress)
     done = [r for r in rows if "skipped" not in r]
+    if rows and not done:
+        reasons = sorted({r["skipped"] for r in rows})
+        raise InputError(
+            f"{data}: none of the {len(rows)} examples could be explained; each was "
+            f"skipped ({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''}). "
+            f"The reasons are in {out / 'examples.jsonl'}"
+        )
     branches = _branches(done)
     entropy = _entropy(done, config.length_bins)
     branches.to_csv(out / "branches.csv", index=False)
