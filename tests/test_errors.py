@@ -283,6 +283,41 @@ def test_non_finite_value_that_reaches_no_path_and_no_edge_weight_is_fine():
     torch.testing.assert_close(res.at(0, sbp.Real()), want)
 
 
+class _Scales(nn.Module):
+    """x -> x·1e15 four times: every forward value finite in float32 (1e-30 up to 1e30),
+    the gradient at the first product 1e45 (past float32's 3.4e38)."""
+
+    def forward(self, x):
+        for i in range(4):
+            x = x * 1e15 if i else (x * 1e15).relu()  # the first product named by its op
+        return x
+
+
+@pytest.mark.parametrize(
+    ("semirings", "keep"),
+    [
+        ([sbp.Real()], None),
+        ([sbp.MaxProduct()], None),
+        ([sbp.Real(), sbp.MaxProduct("tensor")], (0,)),
+        ([sbp.Entropy(), sbp.MaxProduct()], None),
+    ],
+)
+def test_reverse_pass_overflow_names_the_first_node(semirings, keep):
+    x = torch.full((2, 3), 1e-30)
+    with raises(sbp.NonFiniteError, "overflowed", semirings[-1].name if
+                len(semirings) == 1 else "", "`relu`", "float64", "MaxAbs"):  # fmt: skip
+        sbp.backprop(_Scales().eval(), args=(x,), output=total, semirings=semirings, keep=keep)
+    # in float64 the same pass agrees with autograd; in log space float32 suffices
+    leaf = x.double().requires_grad_()
+    (want,) = torch.autograd.grad(total(_Scales()(leaf)), leaf)
+    res = sbp.backprop(_Scales().eval(), args=(x.double(),), output=total,
+                       semirings=[sbp.Real(), sbp.MaxProduct()])  # fmt: skip
+    torch.testing.assert_close(res.at(0, sbp.Real()), want)
+    torch.testing.assert_close(res.at(0, sbp.MaxProduct()).hi, want)  # one path each
+    res = sbp.backprop(_Scales().eval(), args=(x,), output=total, semirings=[sbp.MaxAbs()])
+    torch.testing.assert_close(res.at(0, sbp.MaxAbs()).log, want.log().float())
+
+
 def test_non_finite_value_read_by_an_edge_weight_is_an_error():
     """The same -inf made from positions alone, now multiplying the input: the edge
     weights of that product are infinite."""
@@ -305,6 +340,33 @@ def test_untraceable_model_suggests_eager_attention_or_a_plain_function():
         sbp.TracingError, "could not trace", "attn_implementation='eager'", "plain function"
     ):
         sbp.backprop(flow, args=(x34(),), output=total)
+
+
+class _ReverseGradient(torch.autograd.Function):
+    """A gradient-reversal layer: identity forward, -g backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return -g
+
+
+def test_custom_autograd_function_is_refused_by_name():
+    def model(x):
+        return _ReverseGradient.apply(x) * 2
+
+    x = x34().requires_grad_()
+    (g,) = torch.autograd.grad(total(model(x)), x)
+    assert (g == -2).all()  # what autograd says; the forward's ops alone would give +2
+    with raises(sbp.TracingError, "custom torch.autograd.Function", "_ReverseGradient", "-g"):
+        sbp.backprop(model, args=(x34(),), output=total)
+    # the watch is gone after the trace: the Function works as before
+    x = x34().requires_grad_()
+    (g,) = torch.autograd.grad(total(model(x)), x)
+    assert (g == -2).all()
 
 
 def test_model_not_callable():

@@ -277,6 +277,34 @@ def test_prepared_weights_give_the_same_values_and_follow_weight_changes():
         _same(sr, got.value(0, sr), want.value(0, sr))
 
 
+@pytest.mark.parametrize("how", ["data", "numpy", "refresh"])
+def test_prepared_weights_follow_writes_the_version_counter_misses(how):
+    """``p.data`` and NumPy writes leave ``p._version`` as it is: the prepared weights
+    are checked by sampled elements (a whole-tensor write), or dropped by refresh()."""
+    torch.manual_seed(2)
+    model = _Net().to(F64).eval()
+    output = lambda y: y[0, 1] - y[1, 2]  # noqa: E731
+    x = torch.randn(2, 4, dtype=F64)
+    cached = sbp.Backprop(model, output, SEMIRINGS)
+    cached((x,))
+    assert cached._prepared.used > 0
+    version = model.a.weight._version
+    if how == "data":
+        model.a.weight.data.mul_(-0.5)
+    elif how == "numpy":
+        view = model.a.weight.detach().numpy()
+        view *= -0.5
+        version = model.a.weight._version  # (detach() bumped it; the NumPy write did not)
+    else:  # one element: maybe not sampled; refresh() is the documented way
+        model.a.weight.data[1, 2] += 1.0
+        cached.refresh()
+    assert model.a.weight._version == version  # torch did not see it
+    got = cached((x,))
+    want = sbp.backprop(model, (x,), output=output, semirings=SEMIRINGS, reuse=False)
+    for sr in SEMIRINGS:
+        _same(sr, got.value(0, sr), want.value(0, sr))
+
+
 @pytest.mark.parametrize("granularity", ["neuron", "tensor"])
 def test_found_pointers_equal_carried_pointers(granularity):
     """The pass keeps no MaxProduct back-pointers; those path reading finds again (⊕

@@ -89,8 +89,17 @@ class Backprop:
     be a fixed function of the model's output (its indices become constants; a negative
     index such as ``logits[0, -1]`` follows the length): make one ``Backprop`` per
     output function, or pass a varying position as a tensor input of a wrapper.
-    The model's parameters are checked on every call (same tensors, not modified in
-    place); if they changed, the model is traced again.
+    What the trace depends on is checked on every call: it is traced again when the
+    model's parameters or buffers are replaced or modified in place (torch's version
+    counter: optimizer steps, ``load_state_dict``, ``with torch.no_grad(): p.mul_(2)``),
+    its modules are replaced, its hooks or train/eval mode change, or a plain
+    attribute of a module (a norm's ``eps``, a scale) changes. Writes that bypass the
+    version counter (through ``p.data`` or a NumPy view of ``p``) are read by the pass
+    itself, which computes with the parameters' memory; the weights prepared from them
+    (``weight_cache``) are checked by 64 evenly spaced elements of every parameter and
+    buffer and made again if one differs: a write to a whole tensor or a large part of
+    it is seen, a write to a few elements may not be. Call :meth:`refresh` after such
+    a write.
 
     ``keep`` (places, as for :meth:`Result.at`, with ``*`` wildcards) keeps only those
     values and frees the rest during the pass, for memory; paths and branch tables
@@ -158,6 +167,11 @@ class Backprop:
         args = tuple(args) if isinstance(args, tuple | list) else (args,)
         return self._traces.graph(args, dict(kwargs or {}))
 
+    def refresh(self) -> None:
+        """Forget the prepared weights (made again on the next call): after a write to
+        the parameters that torch's version counter does not see (``p.data``, NumPy)."""
+        self._traces.set_prepared()
+
     @property
     def traces(self) -> int:
         """How many graphs are traced now (for the current weights)."""
@@ -204,7 +218,7 @@ class _Traces:
         self.weight_cache, self.dynamic = weight_cache, dynamic
         self.limit = limit  # most graphs kept per input signature (None: all)
         self.graphs: dict = {}  # signature -> graphs traced for it
-        self.stamp = self.prepared = None
+        self.stamp = self.prepared = self.samples = None
 
     @property
     def model(self):
@@ -214,13 +228,27 @@ class _Traces:
     def count(self) -> int:
         return sum(len(graphs) for graphs in self.graphs.values())
 
+    def set_prepared(self, samples=None) -> None:
+        """A fresh store of prepared weights, for every graph (``samples``: the model's
+        :func:`_samples` now, if known)."""
+        self.prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
+        if self.prepared is not None:
+            self.samples = _samples(self.model) if samples is None else samples
+        for graphs in self.graphs.values():
+            for graph in graphs:
+                graph.prepared = self.prepared
+
     def graph(self, args: tuple, kwargs: dict):
         model = self.model
         key = _signature(args, kwargs)
         stamp = _stamp(model)
         if stamp != self.stamp:  # new or modified weights or modules: every trace is stale
             self.graphs, self.stamp = {}, stamp
-            self.prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
+            self.set_prepared()
+        elif self.prepared is not None:  # writes the version counter does not see
+            samples = _samples(model)
+            if not torch.equal(samples, self.samples):
+                self.set_prepared(samples)
         given = input_tensors(args, kwargs)
         leaves = pytree.tree_leaves((args, kwargs))
         for graph in self.graphs.get(key, ()):
@@ -365,6 +393,24 @@ def _stamp(model):
                 stamp.append((id(t), t.data_ptr(), t._version))
         stamp.append(_plain(m.__dict__, seen))
     return tuple(stamp)
+
+
+#: elements of every parameter and buffer compared for writes torch's version counter
+#: does not see (what prepared weights are checked by)
+SAMPLES = 64
+
+
+def _samples(model) -> torch.Tensor:
+    """64 evenly spaced elements of every float parameter and buffer, as their bits."""
+    if not isinstance(model, torch.nn.Module):
+        return torch.zeros(0, dtype=torch.int64)
+    parts = []
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point() and t.numel():
+            flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().flatten()
+            step = max(1, flat.numel() // SAMPLES)
+            parts.append(flat[::step][:SAMPLES].to(torch.float64).cpu())
+    return torch.cat(parts).view(torch.int64) if parts else torch.zeros(0, dtype=torch.int64)
 
 
 def _hooks(m):

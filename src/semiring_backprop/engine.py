@@ -14,7 +14,7 @@ import torch
 from torch.fx.node import map_arg
 
 from . import memory, rules
-from .errors import InputError, UnsupportedOpError, where
+from .errors import InputError, NonFiniteError, UnsupportedOpError, where
 from .rules.routing import reshape_back
 from .semirings.base import fmap, stack
 
@@ -78,6 +78,10 @@ def reverse(
     With ``keep`` (a set of nodes), D is stored for those nodes only, and the pass
     holds only what its rules still read (:mod:`memory`: forward values let go after
     their last reader, cheap ones recomputed, each D released once its rule has run).
+
+    Every node's D is checked for values no finite path product gives (float overflow:
+    the forward values are checked finite), with one host sync at the end: a
+    :class:`NonFiniteError` names the first node (from the output) where one appears.
     """
     needed = needed_nodes(graph, seed_node)
     if seed_node not in needed:
@@ -87,13 +91,24 @@ def reverse(
     out = values[seed_node]
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
     return propagate(
-        graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached
+        graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached,
+        check=True,
+    )  # fmt: skip
+
+
+def _overflow(graph, node, sr) -> NonFiniteError:
+    return NonFiniteError(
+        f"the reverse pass overflowed under {sr.name}: D at {where(node, graph.module_of(node))} "
+        "holds inf or NaN although every forward value is finite (path products beyond "
+        "the float range). Run the model and inputs in float64 (model.double()), or use a "
+        "log-space semiring: MaxAbs for the top path's |product|, LogAbs for the total "
+        "gradient flow."
     )
 
 
 def propagate(
     graph, values, semirings, acc: dict, needed, within=None, keep=None, *,
-    start=None, stop=0, snapshots=None, reached=None,
+    start=None, stop=0, snapshots=None, reached=None, check=False,
 ) -> dict:  # fmt: skip
     """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
 
@@ -104,8 +119,10 @@ def propagate(
     (``{node id: None}``): at each of these ids, before its node's rule runs, the
     partial sums are copied there (the state to run the pass on from, see
     :mod:`checkpoints`); ``reached`` (a set) collects every node that gets a D.
+    ``check``: refuse an overflowed D (see :func:`reverse`).
     """
     store = {}
+    flags = []  # (node, semiring, 0-dim bool): checked together at the end
     lean = memory.plan(graph, needed, keep) if keep is not None else None
     plan = _plan(graph, needed)
     start = len(graph.nodes) if start is None else start
@@ -118,6 +135,8 @@ def propagate(
         d = acc.pop(node, None)
         if d is None:
             continue
+        if check:  # D at this node is complete: ⊕ over all its consumers
+            flags += [(node, sr, sr.overflowed(d[s])) for s, sr in enumerate(semirings)]
         if reached is not None:
             reached.add(node)
         stored = keep is None or node in keep
@@ -145,6 +164,11 @@ def propagate(
                 continue
             slot = acc.setdefault(inp, [None] * len(semirings))
             slot[s] = semirings[s].accumulate(slot[s], c)
+    if flags:
+        bad = torch.stack([f for _, _, f in flags]).nonzero()
+        if len(bad):
+            node, sr, _ = flags[int(bad[0, 0])]
+            raise _overflow(graph, node, sr)
     return store
 
 

@@ -8,6 +8,7 @@ finds exactly that module's output in the graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import operator
@@ -287,11 +288,14 @@ def trace(
     _check_mode(model, allow_training)
     table = decompositions.table(tuple(whole))
     handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
+    functions: list = []
     try:
         with warnings.catch_warnings():
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            program = _export(_Explained(model, output), args, kwargs, dynamic)
+            with _watch_functions(functions):
+                program = _export(_Explained(model, output), args, kwargs, dynamic)
+            _refuse_functions(functions)
             _detach_no_grad_blocks(program)
             program = program.run_decompositions(table)
             _select_by_indices(program)
@@ -313,6 +317,39 @@ def trace(
     if isinstance(model, torch.nn.Module):
         graph.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
     return graph
+
+
+@contextlib.contextmanager
+def _watch_functions(seen: list):
+    """Record every custom ``torch.autograd.Function`` the traced code applies."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        seen.append(cls)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def _refuse_functions(seen: list) -> None:
+    """The trace holds a custom Function's forward ops, and the gradient graph their
+    derivatives; the Function's own backward (a gradient-reversal layer's -g, a
+    straight-through estimator's identity) is not in it, so the answer would differ
+    from autograd's without a word. torch's own Functions are what their forward says."""
+    custom = [f for f in dict.fromkeys(seen) if not f.__module__.startswith("torch.")]
+    if custom:
+        names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in custom)
+        raise TracingError(
+            f"the model applies the custom torch.autograd.Function {names}: the gradient "
+            "graph is built from the derivatives of the ops of its forward, while autograd "
+            "uses its own backward, which may differ (a gradient-reversal layer returns "
+            "-g). Explain a version of the model that calls plain torch ops in its place "
+            "(its forward's ops if its backward is their derivative)."
+        )
 
 
 def _experts_hint(model) -> str:

@@ -45,8 +45,13 @@ def config(name: str, quick: bool = False, **options):
 
 
 def run(name: str, out, quick: bool = False, progress: bool = True, **options) -> dict:
-    """Run one experiment into directory ``out``; returns its summary and file list."""
-    return module(name).run(out, config(name, quick, **options), progress=progress)
+    """Run one experiment into directory ``out``; returns its summary and file list.
+    The run holds ``out`` (another run into it is refused while this one lasts)."""
+    from .common import lock
+
+    cfg = config(name, quick, **options)
+    with lock(out):
+        return module(name).run(out, cfg, progress=progress)
 
 
 __all__ = ["EXPERIMENTS", "config", "module", "run"]

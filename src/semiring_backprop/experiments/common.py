@@ -2,13 +2,19 @@
 
 Every experiment writes into its own directory. A trained model is saved there with its
 training history and reloaded on a rerun; per-example results go to JSON lines, one line
-as soon as it is computed, and a rerun skips the lines already written.
+as soon as it is computed, and a rerun skips the lines already written. Whole files
+(models, histories, configs, tables) are written under a temporary name and renamed, so
+a file that exists is complete; one run at a time holds a directory (:func:`lock`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,6 +22,12 @@ import torch
 
 from .._threads import TRAIN, threads
 from ..errors import InputError
+
+log = logging.getLogger(__name__)
+
+#: files of an output directory that hold no results: the settings, the lock, and data
+#: a run makes again from its settings before computing anything
+NOT_RESULTS = frozenset({"config.json", ".lock", "synthetic.jsonl"})
 
 
 def bert_classifier(
@@ -125,17 +137,76 @@ def train(
 
 def trained(model, path: Path, fit) -> tuple[torch.nn.Module, list[dict]]:
     """``model`` trained by ``fit(model) -> history``, or loaded from ``path`` (a
-    directory) if an earlier run saved it there; saves after training."""
+    directory) if an earlier run saved it there; saves after training. A saved model or
+    history that cannot be read (cut off by an earlier version's interrupted write) is
+    trained again."""
     path = Path(path)
     weights, hist = path / "model.pt", path / "history.json"
     if weights.exists() and hist.exists():
-        model.load_state_dict(torch.load(weights, weights_only=True))
-        return model.eval(), json.loads(hist.read_text())
+        try:
+            state = torch.load(weights, weights_only=True)
+            history = json.loads(hist.read_text())
+            model.load_state_dict(state)
+            return model.eval(), history
+        except Exception as e:  # noqa: BLE001  (EOFError, pickle and zip errors, JSON)
+            log.warning("%s cannot be read (%s: %s); training again", path, type(e).__name__, e)
     history = fit(model)
     path.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), weights)
+    atomic_write(weights, lambda tmp: torch.save(model.state_dict(), tmp))
     write_json(hist, history)
     return model.eval(), history
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
+    """``write(tmp)`` into a temporary file beside ``path``, then rename it to ``path``
+    (atomic on POSIX and Windows): a reader sees the old file or the whole new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_csv(frame, path: Path) -> Path:
+    return atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False))
+
+
+@contextlib.contextmanager
+def lock(out: Path) -> Iterator[None]:
+    """Hold ``out`` for this run: a second run into the same directory (another process)
+    is refused, naming the process that holds it, rather than mixing rows."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / ".lock", "a+")  # noqa: SIM115  (held for the run)
+    except OSError as e:
+        raise InputError(f"cannot write into output directory {str(out)!r}: {e.strerror}") from None
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        fcntl = None
+    try:
+        if fcntl is not None:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                f.seek(0)
+                holder = f.read().strip() or "unknown"
+                raise InputError(
+                    f"{out} is in use by another run (process {holder}); wait for it to "
+                    "finish, or write into another output directory"
+                ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        f.close()  # releases the lock
 
 
 class Records:
@@ -148,7 +219,8 @@ class Records:
     def __init__(self, path: Path, key: str = "key"):
         self.path, self.key = Path(path), key
         self.rows: list[dict] = []
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        text = self.path.read_text() if self.path.exists() else ""
+        lines = text.splitlines()
         for i, line in enumerate(lines, 1):
             try:
                 self.rows.append(json.loads(line))
@@ -160,8 +232,9 @@ class Records:
                 # the last line was cut off by an interrupted run: drop it
         self._done = {r.get(key) for r in self.rows}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        if len(self.rows) != len(lines):
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in self.rows))
+        if len(self.rows) != len(lines) or not text.endswith("\n") and lines:  # cut off
+            clean = "".join(json.dumps(r) + "\n" for r in self.rows)
+            atomic_write(self.path, lambda tmp: tmp.write_text(clean))
 
     def has(self, key) -> bool:
         return key in self._done
@@ -184,8 +257,19 @@ def same_settings(out: Path, config, free=()) -> None:
     report), its records would be stale: raise instead of mixing them."""
     path = out / "config.json"
     now = json.loads(json.dumps(asdict(config)))  # tuples as JSON lists
-    if path.exists():
-        before = json.loads(path.read_text())
+    # settings count only where a run left results under them (a run that failed
+    # before computing anything does not block a corrected one)
+    results = out.is_dir() and any(p.name not in NOT_RESULTS for p in out.iterdir())
+    if path.exists() and results:
+        try:
+            before = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise InputError(
+                f"{path} is not valid JSON, so the settings of the results beside it are "
+                "unknown; delete the directory to start over, or write into a new one"
+            ) from None
+        if not isinstance(before, dict):
+            before = {}
         changed = sorted(k for k in now if k not in free and before.get(k, now[k]) != now[k])
         if changed:
             raise InputError(
@@ -207,10 +291,8 @@ def spearman(x, y) -> dict:
 
 
 def write_json(path: Path, obj) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_plain(obj), indent=2) + "\n")
-    return path
+    text = json.dumps(_plain(obj), indent=2) + "\n"
+    return atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def _plain(x):

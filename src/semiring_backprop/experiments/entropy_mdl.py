@@ -78,6 +78,7 @@ from .common import (
     spearman,
     train,
     trained,
+    write_csv,
     write_json,
 )
 
@@ -305,7 +306,7 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     frame = frame[frame["key"].isin(keys)].copy() if len(frame) else frame
     if "params" in frame:  # as in the task strings: k=4, tokens=1+2
         frame["params"] = frame["params"].map(_show_params)
-    frame.to_csv(out / "runs.csv", index=False)
+    write_csv(frame, out / "runs.csv")
     summary = _summary(rows, config)
     write_json(out / "summary.json", summary)
     files = [str(out / f) for f in ("runs.jsonl", "runs.csv", "mdl_blocks.jsonl",

@@ -27,7 +27,16 @@ from .._threads import threads
 from ..api import Backprop
 from ..errors import InputError
 from ..semirings import Entropy, PathCount
-from .common import GoldLogit, Records, same_settings, spearman, train, trained, write_json
+from .common import (
+    GoldLogit,
+    Records,
+    same_settings,
+    spearman,
+    train,
+    trained,
+    write_csv,
+    write_json,
+)
 
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _WORD = re.compile(r"^[a-z]{2,}$")  # whole lowercase words of a WordPiece vocabulary
@@ -320,8 +329,8 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     by_sentence = pd.DataFrame(lengths(out, config, progress)).drop(columns="input_ids")
     by_width = pd.DataFrame(widths(out, config, progress)).drop(columns="per_example")
     by_width[[f"feature_{j}" for j in range(4)]] = by_width.pop("per_feature").tolist()
-    by_sentence.drop(columns="key").to_csv(out / "length.csv", index=False)
-    by_width.drop(columns="key").to_csv(out / "hidden.csv", index=False)
+    write_csv(by_sentence.drop(columns="key"), out / "length.csv")
+    write_csv(by_width.drop(columns="key"), out / "hidden.csv")
     summary = _summary(by_sentence, by_width, config)
     write_json(out / "summary.json", summary)
     files = [str(out / f) for f in ("length.csv", "hidden.csv", "summary.json")]

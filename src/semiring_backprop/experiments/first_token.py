@@ -18,7 +18,17 @@ import torch
 from .._threads import threads
 from ..api import Backprop
 from ..semirings import MaxProduct
-from .common import GoldLogit, Records, bert_classifier, same_settings, train, trained, write_json
+from .common import (
+    GoldLogit,
+    Records,
+    bert_classifier,
+    lock,
+    same_settings,
+    train,
+    trained,
+    write_csv,
+    write_json,
+)
 
 BRANCHES = ("skip", "query", "key", "value")
 CLASSES = ("first", "repeated", "other")
@@ -84,7 +94,7 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     accuracy = history[-1]["val_accuracy"]
     rows = explain(model, task.val, out / "values.jsonl", config, progress)
     frame = _frame(rows)
-    frame.to_csv(out / "branches.csv", index=False)
+    write_csv(frame, out / "branches.csv")
     summary = _summary(frame)
     write_json(out / "summary.json", summary)
     files = [str(out / "branches.csv"), str(out / "summary.json")]
@@ -226,7 +236,8 @@ def table_text(summary: dict) -> str:
 def demo(out="runs/demo", progress: bool = True, print_fn=print) -> dict:
     """``first-token-repeated --quick``: train (about 20 s on 2 cores), explain 200
     validation examples, print the branch table with a one-line reading."""
-    result = run(out, Config.quick(), progress=progress)
+    with lock(out):
+        result = run(out, Config.quick(), progress=progress)
     p = print_fn
     p("FirstTokenRepeatedOnce (does the first token occur again?): a 1-layer BERT-style")
     p(f"classifier reached {result['val_accuracy']:.0%} validation accuracy in "

@@ -34,7 +34,7 @@ import numpy as np
 from ..api import Backprop
 from ..errors import InputError
 from ..semirings import Entropy, MaxProduct, PathCount
-from .common import Records, same_settings, spearman, write_json
+from .common import Records, same_settings, spearman, write_csv, write_json
 from .entropy_sanity import (
     MaskedScore,
     embedding_entropy,
@@ -249,8 +249,8 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
         )
     branches = _branches(done)
     entropy = _entropy(done, config.length_bins)
-    branches.to_csv(out / "branches.csv", index=False)
-    entropy.to_csv(out / "entropy.csv", index=False)
+    write_csv(branches, out / "branches.csv")
+    write_csv(entropy, out / "entropy.csv")
     summary = _summary(branches, entropy, rows, config)
     write_json(out / "summary.json", summary)
     files = [str(out / f) for f in ("branches.csv", "entropy.csv", "summary.json")]

@@ -205,6 +205,13 @@ class Semiring:
         """A rule's result (computed with :attr:`inner`) as a value of this semiring."""
         return c
 
+    def overflowed(self, a: Value) -> torch.Tensor:
+        """Whether ``a`` holds a value no finite path product gives (a 0-dim bool
+        tensor): NaN, or +inf in a float field. The default suits log-space fields,
+        where -inf is "no path"."""
+        bad = [(f.isnan() | (f == INF)).any() for f in a if f.is_floating_point()]
+        return torch.stack(bad).any() if bad else torch.tensor(False)
+
     def scalar(self, a: Value) -> torch.Tensor:
         """The one number per element that tables show (the readout's headline)."""
         raise NotImplementedError

@@ -335,6 +335,12 @@ class MaxProduct(Semiring):
     def scalar(self, a: Value) -> torch.Tensor:
         return self.finalize(a).hi
 
+    def overflowed(self, a: Value) -> torch.Tensor:
+        # "no path" is (-inf, +inf); a path's hi is never +inf nor its lo -inf (a
+        # negative hi overflowed to -inf leaves lo at -inf too)
+        hi, lo = a[0], a[1]
+        return (hi.isnan() | lo.isnan() | (hi == INF) | (lo == -INF)).any()
+
     def rank(self, a: Value) -> torch.Tensor:
         return self.finalize(a).hi
 

@@ -51,3 +51,6 @@ class Real(Semiring):
 
     def scalar(self, a: Value) -> torch.Tensor:
         return a[0]
+
+    def overflowed(self, a: Value) -> torch.Tensor:
+        return ~torch.isfinite(a[0]).all()  # a sum of finite path products is finite
