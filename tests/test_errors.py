@@ -318,6 +318,20 @@ def test_reverse_pass_overflow_names_the_first_node(semirings, keep):
     torch.testing.assert_close(res.at(0, sbp.MaxAbs()).log, want.log().float())
 
 
+def test_an_overflow_that_reaches_no_input_is_refused_where_it_is_read():
+    """Every element masked: D at the input is 0 (no path) and finite, D at the masked
+    tensor overflowed (1e40 in float32); reading it there is the error."""
+
+    def fn(t):
+        z = t.masked_fill(torch.ones_like(t, dtype=torch.bool), 0.0)
+        return z * 1e20 * 1e20
+
+    res = sbp.backprop(fn, args=(x34().float(),), output=total)
+    assert (res.at(0, sbp.Real()) == 0).all()
+    with raises(sbp.NonFiniteError, "Real overflowed at 'where'", "float64"):
+        res.at("where", sbp.Real())  # masked_fill, decomposed
+
+
 def test_non_finite_value_read_by_an_edge_weight_is_an_error():
     """The same -inf made from positions alone, now multiplying the input: the edge
     weights of that product are infinite."""

@@ -186,6 +186,16 @@ class Backprop:
         kwargs = dict(kwargs or {})
         allocator.auto()  # freed host memory reused, not faulted in again (see allocator)
         graph = self.graph(args, kwargs)
+        try:
+            return self._run(graph, args, kwargs)
+        except engine.Overflow:  # seen where paths end: find the node where it began
+            with torch.no_grad():
+                values = forward.run(graph, args, kwargs)
+                engine.reverse(graph, values, self.semirings, graph.output_node, set(),
+                               check="every")  # fmt: skip
+            raise
+
+    def _run(self, graph, args: tuple, kwargs: dict) -> Result:
         if self.keep is None and checkpoints.ENABLED and checkpoints.usable(graph):
             needed = engine.needed_nodes(graph, graph.output_node)
             with torch.no_grad():

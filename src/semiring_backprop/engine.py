@@ -71,17 +71,21 @@ def _is_complex(node) -> bool:
 
 
 def reverse(
-    graph, values: dict, semirings: list, seed_node, keep=None, snapshots=None, reached=None
-) -> dict:
+    graph, values: dict, semirings: list, seed_node, keep=None, snapshots=None, reached=None,
+    check: str = "pass",
+) -> dict:  # fmt: skip
     """D(v) for every needed node v, as ``{node: [value per semiring]}``.
 
     With ``keep`` (a set of nodes), D is stored for those nodes only, and the pass
     holds only what its rules still read (:mod:`memory`: forward values let go after
     their last reader, cheap ones recomputed, each D released once its rule has run).
 
-    Every node's D is checked for values no finite path product gives (float overflow:
-    the forward values are checked finite), with one host sync at the end: a
-    :class:`NonFiniteError` names the first node (from the output) where one appears.
+    D is checked for values no finite path product gives (float overflow: the forward
+    values are checked finite), with one host sync at the end: at every node for
+    semirings whose ops can hide one (``Semiring.overflow == "node"``), where paths end
+    for the others. A :class:`NonFiniteError` names the first node (from the output)
+    where one appears; an :class:`Overflow` seen only where paths end asks the caller
+    to run the pass again with ``check="every"`` to find that node.
     """
     needed = needed_nodes(graph, seed_node)
     if seed_node not in needed:
@@ -92,12 +96,16 @@ def reverse(
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
     return propagate(
         graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached,
-        check=True,
+        check=check,
     )  # fmt: skip
 
 
-def _overflow(graph, node, sr) -> NonFiniteError:
-    return NonFiniteError(
+class Overflow(NonFiniteError):
+    """D overflowed where paths end; the node where it first did is not known yet."""
+
+
+def _overflow(graph, node, sr, cls=NonFiniteError) -> NonFiniteError:
+    return cls(
         f"the reverse pass overflowed under {sr.name}: D at {where(node, graph.module_of(node))} "
         "holds inf or NaN although every forward value is finite (path products beyond "
         "the float range). Run the model and inputs in float64 (model.double()), or use a "
@@ -108,7 +116,7 @@ def _overflow(graph, node, sr) -> NonFiniteError:
 
 def propagate(
     graph, values, semirings, acc: dict, needed, within=None, keep=None, *,
-    start=None, stop=0, snapshots=None, reached=None, check=False,
+    start=None, stop=0, snapshots=None, reached=None, check=None,
 ) -> dict:  # fmt: skip
     """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
 
@@ -119,10 +127,11 @@ def propagate(
     (``{node id: None}``): at each of these ids, before its node's rule runs, the
     partial sums are copied there (the state to run the pass on from, see
     :mod:`checkpoints`); ``reached`` (a set) collects every node that gets a D.
-    ``check``: refuse an overflowed D (see :func:`reverse`).
+    ``check`` (None, ``"pass"``, ``"every"``): refuse an overflowed D (see
+    :func:`reverse`; ``"every"``: every semiring that can overflow, at every node).
     """
     store = {}
-    flags = []  # (node, semiring, 0-dim bool): checked together at the end
+    flags = []  # (node, semiring, 0-dim statistic): checked together at the end
     lean = memory.plan(graph, needed, keep) if keep is not None else None
     plan = _plan(graph, needed)
     start = len(graph.nodes) if start is None else start
@@ -135,16 +144,19 @@ def propagate(
         d = acc.pop(node, None)
         if d is None:
             continue
+        inputs, reshapes = plan[node_id]
+        if within is not None:
+            inputs = [n for n in inputs if n in within]
         if check:  # D at this node is complete: ⊕ over all its consumers
-            flags += [(node, sr, sr.overflowed(d[s])) for s, sr in enumerate(semirings)]
+            at = ("node", "end") if check == "every" or not inputs else ("node",)
+            for s, sr in enumerate(semirings):
+                if sr.overflow in at:
+                    flags += [(node, sr, t) for t in sr.overflow_stats(d[s])]
         if reached is not None:
             reached.add(node)
         stored = keep is None or node in keep
         if stored:
             store[node] = d
-        inputs, reshapes = plan[node_id]
-        if within is not None:
-            inputs = [n for n in inputs if n in within]
         if not inputs:
             continue
         if reshapes:  # views, copies, marks: D(x) is d in x's shape (no rule call)
@@ -165,11 +177,27 @@ def propagate(
             slot = acc.setdefault(inp, [None] * len(semirings))
             slot[s] = semirings[s].accumulate(slot[s], c)
     if flags:
-        bad = torch.stack([f for _, _, f in flags]).nonzero()
-        if len(bad):
-            node, sr, _ = flags[int(bad[0, 0])]
-            raise _overflow(graph, node, sr)
+        first = _first_overflow(flags)
+        if first is not None:
+            node, sr = first
+            late = check != "every" and sr.overflow == "end"
+            raise _overflow(graph, node, sr, Overflow if late else NonFiniteError)
     return store
+
+
+def _first_overflow(flags):
+    """The (node, semiring) of the first statistic that is +inf or NaN (one sync)."""
+    by_dtype: dict = {}
+    for i, (_, _, t) in enumerate(flags):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    first = None
+    for idx in by_dtype.values():
+        stats = torch.stack([flags[i][2] for i in idx])
+        bad = (stats.isnan() | (stats == float("inf"))).nonzero()
+        if len(bad):
+            i = idx[int(bad[0, 0])]
+            first = i if first is None else min(first, i)
+    return None if first is None else flags[first][:2]
 
 
 def _plan(graph, needed) -> list:

@@ -7,7 +7,7 @@ import fnmatch
 
 import torch
 
-from .errors import InputError, NotFoundError
+from .errors import InputError, NonFiniteError, NotFoundError
 from .semirings.base import Semiring
 
 
@@ -61,6 +61,13 @@ class Result:
         value = self._store[group[0]][k]
         for n in group[1:]:  # one tensor passed as several inputs: every path starts at one
             value = semiring.plus(value, self._store[n][k])
+        stats = semiring.overflow_stats(value) if semiring.overflow == "end" else ()
+        if stats and not bool(torch.isfinite(torch.stack(stats)).all()):  # (see reverse)
+            raise NonFiniteError(
+                f"{semiring.name} overflowed at {where!r} (inf or NaN from finite forward "
+                "values: path products beyond the float range). Run the model and inputs "
+                "in float64, or use a log-space semiring (MaxAbs, LogAbs)."
+            )
         return value
 
     def at(self, where, semiring: Semiring):

@@ -205,12 +205,15 @@ class Semiring:
         """A rule's result (computed with :attr:`inner`) as a value of this semiring."""
         return c
 
-    def overflowed(self, a: Value) -> torch.Tensor:
-        """Whether ``a`` holds a value no finite path product gives (a 0-dim bool
-        tensor): NaN, or +inf in a float field. The default suits log-space fields,
-        where -inf is "no path"."""
-        bad = [(f.isnan() | (f == INF)).any() for f in a if f.is_floating_point()]
-        return torch.stack(bad).any() if bad else torch.tensor(False)
+    #: where the pass looks for float overflow in D (:func:`engine.reverse`): None (log
+    #: space: none possible), "end" (inf and NaN carry on to where paths end: checked
+    #: there), "node" (an op may turn one into "no path": checked at every node)
+    overflow = None
+
+    def overflow_stats(self, a: Value) -> tuple[torch.Tensor, ...]:
+        """0-dim tensors, one reduction each, of which one is +inf or NaN exactly where
+        ``a`` holds a value no finite path product gives (with :attr:`overflow`)."""
+        return ()
 
     def scalar(self, a: Value) -> torch.Tensor:
         """The one number per element that tables show (the readout's headline)."""

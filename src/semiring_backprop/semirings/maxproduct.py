@@ -335,11 +335,14 @@ class MaxProduct(Semiring):
     def scalar(self, a: Value) -> torch.Tensor:
         return self.finalize(a).hi
 
-    def overflowed(self, a: Value) -> torch.Tensor:
+    overflow = "node"  # times and mul read NaN (0 x inf) as "no path"
+
+    def overflow_stats(self, a: Value) -> tuple[torch.Tensor, ...]:
         # "no path" is (-inf, +inf); a path's hi is never +inf nor its lo -inf (a
         # negative hi overflowed to -inf leaves lo at -inf too)
-        hi, lo = a[0], a[1]
-        return (hi.isnan() | lo.isnan() | (hi == INF) | (lo == -INF)).any()
+        if not a[0].numel():
+            return ()
+        return (a[0].amax(), -a[1].amin())
 
     def rank(self, a: Value) -> torch.Tensor:
         return self.finalize(a).hi

@@ -52,5 +52,10 @@ class Real(Semiring):
     def scalar(self, a: Value) -> torch.Tensor:
         return a[0]
 
-    def overflowed(self, a: Value) -> torch.Tensor:
-        return ~torch.isfinite(a[0]).all()  # a sum of finite path products is finite
+    overflow = "end"
+
+    def overflow_stats(self, a: Value) -> tuple[torch.Tensor, ...]:
+        if not a[0].numel():
+            return ()
+        lo, hi = torch.aminmax(a[0])  # a sum of finite path products is finite
+        return (hi, -lo)
