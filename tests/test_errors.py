@@ -383,6 +383,51 @@ def test_custom_autograd_function_is_refused_by_name():
     assert (g == -2).all()
 
 
+class _Cube(torch.autograd.Function):
+    """x ** 3 with a hand-written backward that is its derivative."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x * x
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return 3 * x * x * g
+
+
+class _StraightThrough(torch.autograd.Function):
+    """round() forward, identity backward (a straight-through estimator)."""
+
+    @staticmethod
+    def forward(x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+def test_custom_function_whose_backward_is_its_derivative_is_explained_exactly():
+    def model(x):
+        return _Cube.apply(x * 0.5).sum(-1) * x[:, 0]
+
+    res = sbp.backprop(model, args=(x34(),), output=total)
+    x = x34().requires_grad_()
+    (want,) = torch.autograd.grad(total(model(x)), x)
+    torch.testing.assert_close(res.at(0, sbp.Real()), want)
+
+
+def test_straight_through_estimator_is_refused():
+    with raises(sbp.TracingError, "_StraightThrough", "not the derivative"):
+        sbp.backprop(lambda x: _StraightThrough.apply(x) * x, args=(x34(),), output=total)
+
+
 def test_model_not_callable():
     with raises(sbp.InputError, "callable", "int"):
         sbp.backprop(3, args=(x34(),))

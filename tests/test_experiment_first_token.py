@@ -22,7 +22,7 @@ from semiring_backprop.data import make_task  # noqa: E402
 from semiring_backprop.experiments import common  # noqa: E402
 from semiring_backprop.experiments import first_token as ft  # noqa: E402
 
-TINY = dict(n=400, max_epochs=2, explain_limit=12, explain_batch=5)
+TINY = dict(n=400, max_epochs=2, explain_limit=12, explain_batch=5, seeds=2)
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +45,51 @@ def test_token_classes_follow_the_data():
 
 def test_files_and_summary_shape(tiny_run):
     out, result = tiny_run
-    for name in ("branches.csv", "summary.json", "values.jsonl", "config.json", "figure.png"):
+    for name in ("branches.csv", "summary.json", "config.json", "figure.png",
+                 "seed0/values.jsonl", "seed1/values.jsonl", "seed1/model/model.pt"):  # fmt: skip
         assert (out / name).exists(), name
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"oplus", "bucket_sum"}
-    for agg in summary.values():
-        assert set(agg) == {"neuron", "tensor"}
-        for gran in agg.values():
+    assert set(summary) == {"oplus", "bucket_sum", "spread", "agreement", "models"}
+    assert [m["seed"] for m in summary["models"]] == [0, 1]
+    for agg in ("oplus", "bucket_sum"):
+        assert set(summary[agg]) == {"neuron", "tensor"}
+        for gran in summary[agg].values():
             assert set(gran) <= {"first", "repeated", "other"} and "first" in gran
             for branches in gran.values():
                 assert set(branches) == {"skip", "query", "key", "value"}
     assert result["explained"] == TINY["explain_limit"]
+
+
+def test_models_differ_and_the_spread_and_agreement_follow_them(tiny_run):
+    """Per model, a pandas mean; across models, their mean, sd, min and max; the
+    agreement counts the models whose largest branch is the majority's."""
+    out, _ = tiny_run
+    frame = pd.read_csv(out / "branches.csv")
+    summary = json.loads((out / "summary.json").read_text())
+    a = torch.load(out / "seed0" / "model" / "model.pt", weights_only=True)
+    b = torch.load(out / "seed1" / "model" / "model.pt", weights_only=True)
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # two models, not one twice
+    keys = ["aggregation", "granularity", "token_class", "branch"]
+    per_model = frame.groupby([*keys, "seed"])["value"].mean()
+    for (agg, gran, cls, branch), group in per_model.groupby(level=keys):
+        vals = group.dropna()
+        spread = summary["spread"][agg][gran][cls][branch]
+        if vals.empty:
+            assert summary[agg][gran][cls][branch] is None
+            continue
+        assert summary[agg][gran][cls][branch] == pytest.approx(vals.mean())
+        assert spread["min"] == pytest.approx(vals.min())
+        assert spread["max"] == pytest.approx(vals.max())
+        if len(vals) > 1:
+            assert spread["std"] == pytest.approx(vals.std())
+    for gran, table in summary["agreement"].items():
+        for cls, said in table.items():
+            sub = per_model.loc["oplus", gran, cls].dropna()  # (branch, seed) -> value
+            winners = [sub.xs(s, level="seed").idxmax() for s in sorted(set(
+                sub.index.get_level_values("seed")))]  # fmt: skip
+            assert said["of"] == len(winners)
+            assert said["models"] == max(winners.count(w) for w in set(winners))
+            assert winners.count(said["branch"]) == said["models"]
 
 
 def test_summary_is_the_mean_of_the_csv(tiny_run):
@@ -66,12 +100,16 @@ def test_summary_is_the_mean_of_the_csv(tiny_run):
     for (agg, gran, cls, branch), group in frame.groupby(
         ["aggregation", "granularity", "token_class", "branch"]
     ):
-        vals = group["value"].dropna()
+        means = []  # each model's mean over the tokens with a path, by a plain loop
+        for seed in sorted(set(group["seed"])):
+            vals = group[group["seed"] == seed]["value"].dropna().tolist()
+            if vals:
+                means.append(sum(vals) / len(vals))
         want = summary[agg][gran][cls][branch]
-        if len(vals) == 0:
+        if not means:
             assert want is None
         else:
-            assert want == pytest.approx(sum(vals) / len(vals), rel=1e-9)
+            assert want == pytest.approx(sum(means) / len(means), rel=1e-9)
 
 
 def test_readout_never_queries_later_tokens(tiny_run):
@@ -91,9 +129,10 @@ def test_values_equal_one_example_passes(tiny_run):
     task = make_task("FirstTokenRepeatedOnce", cfg.n, length=10, vocab_size=20, seed=0)
     model = common.bert_classifier(20, 2, hidden=16, heads=2, intermediate=32, layers=1,
                                    length=10)  # fmt: skip
-    model.load_state_dict(torch.load(out / "model" / "model.pt", weights_only=True))
+    model.load_state_dict(torch.load(out / "seed0" / "model" / "model.pt", weights_only=True))
     model.eval()
     frame = pd.read_csv(out / "branches.csv")
+    frame = frame[frame["seed"] == 0]
     for i in (0, 7):  # from different explain batches
         x, y = task.val.x[i : i + 1], task.val.y[i : i + 1]
         gold = int(y[0])
@@ -127,7 +166,7 @@ def test_rerun_resumes_without_training_or_explaining(tiny_run, monkeypatch):
 
 
 def test_interrupted_explanation_resumes(tmp_path, monkeypatch):
-    cfg = dict(TINY, explain_limit=10, explain_batch=5)
+    cfg = dict(TINY, explain_limit=10, explain_batch=5, seeds=1)
     calls = []
     real = sbp.Backprop.__call__
 
@@ -140,13 +179,13 @@ def test_interrupted_explanation_resumes(tmp_path, monkeypatch):
     monkeypatch.setattr(sbp.Backprop, "__call__", counting)
     with pytest.raises(KeyboardInterrupt):
         experiments.run("first-token-repeated", tmp_path, progress=False, **cfg)
-    lines = (tmp_path / "values.jsonl").read_text().splitlines()
+    lines = (tmp_path / "seed0" / "values.jsonl").read_text().splitlines()
     assert len(lines) == 5  # the first batch was written before the interruption
     calls.clear()
     monkeypatch.setattr(sbp.Backprop, "__call__", real)
     result = experiments.run("first-token-repeated", tmp_path, progress=False, **cfg)
     assert result["explained"] == 10
-    lines = (tmp_path / "values.jsonl").read_text().splitlines()
+    lines = (tmp_path / "seed0" / "values.jsonl").read_text().splitlines()
     keys = [json.loads(line)["key"] for line in lines]
     assert sorted(keys) == list(range(10))
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("no_thread_setting")
 # -- training gives the same weights whatever the caller's count -------------------------
 
 
-FTR = dict(n=400, max_epochs=2, explain_limit=4, explain_batch=4)
+FTR = dict(n=400, max_epochs=2, explain_limit=4, explain_batch=4, seeds=1)
 
 
 def _first_token_weights(threads: int) -> dict:

@@ -110,3 +110,37 @@ def test_settings_of_a_run_that_left_no_results_do_not_block_a_corrected_one(tmp
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(InputError, match="config.json is not valid JSON"):
         common.same_settings(tmp_path, _Config(model="right"))
+
+
+@pytest.mark.parametrize(
+    ("name", "setting", "needle"),
+    [
+        ("first-token-repeated", "max_epochs=0", "max_epochs=0: each value must be at least 1"),
+        ("first-token-repeated", "heads=0", "heads=0: each value must be at least 1"),
+        ("first-token-repeated", "explain_batch=0", "explain_batch=0"),
+        ("first-token-repeated", "explain_limit=abc", "explain_limit='abc' should be int | None"),
+        ("first-token-repeated", "hidden=15", "hidden=15 must be a multiple of heads=2"),
+        ("first-token-repeated", "lr=0", "lr=0.0: each value must be a finite number above 0"),
+        ("entropy-vs-mdl", "mdl_fractions=0.5,2", "in \\(0, 1\\]"),
+        ("entropy-vs-mdl", "min_accuracy=1.5", "between 0 and 1"),
+        ("sva", "limit=0", "limit=0"),
+        ("entropy-sanity", "bert_hidden=9", "bert_hidden=9 must be a multiple of bert_heads"),
+    ],
+)
+def test_settings_are_checked_before_any_work(name, setting, needle, tmp_path, capsys,
+                                              monkeypatch):  # fmt: skip
+    from semiring_backprop.cli import main
+
+    monkeypatch.setattr(common, "train", lambda *a, **k: pytest.fail("trained"))
+    out = tmp_path / "out"
+    assert main(["experiment", name, "--out", str(out), "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+    assert __import__("re").search(needle, err), err
+    assert not out.exists()  # nothing was written
+
+
+def test_every_experiments_defaults_pass_the_check():
+    for name in experiments.EXPERIMENTS:
+        experiments.config(name)
+        experiments.config(name, quick=True)

@@ -295,7 +295,8 @@ def trace(
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             with _watch_functions(functions):
                 program = _export(_Explained(model, output), args, kwargs, dynamic)
-            _refuse_functions(functions)
+            if functions:
+                _check_functions(_Explained(model, output), args, kwargs, functions)
             _detach_no_grad_blocks(program)
             program = program.run_decompositions(table)
             _select_by_indices(program)
@@ -320,12 +321,18 @@ def trace(
 
 
 @contextlib.contextmanager
-def _watch_functions(seen: list):
-    """Record every custom ``torch.autograd.Function`` the traced code applies."""
+def _watch_functions(seen: list, check=None):
+    """Record every custom ``torch.autograd.Function`` the traced code applies (torch's
+    own are what their forward says); with ``check``, call ``check(cls, apply, args)``
+    in its place."""
     original = torch.autograd.Function.__dict__["apply"]
 
     def apply(cls, *args, **kwargs):
+        if cls.__module__.startswith("torch."):
+            return original.__func__(cls, *args, **kwargs)
         seen.append(cls)
+        if check is not None:
+            return check(cls, lambda *a: original.__func__(cls, *a, **kwargs), args)
         return original.__func__(cls, *args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)
@@ -335,21 +342,78 @@ def _watch_functions(seen: list):
         torch.autograd.Function.apply = original
 
 
-def _refuse_functions(seen: list) -> None:
+def _check_functions(wrapper, args, kwargs, seen: list) -> None:
     """The trace holds a custom Function's forward ops, and the gradient graph their
-    derivatives; the Function's own backward (a gradient-reversal layer's -g, a
-    straight-through estimator's identity) is not in it, so the answer would differ
-    from autograd's without a word. torch's own Functions are what their forward says."""
-    custom = [f for f in dict.fromkeys(seen) if not f.__module__.startswith("torch.")]
-    if custom:
-        names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in custom)
+    derivatives; autograd uses the Function's own backward. Where that is their
+    derivative (an op fused by hand, Bloom's GELU) the answer is autograd's; where it is
+    not (a gradient-reversal layer's -g, a straight-through estimator) it would differ
+    without a word. So the model runs once on these inputs, and at every application
+    the Function's backward is compared with the derivative of its forward's ops
+    (vector-Jacobian products for a random cotangent); a mismatch is refused."""
+    bad: dict = {}
+
+    def check(cls, apply, fargs):
+        out = apply(*fargs)
+        if cls not in bad:
+            why = _compare_backward(cls, apply, fargs)
+            if why:
+                bad[cls] = why
+        return out
+
+    with torch.enable_grad(), _watch_functions([], check):
+        wrapper(args, kwargs)
+    if bad:
+        cls, why = next(iter(bad.items()))
+        names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in dict.fromkeys(seen))
         raise TracingError(
-            f"the model applies the custom torch.autograd.Function {names}: the gradient "
-            "graph is built from the derivatives of the ops of its forward, while autograd "
-            "uses its own backward, which may differ (a gradient-reversal layer returns "
-            "-g). Explain a version of the model that calls plain torch ops in its place "
-            "(its forward's ops if its backward is their derivative)."
+            f"the model applies the custom torch.autograd.Function "
+            f"{cls.__module__}.{cls.__qualname__}, whose backward is not the derivative of "
+            f"its forward ({why}; a gradient-reversal layer returns -g): the gradient graph "
+            "is built from the derivatives of its forward's ops, so the answer would differ "
+            "from autograd's. Explain a version of the model that calls plain torch ops in "
+            f"its place. (Custom Functions applied: {names}.)"
         )
+
+
+def _compare_backward(cls, apply, fargs) -> str | None:
+    """Why ``cls``'s backward differs from its forward ops' derivative at ``fargs``
+    (None where they agree, or where nothing differentiable goes in or out)."""
+    from torch.autograd.function import FunctionCtx, _SingleLevelFunction
+
+    leaves = [
+        a.detach().requires_grad_()
+        if isinstance(a, torch.Tensor) and a.is_floating_point()
+        and not isinstance(a, torch.nn.Parameter) else a
+        for a in fargs
+    ]  # fmt: skip
+    wrt = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not wrt:
+        return None
+
+    def vjp(outs):
+        outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)
+                and o.requires_grad]  # fmt: skip
+        if not outs:
+            return None
+        gen = torch.Generator(device=outs[0].device).manual_seed(0)
+        cot = [torch.randn(o.shape, generator=gen, dtype=o.dtype, device=o.device) for o in outs]
+        return torch.autograd.grad(outs, wrt, cot, allow_unused=True)
+
+    own = vjp(apply(*leaves))
+    if cls.setup_context is _SingleLevelFunction.setup_context:  # forward(ctx, *args)
+        plain = vjp(cls.forward(FunctionCtx(), *leaves))
+    else:  # forward(*args) with a separate setup_context
+        plain = vjp(cls.forward(*leaves))
+    if own is None or plain is None:
+        return None if own is plain else "one of them has no gradient"
+    for i, (a, b) in enumerate(zip(own, plain)):
+        a = torch.zeros_like(wrt[i]) if a is None else a
+        b = torch.zeros_like(wrt[i]) if b is None else b
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        if not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * max(scale, 1e-30)):
+            err = float((a - b).abs().max())
+            return f"input {i}: largest difference {err:.3g} against {scale:.3g}"
+    return None
 
 
 def _experts_hint(model) -> str:

@@ -6,6 +6,10 @@ occur again?). For every validation example the gold-class logit is explained wi
 split over its four consumers: the skip connection and the query, key and value
 projections. The paper found the first token's top path goes through the query, and the
 repeated token's through the key (the largest value of all).
+
+One trained model is one sample: ``seeds`` models (default 3, seeds ``seed``,
+``seed + 1``, ...) are trained on the same data and explained alike; the summary gives the
+mean over models, the spread, and how many models agree on each token's top branch.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ class Config:
     batch_size: int = 32
     max_epochs: int = 42
     seed: int = 0
+    seeds: int = 3  #: models trained, with seeds seed, seed + 1, ...
     explain_batch: int = 200  #: validation examples per semiring pass
     explain_limit: int | None = None  #: explain only this many validation examples
 
@@ -74,36 +79,45 @@ def token_classes(x: torch.Tensor, y: torch.Tensor) -> list[list[str]]:
 def run(out, config: Config | None = None, progress: bool = True) -> dict:
     """Train (or reload), explain the validation set, write CSV, figure and summary
     (on one thread, or ``SEMIRING_BACKPROP_THREADS``; training always on one)."""
+    import pandas as pd
+
     from ..data import make_task
 
     config = config or Config()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # which examples are explained, and how many per pass, change no result on disk
-    same_settings(out, config, free=("explain_batch", "explain_limit"))
+    # which examples are explained, how many per pass and how many models change no
+    # result on disk (each model's files are its own)
+    same_settings(out, config, free=("explain_batch", "explain_limit", "seeds"))
     task = make_task("FirstTokenRepeatedOnce", config.n, length=config.length,
                      vocab_size=config.vocab_size, seed=config.seed)  # fmt: skip
-    model = bert_classifier(
-        config.vocab_size, 2, hidden=config.hidden, heads=config.heads,
-        intermediate=config.intermediate, layers=1, length=config.length, seed=config.seed,
-    )  # fmt: skip
-    model, history = trained(model, out / "model", lambda m: train(
-        m, task.train, task.val, epochs=config.max_epochs, lr=config.lr,
-        batch_size=config.batch_size, seed=config.seed, stop_at=1.0, progress=progress,
-    ))  # fmt: skip
-    accuracy = history[-1]["val_accuracy"]
-    rows = explain(model, task.val, out / "values.jsonl", config, progress)
-    frame = _frame(rows)
+    frames, models = [], []
+    for seed in range(config.seed, config.seed + config.seeds):
+        model = bert_classifier(
+            config.vocab_size, 2, hidden=config.hidden, heads=config.heads,
+            intermediate=config.intermediate, layers=1, length=config.length, seed=seed,
+        )  # fmt: skip
+        model, history = trained(model, out / f"seed{seed}" / "model", lambda m, s=seed: train(
+            m, task.train, task.val, epochs=config.max_epochs, lr=config.lr,
+            batch_size=config.batch_size, seed=s, stop_at=1.0, progress=progress,
+            desc=f"train (seed {s})",
+        ))  # fmt: skip
+        rows = explain(model, task.val, out / f"seed{seed}" / "values.jsonl", config, progress)
+        frames.append(_frame(rows).assign(seed=seed))
+        models.append({"seed": seed, "val_accuracy": history[-1]["val_accuracy"],
+                       "epochs": len(history)})  # fmt: skip
+    frame = pd.concat(frames, ignore_index=True)
     write_csv(frame, out / "branches.csv")
-    summary = _summary(frame)
+    summary = {**_summary(frame), "models": models}
     write_json(out / "summary.json", summary)
     files = [str(out / "branches.csv"), str(out / "summary.json")]
     try:
         files.append(figure(summary, out / "figure.png"))
     except ImportError:  # matplotlib is the optional ``plots`` extra
         pass
-    return {"summary": summary, "val_accuracy": accuracy, "epochs": len(history),
-            "explained": frame["example"].nunique(), "files": files}  # fmt: skip
+    return {"summary": summary, "val_accuracy": min(m["val_accuracy"] for m in models),
+            "epochs": [m["epochs"] for m in models], "models": models,
+            "explained": int(frame["example"].nunique()), "files": files}  # fmt: skip
 
 
 def explain(model, split, path, config: Config, progress: bool = True) -> list[dict]:
@@ -159,14 +173,37 @@ def _frame(rows):
 
 
 def _summary(frame) -> dict:
-    """``{aggregation: {granularity: {token_class: {branch: mean value}}}}``: the mean
-    over the tokens where the branch has a path (``None`` where it never has one, e.g.
-    the query of a token other than the first, which the readout never queries)."""
-    mean = frame.groupby(["aggregation", "granularity", "token_class", "branch"])["value"].mean()
+    """``{aggregation: {granularity: {token_class: {branch: mean value}}}}``: per model,
+    the mean over the tokens where the branch has a path; then the mean over models
+    (``None`` where it never has one, e.g. the query of a token other than the first,
+    which the readout never queries). ``spread`` holds the models' standard deviation,
+    min and max in the same layout; ``agreement`` (⊕ aggregation), per granularity and
+    token class, the branch most models find largest and how many do."""
+    keys = ["aggregation", "granularity", "token_class", "branch"]
+    per_model = frame.groupby([*keys, "seed"])["value"].mean().reset_index()
+    stats = per_model.groupby(keys)["value"].agg(["mean", "std", "min", "max"])
     out: dict = {}
-    for (agg, gran, cls, branch), v in mean.items():
-        v = float(v) if v == v else None
-        out.setdefault(agg, {}).setdefault(gran, {}).setdefault(cls, {})[branch] = v
+    spread: dict = {}
+    for (agg, gran, cls, branch), row in stats.iterrows():
+        number = lambda v: float(v) if v == v else None  # noqa: E731  (NaN: None)
+        out.setdefault(agg, {}).setdefault(gran, {}).setdefault(cls, {})[branch] = number(
+            row["mean"]
+        )
+        spread.setdefault(agg, {}).setdefault(gran, {}).setdefault(cls, {})[branch] = {
+            k: number(row[k]) for k in ("std", "min", "max")
+        }
+    out["spread"] = spread
+    agreement: dict = {}
+    oplus = per_model[per_model["aggregation"] == "oplus"].dropna(subset=["value"])
+    for (gran, cls), part in oplus.groupby(["granularity", "token_class"]):
+        winners = part.loc[part.groupby("seed")["value"].idxmax(), "branch"]
+        counts = winners.value_counts()
+        agreement.setdefault(gran, {})[cls] = {
+            "branch": str(counts.index[0]),
+            "models": int(counts.iloc[0]),
+            "of": len(winners),
+        }
+    out["agreement"] = agreement
     return out
 
 
@@ -184,14 +221,17 @@ def figure(summary: dict, path) -> str:
         for j, gran in enumerate(GRANULARITIES):
             ax = axes[i][j]
             table = summary.get(agg, {}).get(gran, {})
+            spread = summary.get("spread", {}).get(agg, {}).get(gran, {})
             for b, branch in enumerate(BRANCHES):
                 ys = [table.get(c, {}).get(branch) for c in CLASSES]
                 ys = [float("nan") if v is None else v for v in ys]
+                sd = [(spread.get(c, {}).get(branch) or {}).get("std") for c in CLASSES]
+                sd = [0.0 if v is None else v for v in sd]
                 xs = [k + (b - (len(BRANCHES) - 1) / 2) * width for k in range(len(CLASSES))]
-                ax.bar(xs, ys, width, label=branch)
+                ax.bar(xs, ys, width, yerr=sd, capsize=2, label=branch)
             ax.set_xticks(range(len(CLASSES)), CLASSES)
             ax.set_title(f"{agg}, {gran} granularity")
-            ax.set_ylabel("mean top path value")
+            ax.set_ylabel("mean top path value (± sd over models)")
             ax.axhline(0, color="black", linewidth=0.5)
     axes[0][0].legend(title="branch")
     fig.suptitle("FirstTokenRepeatedOnce: top gradient path value by attention branch")
@@ -218,34 +258,62 @@ def reading(summary: dict) -> str:
 
 
 def table_text(summary: dict) -> str:
-    """The branch table (mean top path value per token class), one block per setting."""
+    """The branch table (mean top path value per token class, ± the models' standard
+    deviation), one block per setting."""
     lines = []
     for agg in AGGREGATIONS:
         for gran in GRANULARITIES:
             lines.append(f"{agg}, {gran} granularity")
-            lines.append("  token      " + "".join(f"{b:>11}" for b in BRANCHES))
+            lines.append("  token     " + "".join(f" {b:>17}" for b in BRANCHES))
             for cls in CLASSES:
                 row = summary.get(agg, {}).get(gran, {}).get(cls, {})
-                cells = "".join(
-                    f"{'-':>11}" if row.get(b) is None else f"{row[b]:11.4g}" for b in BRANCHES
-                )
+                sds = summary.get("spread", {}).get(agg, {}).get(gran, {}).get(cls, {})
+                cells = ""
+                for b in BRANCHES:
+                    sd = (sds.get(b) or {}).get("std")
+                    text = "-" if row.get(b) is None else f"{row[b]:.3g}"
+                    text += "" if sd is None or row.get(b) is None else f" ± {sd:.2g}"
+                    cells += f" {text:>17}"
                 lines.append(f"  {cls:<10} {cells}")
     return "\n".join(lines)
 
 
+def agreement_text(summary: dict) -> str:
+    """How many trained models agree on each token's top branch (⊕ aggregation)."""
+    parts = []
+    for gran in GRANULARITIES:
+        table = summary.get("agreement", {}).get(gran, {})
+        said = [
+            f"the {cls} token's through the {a['branch']} in {a['models']} of {a['of']}"
+            for cls in ("first", "repeated")
+            if (a := table.get(cls))
+        ]
+        if said:
+            parts.append(f"{gran} granularity: " + ", ".join(said))
+    return "; ".join(parts)
+
+
 def demo(out="runs/demo", progress: bool = True, print_fn=print) -> dict:
-    """``first-token-repeated --quick``: train (about 20 s on 2 cores), explain 200
-    validation examples, print the branch table with a one-line reading."""
+    """``first-token-repeated --quick``: train three models (about 20 s each on 2
+    cores), explain 200 validation examples with each, print the branch table with a
+    one-line reading and how many models agree."""
     with lock(out):
         result = run(out, Config.quick(), progress=progress)
     p = print_fn
-    p("FirstTokenRepeatedOnce (does the first token occur again?): a 1-layer BERT-style")
-    p(f"classifier reached {result['val_accuracy']:.0%} validation accuracy in "
-      f"{result['epochs']} epochs. For {result['explained']} validation examples, the")  # fmt: skip
-    p("gold-class logit's top gradient path value (MaxProduct) at the attention input,")
-    p("split over its consumers (skip / query / key / value), mean per token class")
-    p("('-': that branch never reaches the output from such a token):\n")
+    models = result["models"]
+    accuracies = ", ".join(f"{m['val_accuracy']:.0%}" for m in models)
+    epochs = ", ".join(str(m["epochs"]) for m in models)
+    p("FirstTokenRepeatedOnce (does the first token occur again?): "
+      f"{len(models)} 1-layer BERT-style")  # fmt: skip
+    p(f"classifiers (seeds {models[0]['seed']}-{models[-1]['seed']}) reached {accuracies} "
+      f"validation accuracy in {epochs} epochs.")  # fmt: skip
+    p(f"For {result['explained']} validation examples, the gold-class logit's top gradient "
+      "path value (MaxProduct)")  # fmt: skip
+    p("at the attention input, split over its consumers (skip / query / key / value), mean")
+    p("per token class over the models ± their standard deviation ('-': that branch never")
+    p("reaches the output from such a token):\n")
     p(table_text(result["summary"]))
-    p("\nReading: " + reading(result["summary"]))
+    p("\nReading (mean over models): " + reading(result["summary"]))
+    p("Models agreeing (top branch per model): " + agreement_text(result["summary"]) + ".")
     p(f"\nwrote {', '.join(result['files'])}")
     return result
