@@ -648,6 +648,22 @@ def test_cli_load_errors(where, tmp_path, capsys):
     assert "Traceback" not in err and out == ""
 
 
+def test_cli_refuses_a_model_directory_with_code_of_its_own(tmp_path, capsys, monkeypatch):
+    """No code from the directory runs and no prompt appears (stdin closed)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "my-custom", "architectures": ["XForMaskedLM"],
+        "auto_map": {"AutoConfig": "configuration_x.XConfig",
+                     "AutoModelForMaskedLM": "modeling_x.XModel"},
+    }))  # fmt: skip
+    (tmp_path / "configuration_x.py").write_text("raise SystemExit('the code ran')\n")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    rc = cli.main(_explain_argv(str(tmp_path), MASKED_TEXT, "are", "is"))
+    out, err = capsys.readouterr()
+    assert rc == 2 and err.startswith(f"error: could not load {str(tmp_path)!r}"), err
+    assert "code of its own" in err and "trust_remote_code=True" in err
+    assert "Traceback" not in err and out == ""
+
+
 # -- 6. checkpoints without the LM head ---------------------------------------------------
 
 # the head of BertForMaskedLM, written out by hand: every weight a BertModel checkpoint

@@ -72,9 +72,9 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
             f"could not load {model_id!r}: no such directory. Pass a local directory written by "
             "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), or a hub id."
         )
-    try:
-        config = transformers.AutoConfig.from_pretrained(model_id)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_id)
+    try:  # never code from the model's directory (and so never a prompt asking)
+        config = transformers.AutoConfig.from_pretrained(model_id, trust_remote_code=False)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
     kind = kind or _kind(config, tokenizer)
@@ -85,7 +85,9 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
     if cls is None:
         raise InputError(f"kind must be 'masked' or 'causal', got {kind!r}")
     try:
-        model, info = cls.from_pretrained(model_id, dtype=dtype, output_loading_info=True)
+        model, info = cls.from_pretrained(
+            model_id, dtype=dtype, output_loading_info=True, trust_remote_code=False
+        )
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
     _refuse_fresh_weights(model_id, kind, config, model, info)
@@ -115,6 +117,14 @@ def _refuse_fresh_weights(model_id, kind, config, model, info) -> None:
 
 def _load_hint(model_id, e) -> str:
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    if "trust_remote_code" in str(e):
+        return (
+            f"could not load {model_id!r}: it needs Python code of its own (its config's "
+            "auto_map) to be built, and this package runs no code from model directories. "
+            "Read that code, load the model yourself (AutoModelForMaskedLM.from_pretrained"
+            "(..., trust_remote_code=True)) and pass it to semiring_backprop.backprop or "
+            "Backprop."
+        )
     return (
         f"could not load {model_id!r}: {first}\n"
         f"{model_id!r} is not a local directory with a saved model, and it is not in the "
