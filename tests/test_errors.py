@@ -239,8 +239,29 @@ def test_nan_in_the_forward_pass_names_the_first_node():
 def test_nan_input_is_reported_where_it_first_appears():
     x = x34()
     x[1, 2] = float("nan")
-    with raises(sbp.NonFiniteError, "NaN", "`mul`", "inputs"):
+    with raises(sbp.NonFiniteError, "input 0 holds NaN", "index (1, 2)"):
         sbp.backprop(lambda t: (t * 2).exp(), args=(x,), output=total)
+
+
+@pytest.mark.parametrize("semiring", [sbp.Real(), sbp.MaxAbs(), sbp.TopK(2)])
+def test_nan_input_that_cannot_reach_the_output_is_refused_too(semiring):
+    """Row 1 holds the NaN, the output reads y[0, 0] of x @ x.T: x is still read as an
+    edge weight of every row (MaxAbs crashed with an index error inside its kernel)."""
+    x = torch.randn(3, 8)
+    x[1, 2] = float("nan")
+    with raises(sbp.NonFiniteError, "input 0 holds NaN", "index (1, 2)", "nan_to_num"):
+        sbp.backprop(lambda t: t @ t.T, args=(x,), output=lambda y: y[0, 0],
+                     semirings=[semiring])  # fmt: skip
+
+
+def test_nan_in_a_max_plus_contraction_is_an_error_not_an_index_crash():
+    from semiring_backprop import kernels
+
+    m = torch.randn(2, 8)
+    lwt = torch.randn(3, 8)
+    lwt[1, 4] = float("nan")
+    with raises(sbp.NonFiniteError, "NaN reached a max-plus contraction"):
+        kernels.maxplus(m, lwt)
 
 
 def test_inf_made_from_finite_inputs():

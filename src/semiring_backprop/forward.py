@@ -45,6 +45,9 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
         values[node] = given[key]
     values.update(graph.constants)
     checked = []  # (node, sum of its value): one reduction per node, one sync at the end
+    for node in graph.user_inputs.values():  # a NaN input: refused wherever it is
+        if _is_float(values[node]) and values[node].numel():
+            checked.append((node, values[node].sum()))
     # values of the weights alone are the same on every call: checked on the first one
     first = not getattr(graph, "_static_checked", False)
     for node, check in _plan(graph):
@@ -64,6 +67,7 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
         checked.append((graph.output_node, out.sum()))
     finite = torch.isfinite(torch.stack([s.float() for _, s in checked])) if checked else None
     if finite is not None and not bool(finite.all()):  # look at every value, in graph order
+        _check_inputs(graph, values)
         dropped = {n for nodes in drop.values() for n in nodes} if drop else set()
         try:
             for node, check in _plan(graph):
@@ -158,6 +162,19 @@ def _moves_only(node) -> bool:
         and all(n.op != "placeholder" for n in node.all_input_nodes)
         and bool(node.all_input_nodes)
     )
+
+
+def _check_inputs(graph, values) -> None:
+    """NaN in an input is an error wherever it sits (inf may be a mask)."""
+    for key, node in graph.user_inputs.items():
+        v = values[node]
+        if _is_float(v) and bool(torch.isnan(v).any()):
+            at = tuple(int(i) for i in torch.isnan(v).nonzero()[0])
+            raise NonFiniteError(
+                f"input {key!r} holds NaN (first at index {at}, {int(torch.isnan(v).sum())} "
+                "in all). Every element of an input must be a number, also where the output "
+                "does not depend on it: replace NaN (torch.nan_to_num) or drop those rows."
+            )
 
 
 def _check_finite(graph, node, out, args):

@@ -169,9 +169,17 @@ def maxtimes(hi, lo, wt, argmax: bool = True):
 
 def maxplus(m, lwt):
     """``out[..., i, k] = max_j m[..., i, j] + lw[..., j, k]`` and its first argmax ``j``,
-    for the transposed ``lwt[..., k, j] = lw[..., j, k]``."""
+    for the transposed ``lwt[..., k, j] = lw[..., j, k]``. A NaN among the sums (no
+    argmax exists) is a :class:`NonFiniteError`."""
     batch, (m,), lwt = _flat((m,), lwt)
     outs = _run("maxplus", (m,), lwt)
+    if outs[1].numel() and int(outs[1].max()) >= m.shape[-1]:  # only where a max is NaN
+        from ..errors import NonFiniteError
+
+        raise NonFiniteError(
+            "NaN reached a max-plus contraction in the reverse pass (a forward value read "
+            "as an edge weight is NaN): check the inputs and the model's weights"
+        )
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 
