@@ -348,6 +348,21 @@ def linzen_line(*cols):
     return "\t".join(cols)
 
 
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        (b"\xff\xfe{not utf-8}\n", "b.jsonl:2: not UTF-8 text \\(byte 0xff at column 1\\)"),
+        (b"\x00\x01\x02binary\n", "b.jsonl:2: holds a NUL byte"),
+        (b"[" * 100_000 + b"\n", "b.jsonl:2: JSON nested too deeply"),
+    ],
+)
+def test_read_blimp_refuses_binary_and_deeply_nested_lines(tmp_path, data, needle):
+    path = tmp_path / "b.jsonl"
+    path.write_bytes(blimp_row().encode() + b"\n" + data)
+    with pytest.raises(InputError, match=needle):
+        read_blimp(path)
+
+
 def test_read_linzen(tmp_path):
     path = write(
         tmp_path,

@@ -144,3 +144,32 @@ def test_every_experiments_defaults_pass_the_check():
     for name in experiments.EXPERIMENTS:
         experiments.config(name)
         experiments.config(name, quick=True)
+
+
+def test_an_allocation_failure_is_a_clear_error_and_keeps_the_compiled_kernel(monkeypatch):
+    """A pass that cannot allocate says what uses less, and the compiled kernel it ran
+    out of memory in is not switched off for the rest of the process."""
+    import semiring_backprop as sbp
+    from semiring_backprop import kernels
+
+    monkeypatch.setattr(kernels, "MIN_WORK", 0)
+    monkeypatch.setitem(kernels._state, "compile", True)
+    monkeypatch.setitem(kernels._state, "failed", set())
+
+    def no_memory(name):
+        def run(*args):
+            raise RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:119] DefaultCPUAllocator: "
+                "can't allocate memory: you tried to allocate 9663676416 bytes"
+            )
+
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", no_memory)
+    lin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    bp = sbp.Backprop(lin.eval(), lambda y: y[0, 1], [sbp.Real(), sbp.MaxProduct()])
+    with pytest.raises(
+        sbp.OutOfMemoryError, match="can't allocate memory.*keep=.*fewer semirings.*float32"
+    ):
+        bp((torch.randn(3, 8),))
+    assert not kernels._state["failed"]  # still compiled next time

@@ -37,6 +37,20 @@ class NonFiniteError(SemiringBackpropError, FloatingPointError):
     """The forward pass produced NaN or inf."""
 
 
+class OutOfMemoryError(SemiringBackpropError, MemoryError):
+    """A pass could not allocate the memory it needs; the message lists what uses less."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """An allocation failure from torch (CPU or CUDA), under any of its exception types."""
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and (
+        "out of memory" in text.lower() or "can't allocate memory" in text
+    )
+
+
 class TrainingModeError(SemiringBackpropError):
     """The model is in training mode, which makes edges random (dropout)."""
 

@@ -126,9 +126,17 @@ def _lines(path) -> Iterator[tuple[str, str]]:
     p = Path(path)
     if not p.is_file():
         raise InputError(f"agreement data file {str(path)!r} does not exist or is not a file")
-    with p.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            line = line.rstrip("\r\n")
+    with p.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError as e:
+                raise InputError(
+                    f"{p}:{number}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1}); agreement data must be UTF-8 JSON lines or TSV"
+                ) from None
+            if "\x00" in line:
+                raise InputError(f"{p}:{number}: holds a NUL byte: a binary file, not text")
             if line.strip():
                 yield f"{p}:{number}", line
 
@@ -138,6 +146,8 @@ def _blimp_example(where: str, line: str) -> AgreementExample:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise InputError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply for a BLiMP line") from None
     if not isinstance(row, dict):
         raise InputError(f"{where}: expected a JSON object, found {type(row).__name__}")
     missing = [k for k in _BLIMP_KEYS if not isinstance(row.get(k), str)]

@@ -24,6 +24,8 @@ import warnings
 
 import torch
 
+from ..errors import is_out_of_memory
+
 log = logging.getLogger(__name__)
 
 INF = float("inf")
@@ -135,6 +137,8 @@ def _run(name, a, wt):
             _COMPILED_KEYS.add(key)
             return out
         except Exception as e:  # no compiler, unsupported device: same formulas, eagerly
+            if is_out_of_memory(e):  # not the compiler's fault: keep it for the next call
+                raise
             _state["failed"].add(key)
             log.warning("compiled %s kernel unavailable (%s); using the eager one", name, e)
     step = chunk_rows(n, 4 * m * p * a[0].shape[0])
@@ -249,6 +253,8 @@ def maxplus_topk(m, lwt, k: int):
             _COMPILED_KEYS.add(key)
             return tuple(o.reshape(*batch, n, p, k) for o in out)
         except Exception as e:  # no compiler, unsupported device: the eager one
+            if is_out_of_memory(e):
+                raise
             _state["failed"].add(key)
             log.warning("compiled max-plus top-k unavailable (%s); using the eager one", e)
     step = chunk_rows(n, 2 * inner * p * b)
