@@ -227,11 +227,12 @@ def test_demo_reaches_full_accuracy_and_explains(tmp_path, capsys):
     result = ft.demo(tmp_path, progress=False, print_fn=lines.append)
     assert result["val_accuracy"] == 1.0
     text = "\n".join(lines)
-    assert "Reading:" in text and "tensor granularity" in text
+    assert "Reading (mean over models):" in text and "tensor granularity" in text
+    assert "Models agreeing" in text and "of 3" in text
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary == result["summary"]
     assert (tmp_path / "figure.png").stat().st_size > 0
     # the CLI's demo into the same directory reuses the trained model and the records
     assert main(["demo", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    assert "100% validation accuracy" in printed and "repeated" in printed
+    assert "100.0%, 100.0%, 100.0% validation accuracy" in printed and "repeated" in printed
