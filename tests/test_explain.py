@@ -627,6 +627,12 @@ def test_cli_multi_token_names_the_pieces(bert_dir, capsys):
     assert "['dog', '##s']" in err and "single-token" in err
 
 
+def test_cli_empty_causal_text(gpt2_dir, capsys):
+    assert cli.main(_explain_argv(gpt2_dir, "", "are", "is")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "gives no tokens" in err
+
+
 def test_cli_causal_oov(gpt2_dir, capsys):
     assert cli.main(_explain_argv(gpt2_dir, CAUSAL_TEXT, "are", "zebra")) == 2
     err = capsys.readouterr().err

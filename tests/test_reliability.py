@@ -173,3 +173,43 @@ def test_an_allocation_failure_is_a_clear_error_and_keeps_the_compiled_kernel(mo
     ):
         bp((torch.randn(3, 8),))
     assert not kernels._state["failed"]  # still compiled next time
+
+
+def test_an_input_longer_than_learned_positions_is_refused_before_tracing():
+    transformers = pytest.importorskip("transformers")
+    import semiring_backprop as sbp
+
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32,
+                                  max_position_embeddings=16)  # fmt: skip
+    bert = transformers.BertForMaskedLM(cfg).eval()
+    with pytest.raises(InputError, match=r"20 positions long .* has 16 positions: shorten"):
+        sbp.backprop(bert, kwargs={"input_ids": torch.randint(0, 50, (1, 20))},
+                     output=lambda o: o.logits[0, 0, 1])  # fmt: skip
+    # rotary positions have no table to outgrow: a longer input runs
+    cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=2, max_position_embeddings=8)  # fmt: skip
+    llama = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (1, 12))
+    res = sbp.backprop(llama, kwargs={"input_ids": ids}, output=lambda o: o.logits[0, -1, 1])
+    assert res.graph is not None
+
+
+@pytest.mark.parametrize(
+    ("device", "needle"),
+    [
+        ("gpu", "'gpu' is not a device name"),
+        ("cuda", "no CUDA device here"),
+        ("cuda:7", "cuda:7"),
+    ],  # fmt: skip
+)
+def test_explain_checks_the_device_before_loading(device, needle, tmp_path, capsys):
+    if device.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from semiring_backprop.cli import main
+
+    rc = main(["explain", str(tmp_path / "no-model"), "--text", "a [MASK] b",
+               "--target", "x", "--foil", "y", "--device", device])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and needle in err, err

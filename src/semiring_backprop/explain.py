@@ -166,10 +166,36 @@ def word_id(tokenizer, word: str, kind: str) -> int:
     )
 
 
+def check_device(device) -> torch.device:
+    """``device`` as a torch device this machine has, or an :class:`InputError`."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InputError(
+            f"device {device!r} is not a device name (cpu, cuda, cuda:1, mps)"
+        ) from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError(
+                f"device {device!r}: no CUDA device here (torch {torch.__version__} sees "
+                "none); use --device cpu, or a machine and torch build with CUDA"
+            )
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise InputError(
+                f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA "
+                f"device(s), numbered from 0"
+            )
+    if d.type == "mps" and not torch.backends.mps.is_available():
+        raise InputError(f"device {device!r}: MPS is not available here; use --device cpu")
+    return d
+
+
 def encode(tokenizer, model, text: str, kind: str) -> tuple[dict, int]:
     """Model inputs and the position whose prediction is explained."""
     enc = tokenizer(text, return_tensors="pt")
     ids = enc["input_ids"]
+    if ids.shape[1] == 0:
+        raise InputError(f"the text {text!r} gives no tokens: give a sentence to explain")
     limit = _max_length(model)
     if limit is not None and ids.shape[1] > limit:
         raise InputError(
@@ -359,6 +385,7 @@ def explain(
     or a loaded model (then pass ``tokenizer`` too)."""
     if isinstance(model, str | FilePath):
         model_id = str(model)
+        check_device(device)
         model, tokenizer, kind = load(model_id, kind, dtype, device)
     elif tokenizer is None:
         raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")

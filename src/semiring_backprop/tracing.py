@@ -286,6 +286,9 @@ def trace(
     if not callable(model):
         raise InputError(f"model must be an nn.Module or a callable, got {type(model).__name__}")
     _check_mode(model, allow_training)
+    too_long = _too_long(model, args, kwargs, learned_only=True)
+    if too_long:  # before torch.export, which would fail deep inside with fake tensors
+        raise InputError(too_long)
     table = decompositions.table(tuple(whole))
     handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
     functions: list = []
@@ -304,6 +307,9 @@ def trace(
         raise
     except Exception as e:  # torch raises many types; say what failed and what to try
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        too_long = _too_long(model, args, kwargs)
+        if too_long:
+            raise InputError(too_long) from None
         raise TracingError(
             f"could not trace {getattr(model, '__class__', type(model)).__name__} with "
             f"torch.export: {type(e).__name__}: {first[:500]}\n"
@@ -413,6 +419,32 @@ def _compare_backward(cls, apply, fargs) -> str | None:
         if not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * max(scale, 1e-30)):
             err = float((a - b).abs().max())
             return f"input {i}: largest difference {err:.3g} against {scale:.3g}"
+    return None
+
+
+def _too_long(model, args, kwargs, learned_only: bool = False) -> str | None:
+    """Why tracing fails, where the cause is an input longer than the model's positions
+    (the error torch gives is about fake tensors and indices). ``learned_only``: only
+    where the model has a learned position table (an ``nn.Embedding`` named
+    ``*position*``) that the input outgrows; rotary positions run longer."""
+    config = getattr(model, "config", None)
+    limit = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
+                  if isinstance(getattr(config, k, None), int)), None)  # fmt: skip
+    if learned_only:
+        tables = [m.num_embeddings for n, m in getattr(model, "named_modules", list)()
+                  if isinstance(m, torch.nn.Embedding) and "position" in n.lower()]  # fmt: skip
+        limit = min(tables) if tables and limit is not None else None
+    if limit is None:
+        return None
+    given = {**dict(enumerate(args)), **kwargs}
+    for key in ("input_ids", "inputs_embeds", 0):
+        x = given.get(key)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] > limit:
+            return (
+                f"the input is {x.shape[1]} positions long ({key!r}, shape "
+                f"{tuple(x.shape)}); {type(model).__name__} has {limit} positions: shorten "
+                "it, or explain it in windows of at most that length"
+            )
     return None
 
 
