@@ -213,3 +213,23 @@ def test_explain_checks_the_device_before_loading(device, needle, tmp_path, caps
                "--target", "x", "--foil", "y", "--device", device])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: ") and needle in err, err
+
+
+@pytest.mark.parametrize(
+    ("ids", "needle"),
+    [
+        ([[1, 60, 3]], r"an id is outside the table .* 60 .* 50 rows \(ids 0..49\)"),
+        (torch.zeros(0, 5, dtype=torch.long), r"input 'input_ids' is empty \(shape \(0, 5\)\)"),
+        (torch.zeros(1, 0, dtype=torch.long), r"input 'input_ids' is empty \(shape \(1, 0\)\)"),
+    ],
+)
+def test_ids_outside_the_vocabulary_and_empty_inputs_are_clear_errors(ids, needle):
+    transformers = pytest.importorskip("transformers")
+    import semiring_backprop as sbp
+
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
+                                  num_attention_heads=2, intermediate_size=32)  # fmt: skip
+    bert = transformers.BertForMaskedLM(cfg).eval()
+    with pytest.raises(sbp.SemiringBackpropError, match=needle):
+        sbp.backprop(bert, kwargs={"input_ids": torch.as_tensor(ids)},
+                     output=lambda o: o.logits.sum())  # fmt: skip

@@ -56,7 +56,7 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
         try:
             out = a[0] if node.target is mark_op else node.target(*a, **k)
         except Exception as e:  # torch raises many types: say where, in the user's model
-            raise _failed(graph, node, e) from e
+            raise _failed(graph, node, e, a) from e
         values[node] = out
         if (check is True or (check and first)) and _is_float(out):
             checked.append((node, out.sum()))
@@ -85,8 +85,18 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
     return values
 
 
-def _failed(graph, node, e) -> ForwardError:
+def _failed(graph, node, e, args=()) -> ForwardError:
     first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if node.target is aten.embedding.default and isinstance(e, IndexError) and len(args) > 1:
+        table, ids = args[0], args[1]
+        rows = table.shape[0]
+        bad = ids[(ids < 0) | (ids >= rows)]
+        if bad.numel():
+            return ForwardError(
+                f"an id is outside the table of {where(node, graph.module_of(node))}: "
+                f"{int(bad[0])} (of {bad.numel()} such ids), where the table has {rows} "
+                f"rows (ids 0..{rows - 1}). Encode the text with the model's own tokenizer."
+            )
     return ForwardError(
         f"running the traced model failed at {where(node, graph.module_of(node))} "
         f"({node.target}): {type(e).__name__}: {first[:500]}\n"

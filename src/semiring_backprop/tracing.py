@@ -286,6 +286,12 @@ def trace(
     if not callable(model):
         raise InputError(f"model must be an nn.Module or a callable, got {type(model).__name__}")
     _check_mode(model, allow_training)
+    for key, x in {**dict(enumerate(args)), **kwargs}.items():
+        if isinstance(x, torch.Tensor) and x.numel() == 0 and x.dim() > 0:
+            raise InputError(
+                f"input {key!r} is empty (shape {tuple(x.shape)}): nothing to explain; give "
+                "at least one example of at least one position"
+            )
     too_long = _too_long(model, args, kwargs, learned_only=True)
     if too_long:  # before torch.export, which would fail deep inside with fake tensors
         raise InputError(too_long)
