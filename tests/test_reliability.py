@@ -233,3 +233,42 @@ def test_ids_outside_the_vocabulary_and_empty_inputs_are_clear_errors(ids, needl
     with pytest.raises(sbp.SemiringBackpropError, match=needle):
         sbp.backprop(bert, kwargs={"input_ids": torch.as_tensor(ids)},
                      output=lambda o: o.logits.sum())  # fmt: skip
+
+
+def _held_peak(fn) -> int:
+    """Peak bytes held by tensors during ``fn()`` (every allocation and free, in order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    live = peak = 0
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def test_a_pass_that_cannot_fit_is_refused_before_it_runs(monkeypatch):
+    """The estimate is a lower bound of the pass's peak (the profiler's count), and a
+    budget below it refuses the pass with the estimate and what uses less."""
+    import semiring_backprop as sbp
+    from semiring_backprop import budget
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                              torch.nn.Linear(256, 64), torch.nn.Tanh()).eval()  # fmt: skip
+    x = torch.randn(32, 64)
+    srs = [sbp.Real(), sbp.MaxProduct(), sbp.Entropy(), sbp.TopK(3)]
+    seen = []
+    real = budget.reverse_peak
+    monkeypatch.setattr(budget, "reverse_peak", lambda *a: seen.append(real(*a)) or seen[-1])
+    bp = sbp.Backprop(mlp, lambda y: y.sum(), srs, keep=(0,))
+    bp((x,))
+    estimate = seen[-1]
+    assert 0 < estimate <= _held_peak(lambda: bp((x,)))
+    monkeypatch.setenv("SEMIRING_BACKPROP_MEMORY", str(estimate - 1))
+    with pytest.raises(sbp.OutOfMemoryError, match=r"needs at least .* GiB .* fewer semirings"):
+        bp((x,))
+    monkeypatch.setenv("SEMIRING_BACKPROP_MEMORY", str(estimate))
+    bp((x,))

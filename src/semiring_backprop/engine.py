@@ -13,7 +13,7 @@ import operator
 import torch
 from torch.fx.node import map_arg
 
-from . import memory, rules
+from . import budget, memory, rules
 from .errors import InputError, NonFiniteError, UnsupportedOpError, where
 from .rules.routing import reshape_back
 from .semirings.base import fmap, stack
@@ -93,6 +93,7 @@ def reverse(
             "the output does not depend on any float input of the model: nothing to explain"
         )
     out = values[seed_node]
+    budget.check(graph, values, semirings, needed, keep)  # before a pass too large
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
     return propagate(
         graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached,

@@ -1,0 +1,138 @@
+"""Memory a reverse pass needs at least, against what the machine has free.
+
+Three semirings over a long input can need many times autograd's memory, and a process
+past its memory limit is killed by the system without a word. So before the reverse pass
+its need is estimated from the forward values it runs on: every D is a tensor of its
+node's shape with each semiring's fields (``Semiring.zero`` of one element tells their
+bytes); it exists from the first consumer's rule (in reverse order) until its node's own
+rule has run, or to the end where the pass keeps it. The peak of that sum over the pass
+is a lower bound (rules' temporaries come on top). When it exceeds the memory free now
+(the system's available memory and the cgroup's limit, or the CUDA device's free
+memory), the pass is refused with the estimate and what uses less.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from . import rules
+from .errors import OutOfMemoryError
+
+#: refuse only past this share of the free memory (the estimate is a lower bound)
+SHARE = 1.0
+
+
+def element_bytes(semirings, like: torch.Tensor) -> int:
+    """Bytes of one element's D over all ``semirings`` (every field, pointers included)."""
+    total = 0
+    for sr in semirings:
+        for f in sr.zero((1,), like):
+            total += f.element_size()
+    return total
+
+
+def reverse_peak(graph, values: dict, semirings, needed, keep) -> int:
+    """The largest sum of D bytes alive at once during the reverse pass (see module)."""
+    from .engine import _plan
+
+    ids, plan = graph.ids, _plan(graph, needed)
+    events: dict = {}  # node id -> bytes added (D made) and removed (D let go) there
+    per_dtype: dict = {}
+    for v in needed:
+        val = values.get(v)
+        if not isinstance(val, torch.Tensor) or not val.is_floating_point():
+            continue
+        users = [ids[u] for u in v.users if u in needed]
+        if not users and v is not graph.output_node:
+            continue
+        if len(users) == 1 and _moved(graph.nodes[users[0]], val, values, plan, ids):
+            continue  # D is its consumer's, moved (a view): the same memory
+        key = (val.dtype, val.device)
+        if key not in per_dtype:
+            per_dtype[key] = element_bytes(semirings, val)
+        size = val.numel() * per_dtype[key]
+        born = max(users) if users else ids[v]
+        events[born] = events.get(born, 0) + size
+        if keep is not None and v not in keep:  # let go once its rule has run
+            events[ids[v] - 1] = events.get(ids[v] - 1, 0) - size
+    live = peak = 0
+    for t in sorted(events, reverse=True):  # the reverse pass visits ids downwards
+        live += events[t]
+        peak = max(peak, live)
+    return peak
+
+
+def _moved(user, val, values, plan, ids) -> bool:
+    """Whether ``user``'s rule likely gives its input's D as a view of its own: a
+    reshape, or a routing op of as many elements (a select on a size-1 dim, a slice of
+    a whole dim, a permute). Counting such a D once keeps the estimate a lower bound."""
+    if plan[ids[user]][1]:
+        return True
+    rule = rules.lookup(user.target) if user.op == "call_function" else None
+    out = values.get(user)
+    return (
+        rule is not None and rule.kind == "routing" and isinstance(out, torch.Tensor)
+        and out.numel() == val.numel()
+    )  # fmt: skip
+
+
+def available(device: torch.device) -> int | None:
+    """Bytes that can be allocated now on ``device`` (None: unknown);
+    ``SEMIRING_BACKPROP_MEMORY`` (bytes) sets it instead."""
+    own = os.environ.get("SEMIRING_BACKPROP_MEMORY", "").strip()
+    if own:
+        try:
+            return int(float(own))
+        except ValueError:
+            raise OutOfMemoryError(
+                f"SEMIRING_BACKPROP_MEMORY={own!r}: expected a number of bytes"
+            ) from None
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached
+    if device.type != "cpu":
+        return None
+    found = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    cgroup = Path("/sys/fs/cgroup")
+    try:  # cgroup v2: the limit of this process's group, less what it uses
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int((cgroup / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def check(graph, values: dict, semirings, needed, keep) -> None:
+    """Refuse a reverse pass that cannot fit (see module)."""
+    out = values.get(graph.output_node)
+    device = out.device if isinstance(out, torch.Tensor) else torch.device("cpu")
+    free = available(device)
+    if free is None:
+        return
+    need = reverse_peak(graph, values, semirings, needed, keep)
+    if need <= SHARE * free:
+        return
+    gib = 2**30
+    names = ", ".join(s.name for s in semirings)
+    keep_hint = (
+        " keep=('inputs_embeds',) (or the places you read) to hold only those readouts;"
+        if keep is None or len(keep) > 8 else ""
+    )  # fmt: skip
+    raise OutOfMemoryError(
+        f"the reverse pass needs at least {need / gib:.2f} GiB for its D values "
+        f"({names}), and {free / gib:.2f} GiB is free on {device} (a process past its "
+        f"limit is killed without a word). What uses less:{keep_hint} fewer semirings per "
+        "pass (TopK holds 5k fields per element); float32 instead of float64; a shorter "
+        "input or a smaller batch. SEMIRING_BACKPROP_MEMORY=BYTES sets the budget."
+    )
