@@ -286,12 +286,6 @@ def trace(
     if not callable(model):
         raise InputError(f"model must be an nn.Module or a callable, got {type(model).__name__}")
     _check_mode(model, allow_training)
-    for key, x in {**dict(enumerate(args)), **kwargs}.items():
-        if isinstance(x, torch.Tensor) and x.numel() == 0 and x.dim() > 0:
-            raise InputError(
-                f"input {key!r} is empty (shape {tuple(x.shape)}): nothing to explain; give "
-                "at least one example of at least one position"
-            )
     too_long = _too_long(model, args, kwargs, learned_only=True)
     if too_long:  # before torch.export, which would fail deep inside with fake tensors
         raise InputError(too_long)
@@ -316,6 +310,13 @@ def trace(
         too_long = _too_long(model, args, kwargs)
         if too_long:
             raise InputError(too_long) from None
+        for key, x in {**dict(enumerate(args)), **kwargs}.items():  # (a function of an
+            if isinstance(x, torch.Tensor) and x.numel() == 0 and x.dim() > 0:  # empty batch
+                raise InputError(  # may trace; a model's reshapes usually cannot)
+                    f"input {key!r} is empty (shape {tuple(x.shape)}), and "
+                    f"{type(model).__name__} cannot be traced with it: {first[:200]}. Give at "
+                    "least one example of at least one position"
+                ) from None
         raise TracingError(
             f"could not trace {getattr(model, '__class__', type(model)).__name__} with "
             f"torch.export: {type(e).__name__}: {first[:500]}\n"
