@@ -59,7 +59,7 @@ class Config:
 
     @classmethod
     def quick(cls) -> Config:
-        return replace(cls(), explain_limit=200)  # the same model: training takes ~20 s
+        return replace(cls(), explain_limit=200)  # the same models: training takes ~70 s
 
 
 def token_classes(x: torch.Tensor, y: torch.Tensor) -> list[list[str]]:
@@ -294,7 +294,7 @@ def agreement_text(summary: dict) -> str:
 
 
 def demo(out="runs/demo", progress: bool = True, print_fn=print) -> dict:
-    """``first-token-repeated --quick``: train three models (about 20 s each on 2
+    """``first-token-repeated --quick``: train three models (about 70 s in all on 2
     cores), explain 200 validation examples with each, print the branch table with a
     one-line reading and how many models agree."""
     with lock(out):
