@@ -433,7 +433,7 @@ def _samples(model) -> torch.Tensor:
         return torch.zeros(0, dtype=torch.int64)
     parts = []
     for t in (*model.parameters(), *model.buffers()):
-        if t.is_floating_point() and t.numel():
+        if t.is_floating_point() and t.numel() and t.layout == torch.strided and not t.is_meta:
             flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().flatten()
             step = max(1, flat.numel() // SAMPLES)
             parts.append(flat[::step][:SAMPLES].to(torch.float64).cpu())
