@@ -431,12 +431,13 @@ def _samples(model) -> torch.Tensor:
     """64 evenly spaced elements of every float parameter and buffer, as their bits."""
     if not isinstance(model, torch.nn.Module):
         return torch.zeros(0, dtype=torch.int64)
-    parts = []
+    groups: dict = {}  # (dtype, device) -> the sampled views (one copy per group)
     for t in (*model.parameters(), *model.buffers()):
         if t.is_floating_point() and t.numel() and t.layout == torch.strided and not t.is_meta:
             flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().flatten()
             step = max(1, flat.numel() // SAMPLES)
-            parts.append(flat[::step][:SAMPLES].to(torch.float64).cpu())
+            groups.setdefault((t.dtype, t.device), []).append(flat[::step][:SAMPLES])
+    parts = [torch.cat(views).to(torch.float64).cpu() for views in groups.values()]
     return torch.cat(parts).view(torch.int64) if parts else torch.zeros(0, dtype=torch.int64)
 
 

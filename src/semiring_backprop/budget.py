@@ -114,13 +114,24 @@ def available(device: torch.device) -> int | None:
 
 
 def check(graph, values: dict, semirings, needed, keep) -> None:
-    """Refuse a reverse pass that cannot fit (see module)."""
+    """Refuse a reverse pass that cannot fit (see module). The estimate is kept per
+    graph for the inputs' shapes (every node's size follows from them)."""
     out = values.get(graph.output_node)
     device = out.device if isinstance(out, torch.Tensor) else torch.device("cpu")
     free = available(device)
     if free is None:
         return
-    need = reverse_peak(graph, values, semirings, needed, keep)
+    shapes = tuple(
+        (k, tuple(values[n].shape)) for k, n in graph.user_inputs.items()
+        if isinstance(values.get(n), torch.Tensor)
+    )  # fmt: skip
+    cache = graph.__dict__.setdefault("_reverse_peak", {})
+    key = (needed, None if keep is None else frozenset(keep), tuple(semirings), shapes)
+    if key not in cache:
+        if len(cache) > 64:  # many lengths: keep the newest
+            cache.pop(next(iter(cache)))
+        cache[key] = reverse_peak(graph, values, semirings, needed, keep)
+    need = cache[key]
     if need <= SHARE * free:
         return
     gib = 2**30
