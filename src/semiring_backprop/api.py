@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import allocator, checkpoints, engine, forward, memory, rules
+from . import allocator, budget, checkpoints, engine, forward, memory, rules
 from .errors import InputError, OutOfMemoryError, is_out_of_memory
 from .result import Result, resolve_keep
 from .semirings import Real, Semiring
@@ -201,15 +201,10 @@ class Backprop:
 
     def _out_of_memory(self, e) -> OutOfMemoryError:
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        keep = "" if self.keep is not None else (
-            " keep=('inputs_embeds',) (or the places you read) to hold only those readouts"
-            " (paths and tables need keep=None);"
-        )  # fmt: skip
         return OutOfMemoryError(
             f"the pass ran out of memory ({first}) with {len(self.semirings)} semiring(s) "
-            f"{', '.join(s.name for s in self.semirings)}. What uses less:{keep} fewer "
-            "semirings per pass (TopK holds 5k fields per node); float32 instead of "
-            "float64; a shorter input or a smaller batch."
+            f"{', '.join(s.name for s in self.semirings)}. "
+            + budget.what_uses_less(self.keep is None)
         )
 
     def _run(self, graph, args: tuple, kwargs: dict) -> Result:

@@ -136,14 +136,21 @@ def check(graph, values: dict, semirings, needed, keep) -> None:
         return
     gib = 2**30
     names = ", ".join(s.name for s in semirings)
-    keep_hint = (
-        " keep=('inputs_embeds',) (or the places you read) to hold only those readouts;"
-        if keep is None or len(keep) > 8 else ""
-    )  # fmt: skip
     raise OutOfMemoryError(
         f"the reverse pass needs at least {need / gib:.2f} GiB for its D values "
         f"({names}), and {free / gib:.2f} GiB is free on {device} (a process past its "
-        f"limit is killed without a word). What uses less:{keep_hint} fewer semirings per "
-        "pass (TopK holds 5k fields per element); float32 instead of float64; a shorter "
-        "input or a smaller batch. SEMIRING_BACKPROP_MEMORY=BYTES sets the budget."
+        f"limit is killed without a word). {what_uses_less(keep is None or len(keep) > 8)} "
+        "SEMIRING_BACKPROP_MEMORY=BYTES sets the budget."
+    )
+
+
+def what_uses_less(suggest_keep: bool) -> str:
+    """The options that make a pass need less memory (``suggest_keep``: keep= too)."""
+    keep = (
+        " keep=('inputs_embeds',) (or the places you read) to hold only those readouts"
+        " (paths and tables need keep=None);" if suggest_keep else ""
+    )  # fmt: skip
+    return (
+        f"What uses less:{keep} fewer semirings per pass (TopK holds 5k fields per "
+        "element); float32 instead of float64; a shorter input or a smaller batch."
     )

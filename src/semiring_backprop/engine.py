@@ -16,7 +16,7 @@ from torch.fx.node import map_arg
 from . import budget, memory, rules
 from .errors import InputError, NonFiniteError, UnsupportedOpError, where
 from .rules.routing import reshape_back
-from .semirings.base import fmap, stack
+from .semirings.base import fmap, overflowed, stack
 
 
 def needed_nodes(graph, start) -> frozenset:
@@ -194,7 +194,7 @@ def _first_overflow(flags):
     first = None
     for idx in by_dtype.values():
         stats = torch.stack([flags[i][2] for i in idx])
-        bad = (stats.isnan() | (stats == float("inf"))).nonzero()
+        bad = overflowed(stats).nonzero()
         if len(bad):
             i = idx[int(bad[0, 0])]
             first = i if first is None else min(first, i)

@@ -24,6 +24,7 @@ import torch
 from .api import backprop
 from .errors import InputError, LoadError
 from .semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
+from .tracing import max_positions
 
 SEMIRINGS = {
     "max": "MaxProduct: the top gradient path and per-layer branches",
@@ -196,7 +197,7 @@ def encode(tokenizer, model, text: str, kind: str) -> tuple[dict, int]:
     ids = enc["input_ids"]
     if ids.shape[1] == 0:
         raise InputError(f"the text {text!r} gives no tokens: give a sentence to explain")
-    limit = _max_length(model)
+    limit = max_positions(model)
     if limit is not None and ids.shape[1] > limit:
         raise InputError(
             f"the text is {ids.shape[1]} tokens long; the model takes at most {limit}: shorten it"
@@ -216,15 +217,6 @@ def encode(tokenizer, model, text: str, kind: str) -> tuple[dict, int]:
     else:
         pos = ids.shape[1] - 1
     return {k: v.to(model.device) for k, v in enc.items() if k != "token_type_ids"}, pos
-
-
-def _max_length(model):
-    cfg = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        n = getattr(cfg, name, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
 
 
 # -- the explanation ------------------------------------------------------------------

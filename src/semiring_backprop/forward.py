@@ -46,7 +46,7 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
     values.update(graph.constants)
     checked = []  # (node, sum of its value): one reduction per node, one sync at the end
     for node in graph.user_inputs.values():  # a NaN input: refused wherever it is
-        if _is_float(values[node]) and values[node].numel():
+        if _is_float(values[node]):
             checked.append((node, values[node].sum()))
     # values of the weights alone are the same on every call: checked on the first one
     first = not getattr(graph, "_static_checked", False)
@@ -178,10 +178,11 @@ def _check_inputs(graph, values) -> None:
     """NaN in an input is an error wherever it sits (inf may be a mask)."""
     for key, node in graph.user_inputs.items():
         v = values[node]
-        if _is_float(v) and bool(torch.isnan(v).any()):
-            at = tuple(int(i) for i in torch.isnan(v).nonzero()[0])
+        nan = torch.isnan(v) if _is_float(v) else None
+        if nan is not None and bool(nan.any()):
+            at = tuple(int(i) for i in nan.nonzero()[0])
             raise NonFiniteError(
-                f"input {key!r} holds NaN (first at index {at}, {int(torch.isnan(v).sum())} "
+                f"input {key!r} holds NaN (first at index {at}, {int(nan.sum())} "
                 "in all). Every element of an input must be a number, also where the output "
                 "does not depend on it: replace NaN (torch.nan_to_num) or drop those rows."
             )

@@ -8,7 +8,7 @@ import fnmatch
 import torch
 
 from .errors import InputError, NonFiniteError, NotFoundError
-from .semirings.base import Semiring
+from .semirings.base import Semiring, overflowed
 
 
 class Result:
@@ -62,7 +62,7 @@ class Result:
         for n in group[1:]:  # one tensor passed as several inputs: every path starts at one
             value = semiring.plus(value, self._store[n][k])
         stats = semiring.overflow_stats(value) if semiring.overflow == "end" else ()
-        if stats and not bool(torch.isfinite(torch.stack(stats)).all()):  # (see reverse)
+        if stats and bool(overflowed(torch.stack(stats)).any()):  # (see engine.reverse)
             raise NonFiniteError(
                 f"{semiring.name} overflowed at {where!r} (inf or NaN from finite forward "
                 "values: path products beyond the float range). Run the model and inputs "

@@ -429,14 +429,22 @@ def _compare_backward(cls, apply, fargs) -> str | None:
     return None
 
 
+def max_positions(model) -> int | None:
+    """The most positions a Hugging Face model's config allows (None: not said)."""
+    cfg = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
 def _too_long(model, args, kwargs, learned_only: bool = False) -> str | None:
     """Why tracing fails, where the cause is an input longer than the model's positions
     (the error torch gives is about fake tensors and indices). ``learned_only``: only
     where the model has a learned position table (an ``nn.Embedding`` named
     ``*position*``) that the input outgrows; rotary positions run longer."""
-    config = getattr(model, "config", None)
-    limit = next((getattr(config, k) for k in ("max_position_embeddings", "n_positions")
-                  if isinstance(getattr(config, k, None), int)), None)  # fmt: skip
+    limit = max_positions(model)
     if learned_only:
         tables = [m.num_embeddings for n, m in getattr(model, "named_modules", list)()
                   if isinstance(m, torch.nn.Embedding) and "position" in n.lower()]  # fmt: skip

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from ..errors import is_out_of_memory
+from ..errors import NonFiniteError, is_out_of_memory
 
 log = logging.getLogger(__name__)
 
@@ -124,23 +124,39 @@ def _compiled(name):
     return _COMPILED[name]
 
 
+def _try_compiled(key, work: int, device, call):
+    """``call()`` (a compiled kernel) where the policy says to compile; None where it
+    says not to, or where compiling fails (the caller runs the same formulas eagerly)."""
+    if not _should_compile(key, work, device):
+        return None
+    try:
+        with warnings.catch_warnings():  # torch's own deprecations, raised while compiling
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
+            out = call()
+        _COMPILED_KEYS.add(key)
+        return out
+    except Exception as e:  # no compiler, unsupported device: same formulas, eagerly
+        if is_out_of_memory(e):  # not the compiler's fault: keep it for the next call
+            raise
+        _state["failed"].add(key)
+        log.warning("compiled %s kernel unavailable (%s); using the eager one", key[0], e)
+        return None
+
+
 def _run(name, a, wt):
     """Run kernel ``name`` on batched (B, n, m) fields and (B, p, m) transposed weights."""
     n, m, p = a[0].shape[-2], a[0].shape[-1], wt.shape[-2]
     work = a[0].shape[0] * n * m * p
     key = (name, a[0].dtype, a[0].device.type)
-    if _should_compile(key, work, a[0].device):
-        try:  # contiguous inputs: one compiled graph for every shape (no stride guards)
-            with warnings.catch_warnings():  # torch's own deprecations, raised while compiling
-                warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
-                out = _compiled(name)(*(f.contiguous() for f in a), wt.contiguous())
-            _COMPILED_KEYS.add(key)
-            return out
-        except Exception as e:  # no compiler, unsupported device: same formulas, eagerly
-            if is_out_of_memory(e):  # not the compiler's fault: keep it for the next call
-                raise
-            _state["failed"].add(key)
-            log.warning("compiled %s kernel unavailable (%s); using the eager one", name, e)
+    # contiguous inputs: one compiled graph for every shape (no stride guards)
+    out = _try_compiled(
+        key,
+        work,
+        a[0].device,
+        lambda: _compiled(name)(*(f.contiguous() for f in a), wt.contiguous()),
+    )
+    if out is not None:
+        return out
     step = chunk_rows(n, 4 * m * p * a[0].shape[0])
     outs = [_EAGER[name](*(f[:, r : r + step] for f in a), wt) for r in range(0, n, step)]
     return tuple(torch.cat(parts, 1) for parts in zip(*outs))
@@ -178,8 +194,6 @@ def maxplus(m, lwt):
     batch, (m,), lwt = _flat((m,), lwt)
     outs = _run("maxplus", (m,), lwt)
     if outs[1].numel() and int(outs[1].max()) >= m.shape[-1]:  # only where a max is NaN
-        from ..errors import NonFiniteError
-
         raise NonFiniteError(
             "NaN reached a max-plus contraction in the reverse pass (a forward value read "
             "as an edge weight is NaN): check the inputs and the model's weights"
@@ -244,19 +258,15 @@ def maxplus_topk(m, lwt, k: int):
     batch, (m,), lwt = _flat((m,), lwt)
     b, n, inner, p = m.shape[0], m.shape[-2], m.shape[-1], lwt.shape[-2]
     key = ("maxplus_topk", m.dtype, m.device.type)
-    if inner >= BLOCKED_MIN and inner % PAD == 0 and _should_compile(key, b * n * inner * p,
-                                                                     m.device):  # fmt: skip
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
-                out = _topk_blocked(m.contiguous(), lwt.contiguous(), k)
-            _COMPILED_KEYS.add(key)
+    if inner >= BLOCKED_MIN and inner % PAD == 0:
+        out = _try_compiled(
+            key,
+            b * n * inner * p,
+            m.device,
+            lambda: _topk_blocked(m.contiguous(), lwt.contiguous(), k),
+        )
+        if out is not None:
             return tuple(o.reshape(*batch, n, p, k) for o in out)
-        except Exception as e:  # no compiler, unsupported device: the eager one
-            if is_out_of_memory(e):
-                raise
-            _state["failed"].add(key)
-            log.warning("compiled max-plus top-k unavailable (%s); using the eager one", e)
     step = chunk_rows(n, 2 * inner * p * b)
     outs = [
         (m[:, r : r + step, None, :] + lwt[:, None, :, :]).topk(k, -1) for r in range(0, n, step)

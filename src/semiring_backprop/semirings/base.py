@@ -125,6 +125,11 @@ def node_index(shape, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(n, device=like.device).view(shape)
 
 
+def overflowed(stats: torch.Tensor) -> torch.Tensor:
+    """Where statistics of ``Semiring.overflow_stats`` say "overflow": +inf or NaN."""
+    return stats.isnan() | (stats == INF)
+
+
 def full_int(shape, fill: int, like: torch.Tensor) -> torch.Tensor:
     return torch.full(tuple(shape), fill, dtype=torch.long, device=like.device)
 
