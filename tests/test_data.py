@@ -280,6 +280,29 @@ def blimp_row(**change):
     return json.dumps({**row, **change})
 
 
+def official(uid, pair, good, bad, prefix, word_good, word_bad, **more):
+    """A line with every field of the official BLiMP files (one-prefix paradigms)."""
+    return json.dumps({
+        "sentence_good": good, "sentence_bad": bad, "one_prefix_prefix": prefix,
+        "one_prefix_word_good": word_good, "one_prefix_word_bad": word_bad, **more,
+        "field": "morphology", "linguistics_term": "subject_verb_agreement", "UID": uid,
+        "simple_LM_method": True, "one_prefix_method": True, "two_prefix_method": False,
+        "lexically_identical": False, "pairID": str(pair),
+    })  # fmt: skip
+
+
+def two_prefix(pair, good, bad, prefix_good, prefix_bad, word):
+    """A line of the official two-prefix files (the sentences differ in the subject)."""
+    return json.dumps({
+        "sentence_good": good, "sentence_bad": bad, "two_prefix_prefix_good": prefix_good,
+        "two_prefix_prefix_bad": prefix_bad, "two_prefix_word": word, "field": "morphology",
+        "linguistics_term": "subject_verb_agreement",
+        "UID": "regular_plural_subject_verb_agreement_2", "simple_LM_method": True,
+        "one_prefix_method": False, "two_prefix_method": True, "lexically_identical": False,
+        "pairID": str(pair),
+    })  # fmt: skip
+
+
 def write(tmp_path, name, lines):
     path = tmp_path / name
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -297,7 +320,9 @@ def test_read_blimp(tmp_path):
         "attractors": [4],
     }
     path = write(tmp_path, "b.jsonl", [blimp_row(), "", json.dumps(last)])
-    a, b = read_agreement(path)
+    data = read_agreement(path)
+    a, b = data
+    assert data.skipped == []
     assert a.words == ("The", "keys", "to", "the", "cabinet", MASK, "here.")
     assert (a.mask_index, a.good, a.bad) == (5, "are", "is")
     assert a.attractors is None and a.subject is None and a.attractor_positions is None
@@ -312,29 +337,113 @@ def test_read_blimp(tmp_path):
     assert locate([b])[0] is b  # complete examples need no parser
 
 
-@pytest.mark.parametrize(
-    ("line", "needle"),
-    [
-        ("{not json", "not valid JSON"),
-        ("[1, 2]", "expected a JSON object, found list"),
-        (json.dumps({"sentence_good": "x"}), "missing or non-string sentence_bad"),
-        (blimp_row(sentence_good="The keys to a cabinet are here."), "sentence_good .* does not"),
-        (blimp_row(sentence_bad="The keys to the cabinet are here."), "sentence_bad .* does not"),
-        (blimp_row(sentence_good="The keys to the cabinet aren't here."), "sentence_good"),
-        (blimp_row(one_prefix_word_good="are not"), "one_prefix_word_good must be one word"),
-        (blimp_row(subject=9), r"subject must hold word indices in 0..6, got 9"),
-        (blimp_row(attractors=3), "attractors must be a list"),
-        (blimp_row(attractors=[1, "x"]), "attractors must hold word indices"),
-        (blimp_row(subject=5), "subject 5 is the verb's own position"),
-        (blimp_row(subject=1, attractors=[4, 4]), "attractors list word 4 more than once"),
-        (blimp_row(subject=1, attractors=[5]), "attractor 5 is the verb's position"),
-        (blimp_row(subject=1, attractors=[1]), "attractor 1 is the subject"),
-    ],
-)
-def test_read_blimp_errors_name_file_and_line(tmp_path, line, needle):
-    path = write(tmp_path, "b.jsonl", [blimp_row(), "", line])
-    with pytest.raises(InputError, match=f"b.jsonl:3: {needle}"):
+# Lines as the official distractor-agreement files write them: a verb phrase of two
+# words ("works with"), a verb of several word pieces ("hasn't"), the verb last
+# ("waves."), and (from determiner_noun_agreement_with_adjective_1) phrases whose
+# second word differs.
+OFFICIAL = [
+    ("distractor_agreement_relative_clause", 11,
+     "The girl who doesn't annoy these adults works with Kristin.",
+     "The girl who doesn't annoy these adults work with Kristin.",
+     "The girl who doesn't annoy these adults", "works with", "work with"),
+    ("distractor_agreement_relational_noun", 0,
+     "A niece of most senators hasn't descended most slopes.",
+     "A niece of most senators haven't descended most slopes.",
+     "A niece of most senators", "hasn't", "haven't"),
+    ("distractor_agreement_relative_clause", 9, "A doctor who researched the Clintons waves.",
+     "A doctor who researched the Clintons wave.", "A doctor who researched the Clintons",
+     "waves", "wave"),
+    ("determiner_noun_agreement_with_adjective_1", 5, "Carla cleans that art gallery.",
+     "Carla cleans that art galleries.", "Carla cleans that", "art gallery", "art galleries"),
+    ("distractor_agreement_relational_noun", 7, "The sketches of Dana look like Eva.",
+     "The sketches of Dana looks like Eva.", "The sketches of Dana", "look like.",
+     "looks like."),
+]  # fmt: skip
+EXPECTED = [
+    (("The", "girl", "who", "doesn't", "annoy", "these", "adults", MASK, "with", "Kristin."),
+     7, "works", "work"),
+    (("A", "niece", "of", "most", "senators", MASK, "descended", "most", "slopes."),
+     5, "hasn't", "haven't"),
+    (("A", "doctor", "who", "researched", "the", "Clintons", MASK, "."), 6, "waves", "wave"),
+    (("Carla", "cleans", "that", "art", MASK, "."), 4, "gallery", "galleries"),
+]  # fmt: skip
+
+
+def test_read_blimp_official_lines_with_phrases(tmp_path):
+    lines = [official(*row, dependency_length=5) for row in OFFICIAL]
+    path = write(tmp_path, "distractor.jsonl", lines)
+    data = read_blimp(path)
+    got = [(ex.words, ex.mask_index, ex.good, ex.bad) for ex in data]
+    assert got == EXPECTED
+    for ex, (_, _, good, bad, *_) in zip(data, OFFICIAL):  # "waves." -> "waves ."
+        assert ex.sentence().replace(" .", ".") == good
+        assert ex.sentence(good=False).replace(" .", ".") == bad
+    assert [ex.source for ex in data] == [f"{path}:{n}" for n in range(1, 5)]
+    # "look like." is not how the sentence goes on ("look like Eva."): that line alone
+    # is reported, with its file and line, and skipped
+    (bad,) = data.skipped
+    assert bad.source == f"{path}:5"
+    assert bad.reason.startswith("sentence_good 'The sketches of Dana look like Eva.' does not")
+
+
+def test_two_prefix_lines_say_what_they_are(tmp_path):
+    lines = [
+        two_prefix(0, "The students perform.", "The student perform.", "The students",
+                   "The student", "perform"),
+        two_prefix(1, "The glove tightens.", "The gloves tightens.", "The glove", "The gloves",
+                   "tightens"),
+    ]  # fmt: skip
+    path = write(tmp_path, "regular_2.jsonl", lines)
+    with pytest.raises(InputError) as info:
         read_blimp(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: none of its 2 non-blank lines is a usable example")
+    assert f"{path}:1: a two-prefix pair" in message and "'The students' / 'The student'" in message
+    assert "give a one-prefix file" in message
+    # beside a usable line, the two-prefix one is skipped and reported
+    mixed = write(tmp_path, "mixed.jsonl", [blimp_row(), lines[0]])
+    data = read_blimp(mixed)
+    assert len(data) == 1 and [m.source for m in data.skipped] == [f"{mixed}:2"]
+    assert data.skipped[0].reason.startswith("a two-prefix pair")
+
+
+BLIMP_ERRORS = [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "expected a JSON object, found list"),
+    (json.dumps({"sentence_good": "x"}), "missing or non-string sentence_bad"),
+    (blimp_row(sentence_good="The keys to a cabinet are here."), "sentence_good .* does not"),
+    (blimp_row(sentence_bad="The keys to the cabinet are here."), "sentence_bad .* does not"),
+    (blimp_row(sentence_good="The keys to the cabinet aren't here."), "sentence_good"),
+    (blimp_row(sentence_bad="The keys to the cabinet is there."),
+     "sentence_good and sentence_bad differ after the verb"),
+    (blimp_row(one_prefix_word_good="are not"), "one_prefix_word_good .* must differ in exactly"),
+    (blimp_row(one_prefix_word_good="are here", one_prefix_word_bad="is there"),
+     "one_prefix_word_good .* must differ in exactly one word"),
+    (blimp_row(one_prefix_word_good=" "), "one_prefix_word_good is empty"),
+    (blimp_row(subject=9), r"subject must hold word indices in 0..6, got 9"),
+    (blimp_row(attractors=3), "attractors must be a list"),
+    (blimp_row(attractors=[1, "x"]), "attractors must hold word indices"),
+    (blimp_row(subject=5), "subject 5 is the verb's own position"),
+    (blimp_row(subject=1, attractors=[4, 4]), "attractors list word 4 more than once"),
+    (blimp_row(subject=1, attractors=[5]), "attractor 5 is the verb's position"),
+    (blimp_row(subject=1, attractors=[1]), "attractor 1 is the subject"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("line", "needle"), BLIMP_ERRORS)
+def test_malformed_blimp_line_is_skipped_and_named(tmp_path, line, needle):
+    path = write(tmp_path, "b.jsonl", [blimp_row(), "", line, blimp_row()])
+    data = read_blimp(path)
+    assert [ex.source for ex in data] == [f"{path}:1", f"{path}:4"]
+    (bad,) = data.skipped
+    assert bad.source == f"{path}:3" and re.match(needle, bad.reason), bad.reason
+    with pytest.raises(InputError, match=f"b.jsonl:3: {needle}"):
+        read_blimp(path, strict=True)
+    alone = write(tmp_path, "alone.jsonl", [line])  # no usable example: the file is refused
+    with pytest.raises(
+        InputError, match=f"none of its 1 non-blank lines .*alone.jsonl:1: {needle}"
+    ):
+        read_blimp(alone)
 
 
 def linzen_line(*cols):
@@ -356,11 +465,26 @@ def linzen_line(*cols):
         (b"[" * 100_000 + b"\n", "b.jsonl:2: JSON nested too deeply"),
     ],
 )
-def test_read_blimp_refuses_binary_and_deeply_nested_lines(tmp_path, data, needle):
+def test_binary_and_deeply_nested_lines_are_skipped(tmp_path, data, needle):
     path = tmp_path / "b.jsonl"
     path.write_bytes(blimp_row().encode() + b"\n" + data)
+    out = read_blimp(path)
+    assert len(out) == 1 and len(out.skipped) == 1
+    assert re.match(needle, f"{out.skipped[0].source.rsplit('/', 1)[-1]}: {out.skipped[0].reason}")
     with pytest.raises(InputError, match=needle):
+        read_blimp(path, strict=True)
+    path.write_bytes(data * 3)  # nothing but such lines: refused, the first three named
+    with pytest.raises(InputError, match=f"none of its 3 non-blank lines .*{needle}"):
         read_blimp(path)
+
+
+def test_many_malformed_lines_are_all_counted(tmp_path):
+    lines = ["{not json"] * 5
+    with pytest.raises(InputError, match=r"none of its 5 .*b.jsonl:3: .*\(and 2 more\)$"):
+        read_blimp(write(tmp_path, "b.jsonl", lines))
+    data = read_blimp(write(tmp_path, "c.jsonl", [*lines, blimp_row()]))
+    assert len(data) == 1
+    assert [m.source.rsplit(":", 1)[1] for m in data.skipped] == ["1", "2", "3", "4", "5"]
 
 
 def test_read_linzen(tmp_path):
@@ -396,10 +520,16 @@ def test_read_linzen(tmp_path):
         (linzen_line("1", "a b", f"a {MASK}", "", "c"), r"column 4 \(correct verb\) must be one"),
     ],
 )
-def test_read_linzen_errors_name_file_and_line(tmp_path, line, needle):
+def test_malformed_linzen_line_is_skipped_and_named(tmp_path, line, needle):
     path = write(tmp_path, "l.tsv", [linzen_line(), line])
+    data = read_linzen(path)
+    assert len(data) == 1 and data[0].source == f"{path}:1"
+    (bad,) = data.skipped
+    assert bad.source == f"{path}:2" and re.search(needle, bad.reason), bad.reason
     with pytest.raises(InputError, match=f"l.tsv:2: .*{needle}"):
-        read_linzen(path)
+        read_linzen(path, strict=True)
+    with pytest.raises(InputError, match=f"none of its 1 .*alone.tsv:1: .*{needle}"):
+        read_linzen(write(tmp_path, "alone.tsv", [line]))
 
 
 def test_read_agreement_errors(tmp_path):
@@ -410,10 +540,14 @@ def test_read_agreement_errors(tmp_path):
     path = write(tmp_path, "data.csv", [linzen_line()])
     with pytest.raises(InputError, match="extension '.csv'.*read_blimp/read_linzen"):
         read_agreement(path)
+    empty = write(tmp_path, "empty.jsonl", ["", "  "])
+    assert read_blimp(empty) == [] and read_blimp(empty).skipped == []
 
 
 # ---------------------------------------------------------------------------------------
-# locate: the parser's tokens mapped back to words, with a stub in place of spaCy
+# locate: the parser's tokens mapped back to words. Parses are set by hand, through a
+# duck-typed stub (no spaCy needed) and through spaCy's own Doc (where spaCy is
+# installed); both give the same answers.
 
 
 class Tok:
@@ -422,15 +556,23 @@ class Tok:
         self.head = self
 
 
+def _offsets(text, pieces):
+    at, out = 0, []
+    for piece in pieces:
+        at = text.index(piece, at)
+        out.append(at)
+        at += len(piece)
+    return out
+
+
 def stub_nlp(spec):
     """An ``nlp`` returning tokens ``(text, tag, dep, head index)`` laid over the text."""
 
     def nlp(text):
-        toks, pos = [], 0
-        for i, (piece, tag, dep, _) in enumerate(spec):
-            pos = text.index(piece, pos)
-            toks.append(Tok(i, piece, pos, tag, dep))
-            pos += len(piece)
+        starts = _offsets(text, [piece for piece, *_ in spec])
+        toks = [
+            Tok(i, p, at, tag, dep) for i, ((p, tag, dep, _), at) in enumerate(zip(spec, starts))
+        ]
         for tok, (*_, head) in zip(toks, spec):
             tok.head = toks[head]
         nlp.seen.append(text)
@@ -440,7 +582,37 @@ def stub_nlp(spec):
     return nlp
 
 
-# "The boss's keys near the old cabinets are here": "boss's" splits in two tokens,
+_POS = {"DT": "DET", "IN": "ADP", "JJ": "ADJ", "RB": "ADV", "POS": "PART", "PRP": "PRON",
+        "NNP": "PROPN", "VBZ": "VERB", "VBP": "VERB", "VBG": "VERB", "MD": "AUX"}  # fmt: skip
+
+
+def spacy_nlp(spec):
+    """The same parse as a spaCy ``Doc`` with hand-set heads, deps, tags and POS."""
+    pytest.importorskip("spacy")
+    from spacy.tokens import Doc
+    from spacy.vocab import Vocab
+
+    vocab = Vocab()
+
+    def nlp(text):
+        pieces = [piece for piece, *_ in spec]
+        ends = [at + len(p) for at, p in zip(_offsets(text, pieces), pieces)]
+        tags = [t for _, t, _, _ in spec]
+        pos = [_POS.get(t, "NOUN" if t.startswith("NN") else "X") for t in tags]
+        return Doc(vocab, words=pieces, spaces=[text[e : e + 1] == " " for e in ends],
+                   heads=[h for *_, h in spec], deps=[d for _, _, d, _ in spec], tags=tags,
+                   pos=pos)  # fmt: skip
+
+    nlp.seen = []
+    return nlp
+
+
+@pytest.fixture(params=["stub", "spacy"])
+def parser(request):
+    return stub_nlp if request.param == "stub" else spacy_nlp
+
+
+# "The boss's keys near the old cabinet are here": "boss's" splits in two tokens,
 # so token indices and word indices part ways after it.
 SENTENCE = [
     ("The", "DT", "det", 3),
@@ -451,7 +623,7 @@ SENTENCE = [
     ("the", "DT", "det", 7),
     ("old", "JJ", "amod", 7),
     ("cabinet", "NN", "pobj", 4),
-    ("is", "VBZ", "ROOT", 8),
+    ("are", "VBP", "ROOT", 8),
     ("here", "RB", "advmod", 8),
 ]
 
@@ -464,18 +636,19 @@ def linzen_example(tmp_path, sentence, good, bad):
     return read_linzen(path)[0]
 
 
-def test_locate_with_stub_parser(tmp_path):
-    ex = linzen_example(tmp_path, "The boss's keys near the old cabinet is here", "is", "are")
-    # the stub's tags say "keys" is plural, so "cabinet" (singular) is an attractor
+def test_locate_maps_tokens_to_words(tmp_path, parser):
+    ex = linzen_example(tmp_path, "The boss's keys near the old cabinet are here", "are", "is")
     nlp = stub_nlp(SENTENCE)
     (out,) = locate([ex], nlp=nlp)
-    assert nlp.seen == ["The boss's keys near the old cabinet is here"]
+    assert nlp.seen == ["The boss's keys near the old cabinet are here"]
+    (out,) = locate([ex], nlp=parser(SENTENCE))
     assert out.subject == 2  # word "keys", token 3
     assert out.attractor_positions == (6,)  # word "cabinet", token 7
     assert out.attractors == 1 and out.words == ex.words and out.source == ex.source
+    assert out.unlocated is None
 
 
-def test_locate_auxiliary_and_fallback(tmp_path):
+def test_locate_auxiliary_and_copula(tmp_path, parser):
     ex = linzen_example(tmp_path, "The dogs near the cat are barking", "are", "is")
     aux = [
         ("The", "DT", "det", 1),
@@ -486,37 +659,89 @@ def test_locate_auxiliary_and_fallback(tmp_path):
         ("are", "VBP", "aux", 6),
         ("barking", "VBG", "ROOT", 6),
     ]
-    (out,) = locate([ex], nlp=stub_nlp(aux))
+    (out,) = locate([ex], nlp=parser(aux))
     assert (out.subject, out.attractor_positions) == (1, (4,))
-    # no nsubj: the nearest noun before the verb agreeing with plural "are" is "dogs"
-    flat = [(w, t, "dep", 6) for w, t, *_ in aux]
-    (out,) = locate([ex], nlp=stub_nlp(flat))
+    # a UD-style parse: the copula hangs off the predicate, which holds the subject
+    ex = linzen_example(tmp_path, "The dogs near the cat are happy", "are", "is")
+    cop = [(w, "JJ" if w == "barking" else t, "cop" if d == "aux" else d, h)
+           for w, t, d, h in aux]  # fmt: skip
+    cop[-1] = ("happy", "JJ", "ROOT", 6)
+    (out,) = locate([ex], nlp=parser(cop))
     assert (out.subject, out.attractor_positions) == (1, (4,))
-    # no noun before the verb at all: nothing to report
-    none = [(w, "PRP" if t.startswith("NN") else t, d, h) for w, t, d, h in flat]
-    (out,) = locate([ex], nlp=stub_nlp(none))
+
+
+# The failure the nearest-noun fallback had: the parser tags the verb "hurts" as a plural
+# noun, so the verb has no subject; the nearest noun before it is "trucks", the
+# attractor (by construction of agreement data). No answer is better than that one.
+HURTS = [
+    ("The", "DT", "det", 1),
+    ("sketch", "NN", "ROOT", 1),
+    ("of", "IN", "prep", 1),
+    ("those", "DT", "det", 5),
+    ("trucks", "NNS", "compound", 5),
+    ("hurts", "NNS", "pobj", 2),
+    ("Alan", "NNP", "appos", 5),
+]
+
+
+def test_locate_gives_no_answer_rather_than_the_attractor(tmp_path, parser):
+    ex = linzen_example(tmp_path, "The sketch of those trucks hurts Alan", "hurts", "hurt")
+    (out,) = locate([ex], nlp=parser(HURTS))
     assert out.subject is None and out.attractor_positions is None
+    assert out.unlocated == "no subject: the parse gives the verb (tagged NNS, dep pobj) no nsubj"
+    # the parser took the attractor for the subject: it disagrees with the verb's number
+    wrong = [("The", "DT", "det", 1), ("sketch", "NN", "nmod", 5), ("of", "IN", "prep", 1),
+             ("those", "DT", "det", 4), ("trucks", "NNS", "nsubj", 5),
+             ("hurts", "VBZ", "ROOT", 5), ("Alan", "NNP", "dobj", 5)]  # fmt: skip
+    (out,) = locate([ex], nlp=parser(wrong))
+    assert out.subject is None and out.attractor_positions is None
+    assert out.unlocated == (
+        "no subject: the parse's subject (NNS, plural) does not agree with the verb (singular)"
+    )
+    # two subjects of one verb: ambiguous, no answer
+    two = [*wrong[:4], wrong[4], wrong[5], ("Alan", "NNP", "nsubj", 5)]
+    two[1] = ("sketch", "NN", "nsubj", 5)
+    (out,) = locate([ex], nlp=parser(two))
+    assert out.subject is None and "several subjects" in out.unlocated
+    # and the right parse: the subject is "sketch"; "trucks" is its attractor
+    right = [*wrong]
+    right[1], right[4] = ("sketch", "NN", "nsubj", 5), ("trucks", "NNS", "pobj", 2)
+    (out,) = locate([ex], nlp=parser(right))
+    assert (out.subject, out.attractor_positions, out.unlocated) == (1, (4,), None)
 
 
-def test_locate_keeps_what_the_data_gives(tmp_path):
-    ex = linzen_example(tmp_path, "The boss's keys near the old cabinet is here", "is", "are")
+def test_locate_keeps_what_the_data_gives(tmp_path, parser):
+    ex = linzen_example(tmp_path, "The boss's keys near the old cabinet are here", "are", "is")
     ex = replace(ex, subject=1)  # a (wrong) subject from the data: "boss's"
-    (out,) = locate([ex], nlp=stub_nlp(SENTENCE))
+    (out,) = locate([ex], nlp=parser(SENTENCE))
     assert out.subject == 1
     assert out.attractor_positions == (2,)  # "keys" differs from the singular "boss"
 
 
-def test_locate_without_spacy(tmp_path, monkeypatch):
+def test_locate_needs_spacy_and_its_pipeline(tmp_path, monkeypatch):
     ex = linzen_example(tmp_path, "dogs bark", "bark", "barks")
     monkeypatch.setitem(sys.modules, "spacy", None)  # import spacy -> ImportError
     with pytest.raises(InputError, match="needs spaCy, which is not installed: pip install spacy"):
         locate([ex])
     fake = types.ModuleType("spacy")
+    asked = []
 
     def load(name):
+        asked.append(name)
         raise OSError(f"[E050] Can't find model '{name}'")
 
     fake.load = load
     monkeypatch.setitem(sys.modules, "spacy", fake)
-    with pytest.raises(InputError, match="en_core_web_sm is not: python -m spacy download"):
+    with pytest.raises(InputError, match="pipeline 'en_core_web_sm' is not .*spacy download"):
         locate([ex])
+    with pytest.raises(InputError, match="pipeline 'en_core_web_trf' is not"):
+        locate([ex], nlp="en_core_web_trf")  # the pipeline is an option
+    assert asked == ["en_core_web_sm", "en_core_web_trf"]
+
+
+def test_locate_loads_a_pipeline_by_directory_and_needs_its_parser(tmp_path):
+    spacy = pytest.importorskip("spacy")
+    spacy.blank("en").to_disk(tmp_path / "blank")  # a real pipeline, without a parser
+    ex = linzen_example(tmp_path, "dogs bark", "bark", "barks")
+    with pytest.raises(InputError, match="x.tsv:1: the parser gave no dependency labels"):
+        locate([ex], nlp=str(tmp_path / "blank"))

@@ -2,15 +2,24 @@
 
 Two formats, one example type:
 
-- BLiMP-style JSON lines, one object per line with ``sentence_good``, ``sentence_bad``,
-  ``one_prefix_prefix``, ``one_prefix_word_good`` and ``one_prefix_word_bad``; optional
-  ``subject`` (a word index) and ``attractors`` (a list of word indices).
+- BLiMP JSON lines (the official files: one object per line with ``sentence_good``,
+  ``sentence_bad``, ``one_prefix_prefix``, ``one_prefix_word_good`` and
+  ``one_prefix_word_bad``, among others); optional ``subject`` (a word index) and
+  ``attractors`` (a list of word indices). The two "words" may be phrases ("works with" /
+  "work with"): the one word in which they differ is the verb.
 - Linzen/Goldberg TSV, 5 tab-separated columns: number of attractors, sentence, the
   sentence with ``***mask***`` at the verb, correct verb, incorrect verb.
 
->>> ex = read_agreement("lgd_dataset.tsv")[0]
+A malformed line does not reject its file: it is skipped and listed, with its
+``file:line`` and what is wrong, in the result's ``skipped`` (``strict=True`` raises at
+the first one instead). A file with lines but no usable example is an error.
+
+>>> data = read_agreement("lgd_dataset.tsv")
+>>> ex = data[0]
 >>> ex.masked("[MASK]"), ex.good, ex.bad
 ('the keys to the cabinet [MASK] here', 'are', 'is')
+>>> data.skipped  # [Malformed(source='lgd_dataset.tsv:17', reason='expected 5 ...')]
+[]
 >>> locate([ex])[0].subject  # needs spaCy and en_core_web_sm unless the data gives it
 1
 """
@@ -21,13 +30,14 @@ import bisect
 import itertools
 import json
 import string
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import InputError
 
 MASK = "***mask***"
+DEFAULT_NLP = "en_core_web_sm"
 
 _BLIMP_KEYS = (
     "sentence_good",
@@ -36,6 +46,7 @@ _BLIMP_KEYS = (
     "one_prefix_word_good",
     "one_prefix_word_bad",
 )
+_TWO_PREFIX_KEYS = ("two_prefix_prefix_good", "two_prefix_prefix_bad", "two_prefix_word")
 _LINZEN_COLUMNS = "number of attractors, sentence, masked sentence, correct verb, incorrect verb"
 
 
@@ -51,6 +62,7 @@ class AgreementExample:
     subject: int | None  #: word index of the subject's head noun, if known
     attractor_positions: tuple[int, ...] | None  #: word indices of the attractors, if known
     source: str  #: "path:line"
+    unlocated: str | None = None  #: why :func:`locate` gave no subject (None: it did)
 
     def masked(self, mask_token: str) -> str:
         """The sentence with the model's mask token at the verb."""
@@ -66,54 +78,88 @@ class AgreementExample:
         return " ".join(words)
 
 
-def read_blimp(path) -> list[AgreementExample]:
-    """Examples from a BLiMP-style JSON-lines file; blank lines are skipped.
+@dataclass(frozen=True)
+class Malformed:
+    """A line that was skipped: where it is and what is wrong with it."""
+
+    source: str  #: "path:line"
+    reason: str
+
+
+class AgreementData(list):
+    """The examples of a file (a list), with the malformed lines skipped on the way."""
+
+    def __init__(self, examples: Iterable[AgreementExample] = (), skipped=()):
+        super().__init__(examples)
+        self.skipped: list[Malformed] = list(skipped)
+
+
+def read_blimp(path, strict: bool = False) -> AgreementData:
+    """Examples from a BLiMP JSON-lines file; blank lines are skipped, and so are
+    malformed ones (listed in ``.skipped``; with ``strict``, the first is an error).
 
     The masked sentence is the prefix, MASK, then the rest of ``sentence_good``.
-    Punctuation stuck to the verb (``bark.``) becomes a word of its own.
+    Punctuation stuck to the verb (``bark.``) becomes a word of its own. Where the two
+    "words" are phrases ("works with" / "work with"), the words before the one that
+    differs join the prefix and those after it the rest.
     """
-    return [_blimp_example(where, line) for where, line in _lines(path)]
+    return _read(path, _blimp_example, strict)
 
 
-def read_linzen(path) -> list[AgreementExample]:
-    """Examples from a Linzen/Goldberg 5-column TSV file (no header; blank lines skipped)."""
-    return [_linzen_example(where, line) for where, line in _lines(path)]
+def read_linzen(path, strict: bool = False) -> AgreementData:
+    """Examples from a Linzen/Goldberg 5-column TSV file (no header; blank lines
+    skipped; malformed lines listed in ``.skipped``, or an error with ``strict``)."""
+    return _read(path, _linzen_example, strict)
 
 
-def read_agreement(path) -> list[AgreementExample]:
+def read_agreement(path, strict: bool = False) -> AgreementData:
     """``read_blimp`` for .jsonl/.json files, ``read_linzen`` for .tsv/.txt files."""
     suffix = Path(path).suffix.lower()
     if suffix in (".jsonl", ".json"):
-        return read_blimp(path)
+        return read_blimp(path, strict)
     if suffix in (".tsv", ".txt"):
-        return read_linzen(path)
+        return read_linzen(path, strict)
     raise InputError(
         f"cannot tell the format of {str(path)!r} from its extension {suffix!r}: name it "
         ".jsonl/.json (BLiMP) or .tsv/.txt (Linzen/Goldberg), or call read_blimp/read_linzen"
     )
 
 
-def locate(examples: Iterable[AgreementExample], nlp=None) -> list[AgreementExample]:
+def locate(
+    examples: Iterable[AgreementExample], nlp: str | Callable | None = None
+) -> list[AgreementExample]:
     """Fill in ``subject`` and ``attractor_positions`` where the data did not give them.
 
-    Examples that have both are returned unchanged. The others are parsed with ``nlp``
-    (default: spaCy's ``en_core_web_sm``), on the good sentence:
+    Examples that have both are returned unchanged. The others are parsed, on the good
+    sentence, with ``nlp``: a spaCy pipeline's name or directory (default
+    ``en_core_web_sm``), or a callable from text to tokens with spaCy's ``i``, ``idx``,
+    ``text``, ``tag_``, ``dep_`` and ``head``.
 
-    - subject: the ``nsubj``/``nsubjpass`` of the verb (or, for an auxiliary, of its
-      head). If the parser finds none, the nearest noun before the verb that agrees in
-      number with the verb (VBZ/"was" singular, VBP/"were" plural; any noun if the
-      verb's number is unknown). If there is no such noun, ``subject`` stays None.
-    - attractors: nouns strictly between subject and verb whose number (NN/NNP singular,
-      NNS/NNPS plural) differs from the subject's (the verb's, if the subject is no noun).
+    - subject: the ``nsubj``/``nsubjpass`` of the token at the verb's position (or, where
+      that token is an auxiliary or copula, of its head). Where the parse gives that verb
+      no subject (e.g. it tagged the verb as a noun), gives it several, or gives it one
+      whose number contradicts the verb's (VBZ/"was" singular, VBP/"were" plural against
+      NN/NNP singular, NNS/NNPS plural), ``subject`` stays None and ``unlocated`` says
+      why: no answer rather than a guess, which in agreement data is most often the
+      attractor.
+    - attractors: nouns strictly between subject and verb whose number differs from the
+      subject's (the verb's, if the subject is no noun).
 
     Token positions are mapped back to whitespace words by character offset.
     """
-    out = []
-    for ex in examples:
-        if ex.subject is None or ex.attractor_positions is None:
-            nlp = _load_spacy() if nlp is None else nlp
-            ex = _locate(ex, nlp)
-        out.append(ex)
+    examples = list(examples)
+    todo = [
+        k for k, ex in enumerate(examples) if ex.subject is None or ex.attractor_positions is None
+    ]
+    if not todo:
+        return examples
+    parse = _parser(nlp)
+    texts = [examples[k].sentence() for k in todo]
+    pipe = getattr(parse, "pipe", None)
+    docs = pipe(texts) if callable(pipe) else map(parse, texts)
+    out = list(examples)
+    for k, doc in zip(todo, docs):
+        out[k] = _locate(examples[k], list(doc))
     return out
 
 
@@ -121,46 +167,58 @@ def locate(examples: Iterable[AgreementExample], nlp=None) -> list[AgreementExam
 # Reading
 
 
-def _lines(path) -> Iterator[tuple[str, str]]:
-    """("path:line", text) for each non-blank line."""
+def _read(path, parse, strict: bool) -> AgreementData:
+    examples, skipped = [], []
+    for where, raw in _lines(path):
+        try:
+            examples.append(parse(where, _text(where, raw)))
+        except InputError as e:
+            if strict:
+                raise
+            skipped.append(Malformed(where, str(e).removeprefix(f"{where}: ")))
+    if skipped and not examples:
+        first = "; ".join(f"{m.source}: {m.reason}" for m in skipped[:3])
+        more = f" (and {len(skipped) - 3} more)" if len(skipped) > 3 else ""
+        raise InputError(
+            f"{path}: none of its {len(skipped)} non-blank lines is a usable example: {first}{more}"
+        )
+    return AgreementData(examples, skipped)
+
+
+def _lines(path) -> Iterator[tuple[str, bytes]]:
+    """("path:line", raw bytes) for each non-blank line."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"agreement data file {str(path)!r} does not exist or is not a file")
     with p.open("rb") as f:
         for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8").rstrip("\r\n")
-            except UnicodeDecodeError as e:
-                raise InputError(
-                    f"{p}:{number}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
-                    f"{e.start + 1}); agreement data must be UTF-8 JSON lines or TSV"
-                ) from None
-            if "\x00" in line:
-                raise InputError(f"{p}:{number}: holds a NUL byte: a binary file, not text")
-            if line.strip():
-                yield f"{p}:{number}", line
+            if raw.strip():
+                yield f"{p}:{number}", raw
+
+
+def _text(where: str, raw: bytes) -> str:
+    try:
+        line = raw.decode("utf-8").rstrip("\r\n")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"{where}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+            "agreement data must be UTF-8 JSON lines or TSV"
+        ) from None
+    if "\x00" in line:
+        raise InputError(f"{where}: holds a NUL byte: binary data, not text")
+    return line
 
 
 def _blimp_example(where: str, line: str) -> AgreementExample:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise InputError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
-    except RecursionError:
-        raise InputError(f"{where}: JSON nested too deeply for a BLiMP line") from None
-    if not isinstance(row, dict):
-        raise InputError(f"{where}: expected a JSON object, found {type(row).__name__}")
-    missing = [k for k in _BLIMP_KEYS if not isinstance(row.get(k), str)]
-    if missing:
+    row = _blimp_row(where, line)
+    good, bad, prefix, after = _phrases(row, where)
+    rest = _after(row["sentence_good"], prefix, [good, *after], where, "good")
+    if _after(row["sentence_bad"], prefix, [bad, *after], where, "bad") != rest:
         raise InputError(
-            f"{where}: missing or non-string {', '.join(missing)} "
-            f"(a BLiMP line needs {', '.join(_BLIMP_KEYS)})"
+            f"{where}: sentence_good and sentence_bad differ after the verb "
+            f"({row['sentence_good']!r} / {row['sentence_bad']!r}); a pair differs in the "
+            "verb only"
         )
-    good = _verb(row["one_prefix_word_good"], where, "one_prefix_word_good")
-    bad = _verb(row["one_prefix_word_bad"], where, "one_prefix_word_bad")
-    prefix = row["one_prefix_prefix"].split()
-    rest = _after(row["sentence_good"], prefix, good, where, "good")
-    _after(row["sentence_bad"], prefix, bad, where, "bad")
     words = (*prefix, MASK, *rest)
     verb = len(prefix)
     subject = row.get("subject")
@@ -173,25 +231,7 @@ def _blimp_example(where: str, line: str) -> AgreementExample:
             )
     positions = row.get("attractors")
     if positions is not None:
-        if not isinstance(positions, list):
-            raise InputError(
-                f"{where}: attractors must be a list of word indices, got {positions!r}"
-            )
-        for i in positions:
-            _check_index(i, words, where, "attractors")
-        twice = sorted({i for i in positions if positions.count(i) > 1})
-        if twice:
-            raise InputError(
-                f"{where}: attractors list word {twice[0]} more than once ({positions!r}); "
-                "each attractor counts once"
-            )
-        clash = [i for i in positions if i in (verb, subject)]
-        if clash:
-            what = "the verb's position" if clash[0] == verb else "the subject"
-            raise InputError(
-                f"{where}: attractor {clash[0]} is {what}; an attractor is another noun"
-            )
-        positions = tuple(positions)
+        positions = _attractor_list(positions, words, verb, subject, where)
     return AgreementExample(
         words=words,
         mask_index=verb,
@@ -204,19 +244,84 @@ def _blimp_example(where: str, line: str) -> AgreementExample:
     )
 
 
-def _after(sentence: str, prefix: list[str], verb: str, where: str, which: str) -> list[str]:
-    """The words of ``sentence`` after ``prefix`` and ``verb``; error if it does not start so."""
+def _blimp_row(where: str, line: str) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{where}: not valid JSON ({e.msg}, column {e.colno})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply for a BLiMP line") from None
+    if not isinstance(row, dict):
+        raise InputError(f"{where}: expected a JSON object, found {type(row).__name__}")
+    missing = [k for k in _BLIMP_KEYS if not isinstance(row.get(k), str)]
+    if missing and all(isinstance(row.get(k), str) for k in _TWO_PREFIX_KEYS):
+        raise InputError(
+            f"{where}: a two-prefix pair (the sentences differ before the shared word "
+            f"{row['two_prefix_word']!r}: {row['two_prefix_prefix_good']!r} / "
+            f"{row['two_prefix_prefix_bad']!r}), not a choice between two verbs; give a "
+            "one-prefix file (with one_prefix_prefix, one_prefix_word_good/_bad)"
+        )
+    if missing:
+        raise InputError(
+            f"{where}: missing or non-string {', '.join(missing)} "
+            f"(a BLiMP line needs {', '.join(_BLIMP_KEYS)})"
+        )
+    return row
+
+
+def _phrases(row: dict, where: str) -> tuple[str, str, list[str], list[str]]:
+    """(good verb, bad verb, prefix words, words after the verb within the phrases):
+    the one_prefix words may be phrases that differ in exactly one word."""
+    good, bad = row["one_prefix_word_good"].split(), row["one_prefix_word_bad"].split()
+    for name, words in (("good", good), ("bad", bad)):
+        if not words:
+            raise InputError(f"{where}: one_prefix_word_{name} is empty")
+    differ = [k for k, (g, b) in enumerate(zip(good, bad)) if g != b]
+    if len(good) != len(bad) or len(differ) != 1:
+        raise InputError(
+            f"{where}: one_prefix_word_good {row['one_prefix_word_good']!r} and "
+            f"one_prefix_word_bad {row['one_prefix_word_bad']!r} must differ in exactly one "
+            "word (the verb)"
+        )
+    k = differ[0]
+    return good[k], bad[k], [*row["one_prefix_prefix"].split(), *good[:k]], good[k + 1 :]
+
+
+def _after(sentence: str, prefix: list[str], phrase: list[str], where: str, which: str):
+    """The words of ``sentence`` after ``prefix`` and the verb (``phrase[0]``, followed by
+    the rest of the phrase); an error if it does not start so."""
     words = sentence.split()
-    n = len(prefix)
-    if words[:n] == prefix and len(words) > n and words[n].startswith(verb):
-        tail = words[n][len(verb) :]
-        if all(c in string.punctuation for c in tail):
+    n, m = len(prefix), len(phrase)
+    if words[:n] == prefix and len(words) >= n + m and words[n : n + m - 1] == phrase[:-1]:
+        last = words[n + m - 1]
+        tail = last[len(phrase[-1]) :]
+        if last.startswith(phrase[-1]) and all(c in string.punctuation for c in tail):
+            if m > 1:
+                return words[n + 1 :]
             return [tail, *words[n + 1 :]] if tail else words[n + 1 :]
-    expected = " ".join([*prefix, verb])
+    expected = " ".join([*prefix, *phrase])
     raise InputError(
         f"{where}: sentence_{which} {sentence!r} does not start with one_prefix_prefix + "
         f"one_prefix_word_{which} ({expected!r})"
     )
+
+
+def _attractor_list(positions, words, verb: int, subject, where: str) -> tuple[int, ...]:
+    if not isinstance(positions, list):
+        raise InputError(f"{where}: attractors must be a list of word indices, got {positions!r}")
+    for i in positions:
+        _check_index(i, words, where, "attractors")
+    twice = sorted({i for i in positions if positions.count(i) > 1})
+    if twice:
+        raise InputError(
+            f"{where}: attractors list word {twice[0]} more than once ({positions!r}); "
+            "each attractor counts once"
+        )
+    clash = [i for i in positions if i in (verb, subject)]
+    if clash:
+        what = "the verb's position" if clash[0] == verb else "the subject"
+        raise InputError(f"{where}: attractor {clash[0]} is {what}; an attractor is another noun")
+    return tuple(positions)
 
 
 def _linzen_example(where: str, line: str) -> AgreementExample:
@@ -279,44 +384,56 @@ def _check_index(i, words, where: str, field: str) -> None:
 _NOUN_NUMBER = {"NN": "sg", "NNP": "sg", "NNS": "pl", "NNPS": "pl"}
 _VERB_NUMBER = {"VBZ": "sg", "VBP": "pl"}
 _VERB_WORD_NUMBER = {"was": "sg", "were": "pl"}  # VBD, which has no number
+_SUBJECT = ("nsubj", "nsubjpass", "nsubj:pass")
+_HEADED = ("aux", "auxpass", "aux:pass", "cop")  # the subject hangs off the head
+_NUMBER = {"sg": "singular", "pl": "plural"}
 
 
-def _load_spacy():
+def _parser(nlp):
+    if nlp is not None and not isinstance(nlp, str | Path):
+        return nlp
+    name = str(nlp or DEFAULT_NLP)
     how = "or give `subject` and `attractors` in the data (BLiMP JSON lines)"
     try:
         import spacy
     except ImportError:
         raise InputError(
             "locating subjects and attractors needs spaCy, which is not installed: "
-            f"pip install spacy && python -m spacy download en_core_web_sm, {how}"
+            f"pip install spacy && python -m spacy download {name}, {how}"
         ) from None
     try:
-        return spacy.load("en_core_web_sm")
+        return spacy.load(name)
     except OSError:
         raise InputError(
-            "spaCy is installed but its English model en_core_web_sm is not: "
-            f"python -m spacy download en_core_web_sm, {how}"
+            f"spaCy is installed but its pipeline {name!r} is not (no such package or "
+            f"directory): python -m spacy download {name}, or name another pipeline "
+            f"(nlp=NAME_OR_DIR), {how}"
         ) from None
 
 
-def _locate(ex: AgreementExample, nlp) -> AgreementExample:
-    words = list(ex.words)
-    words[ex.mask_index] = ex.good
+def _locate(ex: AgreementExample, tokens: list) -> AgreementExample:
+    if tokens and not any(t.dep_ for t in tokens):
+        raise InputError(
+            f"{ex.source}: the parser gave no dependency labels: locating subjects needs a "
+            f"pipeline with a dependency parser (e.g. {DEFAULT_NLP})"
+        )
+    words = ex.sentence().split(" ")
     starts = list(itertools.accumulate((len(w) + 1 for w in words[:-1]), initial=0))
-    tokens = list(nlp(" ".join(words)))
     word = {t.i: bisect.bisect_right(starts, t.idx) - 1 for t in tokens}
     verb = next((t for t in tokens if word[t.i] == ex.mask_index), None)
     if verb is None:
         raise InputError(f"{ex.source}: the parser returned no token for the verb {ex.good!r}")
     number = _VERB_NUMBER.get(verb.tag_) or _VERB_WORD_NUMBER.get(verb.text.lower())
-    subject = ex.subject
+    subject, why = ex.subject, None
     if subject is None:
-        subject = _subject(tokens, verb, number, word)
+        subject, why = _subject(tokens, verb, number, word)
     positions = ex.attractor_positions
     if positions is None and subject is not None:
         positions = _attractors(tokens, subject, ex.mask_index, number, word)
     count = ex.attractors if ex.attractors is not None or positions is None else len(positions)
-    return replace(ex, subject=subject, attractor_positions=positions, attractors=count)
+    return replace(
+        ex, subject=subject, attractor_positions=positions, attractors=count, unlocated=why
+    )
 
 
 def _attractors(tokens, subject, verb, number, word) -> tuple[int, ...]:
@@ -331,19 +448,28 @@ def _attractors(tokens, subject, verb, number, word) -> tuple[int, ...]:
     return tuple(sorted(found))
 
 
-def _subject(tokens, verb, number, word) -> int | None:
-    """Word index of the verb's subject: its nsubj, else the nearest agreeing noun before."""
+def _subject(tokens, verb, number, word) -> tuple[int | None, str | None]:
+    """(word index of the verb's subject, None), or (None, why there is no answer).
+
+    Only the parse's own subject of the token at the verb's position counts: guessing
+    the nearest noun before the verb picks the attractor exactly where the parser went
+    wrong (a verb tagged as a noun)."""
     governors = {verb.i}
-    if verb.dep_ in ("aux", "auxpass"):  # "the dogs are barking": nsubj hangs off "barking"
+    if verb.dep_ in _HEADED:  # "the dogs are barking": nsubj hangs off "barking"
         governors.add(verb.head.i)
-    for t in tokens:
-        if t.dep_ in ("nsubj", "nsubjpass") and t.head.i in governors:
-            return word[t.i]
-    before = [
-        t
-        for t in tokens
-        if word[t.i] < word[verb.i]
-        and t.tag_ in _NOUN_NUMBER
-        and (number is None or _NOUN_NUMBER[t.tag_] == number)
-    ]
-    return word[before[-1].i] if before else None
+    found = [t for t in tokens if t.dep_ in _SUBJECT and t.head.i in governors]
+    what = f"(tagged {verb.tag_ or verb.pos_ or '?'}, dep {verb.dep_ or '?'})"
+    if not found:
+        return None, f"no subject: the parse gives the verb {what} no nsubj"
+    if len({word[t.i] for t in found}) > 1:
+        return None, f"no subject: the parse gives the verb {what} several subjects"
+    subject = found[0]
+    if word[subject.i] == word[verb.i]:
+        return None, "no subject: the parse's subject is the verb's own word"
+    own = _NOUN_NUMBER.get(subject.tag_)
+    if own and number and own != number:
+        return None, (
+            f"no subject: the parse's subject ({subject.tag_}, {_NUMBER[own]}) does not "
+            f"agree with the verb ({_NUMBER[number]})"
+        )
+    return word[subject.i], None
