@@ -70,6 +70,11 @@ def _explain_parser(sub):
     e.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     e.add_argument("--device", default="cpu")
     e.add_argument("--out", help="directory for JSON, CSV and PNG files")
+    e.add_argument(
+        "--html",
+        metavar="FILE",
+        help="write the report as one self-contained HTML file (opens offline)",
+    )
 
 
 def _explain(args) -> int:
@@ -79,6 +84,8 @@ def _explain(args) -> int:
     from .explain import explain
 
     try:
+        if args.html:
+            _check_html_file(args.html)
         ex = explain(
             args.model,
             args.text,
@@ -97,10 +104,27 @@ def _explain(args) -> int:
                 f"\nwrote {len(files)} files to {args.out}: "
                 + ", ".join(f.rsplit("/", 1)[-1] for f in files)
             )
+        if args.html:
+            print(f"wrote {ex.to_html(args.html)}")
     except SemiringBackpropError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_html_file(file) -> None:
+    """Refuse an --html path that cannot be written, before any work."""
+    import os
+
+    from .errors import InputError
+
+    if os.path.isdir(file):
+        raise InputError(f"--html {file}: is a directory; give a file name such as report.html")
+    parent = os.path.dirname(os.path.abspath(file))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"--html {file}: cannot write under {parent}; give another file")
 
 
 def _experiment_parsers(sub):

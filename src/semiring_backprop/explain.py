@@ -250,11 +250,25 @@ class Explanation:
         if self.layers is not None and len(self.layers):
             lines += ["", _branch_text(self.layers)]
         if self.path is not None:
-            lines += ["", f"top gradient path (from {self.source}):", "  " + str(self.path)]
+            lines += ["", f"top gradient path (from {self.source}):"]
+            lines += ["  " + ln for ln in str(self.path).splitlines()]
         if self.entropy is not None:
             lines += ["", "per-token path entropy (nats; normalized = H / log #paths):"]
             lines += ["  " + ln for ln in self.entropy.to_string(index=False).splitlines()]
         return "\n".join(lines)
+
+    def view(self, quantity: str | None = None):
+        """The report as a :class:`~semiring_backprop.views.View` (HTML and text)."""
+        from . import views
+
+        return views.explanation(self, quantity)
+
+    def _repr_html_(self) -> str:
+        return self.view()._repr_html_()
+
+    def to_html(self, file, quantity: str | None = None) -> str:
+        """Write the report to one self-contained HTML file; returns its path."""
+        return self.view(quantity).to_html(file)
 
     def to_dict(self) -> dict:
         return {

@@ -7,7 +7,7 @@ import fnmatch
 
 import torch
 
-from .errors import InputError, NonFiniteError, NotFoundError
+from .errors import InputError, NonFiniteError, NotFoundError, SemiringBackpropError
 from .semirings.base import Semiring, overflowed
 
 
@@ -160,6 +160,32 @@ class Result:
     def __repr__(self) -> str:
         names = ", ".join(sr.name for sr in self.semirings)
         return f"Result({len(self._store)} nodes; {names})"
+
+    # -- views --------------------------------------------------------------------
+    def view(self, quantity: str | None = None, *, source=None, tokens=None):
+        """Token strips coloured by a per-token quantity (``"gradient"``, ``"top_path"``,
+        ``"entropy"``, ``"normalized_entropy"``; None: all this result has), at
+        ``source`` (default: the float input or the word embeddings); ``tokens`` one
+        list of strings per example. See :mod:`semiring_backprop.views`."""
+        from . import views
+
+        return views.result(self, quantity, source=source, tokens=tokens)
+
+    def _repr_html_(self) -> str:
+        try:
+            return self.view()._repr_html_()
+        except SemiringBackpropError as e:  # a notebook shows the reason, not a traceback
+            return f"<pre>{_html_escape(repr(self))}\n(no token view: {_html_escape(e)})</pre>"
+
+    def to_html(self, file, quantity: str | None = None, *, source=None, tokens=None) -> str:
+        """Write :meth:`view` to one self-contained HTML file; returns its path."""
+        return self.view(quantity, source=source, tokens=tokens).to_html(file)
+
+
+def _html_escape(text) -> str:
+    import html
+
+    return html.escape(str(text))
 
 
 def _keys(d):

@@ -610,10 +610,11 @@ def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
             f.insert(0, "layer", i)
             frames.append(f)
     table = pd.concat(frames, ignore_index=True).rename(columns={"role": "branch"})
-    if tokens is not None:
-        tokens = list(tokens)
+    if tokens is not None:  # one list per example, as long as the positions
+        from .tokens import token_texts
+
         table.insert(table.columns.get_loc("token") + 1, "token_text",
-                     [tokens[t] if t < len(tokens) else "" for t in table["token"]])  # fmt: skip
+                     token_texts(tokens, table))  # fmt: skip
     else:
         table.insert(table.columns.get_loc("token") + 1, "token_text",
                      table["token"].astype(str))  # fmt: skip

@@ -137,7 +137,27 @@ class Path:
         return " → ".join(parts) + f"   (product {self.value:.4g})"
 
     def __str__(self) -> str:
-        return self.compact()
+        """One line per module the path passes: layer, branch, edge product, running."""
+        from .. import views
+
+        return str(views.path(self))
+
+    def __repr__(self) -> str:
+        n, v = len(self.steps), self.value
+        return f"<Path {self.semiring} {self.sign}: {n} steps, product {v:.6g}>"
+
+    def view(self, title: str = "top gradient path"):
+        """The path as a chain (:func:`semiring_backprop.views.path`)."""
+        from .. import views
+
+        return views.path(self, title)
+
+    def _repr_html_(self) -> str:
+        return self.view()._repr_html_()
+
+    def to_html(self, file) -> str:
+        """Write the chain to one self-contained HTML file; returns its path."""
+        return self.view().to_html(file)
 
 
 def _runs(steps):

@@ -1,0 +1,184 @@
+"""Views of results: HTML for notebooks (``_repr_html_``) and files, text for terminals.
+
+Each function reads a result, a path or a table (it runs no pass) and returns a
+:class:`View`: shown as HTML in Jupyter, as text by ``print``, written to one
+self-contained file by :meth:`View.to_html` (inline CSS and SVG, no script, nothing from
+the network: it opens offline).
+
+>>> from semiring_backprop import views
+>>> views.tokens(res, "gradient", tokens=["[CLS]", "the", "cat"])   # a token strip
+>>> views.path(res.top_path("bert.embeddings.word_embeddings"))      # a readable chain
+>>> views.branches(res.layer_table())                                # layer x token shares
+>>> views.paths(res.top_paths("bert.embeddings.word_embeddings", 3)).to_html("paths.html")
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path as FilePath
+
+from ..errors import InputError
+from . import html as _html
+from . import text as _text
+from .read import QUANTITIES, TokenValues, available, path_runs, shares, token_values
+
+__all__ = ["QUANTITIES", "View", "branches", "explanation", "path", "paths", "result", "tokens"]
+
+
+class View:
+    """Something to look at: ``_repr_html_`` for notebooks, ``str`` for terminals,
+    :meth:`to_html` for a file, :meth:`show` to print (coloured on a terminal)."""
+
+    def __init__(self, body: str, text, title: str):
+        self.body = body  #: the HTML fragment, without the style sheet
+        self._text = text  #: color -> terminal text
+        self.title = title
+
+    def _repr_html_(self) -> str:
+        return _html.fragment(self.body)
+
+    def html(self) -> str:
+        """The whole self-contained page."""
+        return _html.document(self.body, self.title)
+
+    def to_html(self, file) -> str:
+        """Write the page to ``file`` (folders made as needed); returns the path."""
+        file = os.fspath(file)
+        if os.path.isdir(file):
+            raise InputError(f"{file!r} is a directory; give a file name such as report.html")
+        parent = os.path.dirname(file)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        tmp = FilePath(file + ".part")
+        tmp.write_text(self.html(), encoding="utf-8")
+        os.replace(tmp, file)
+        return file
+
+    def text(self, color: bool = False) -> str:
+        return self._text(color)
+
+    def show(self, file=None) -> None:
+        """Print the text, coloured where ``file`` (stdout) is a terminal without NO_COLOR."""
+        file = sys.stdout if file is None else file
+        print(self.text(_text.use_color(file)), file=file)
+
+    def __str__(self) -> str:
+        return self.text(False)
+
+    def __repr__(self) -> str:
+        return f"<View {self.title!r}: {len(self.body)} characters of HTML>"
+
+
+def _concat(views: list[View], title: str) -> View:
+    return View(
+        "".join(v.body for v in views),
+        lambda color: "\n\n".join(v.text(color) for v in views),
+        title,
+    )
+
+
+def tokens(res, quantity: str | None = None, *, source=None, tokens=None) -> View:
+    """Token strips coloured by a per-token ``quantity`` (``"gradient"``, ``"top_path"``,
+    ``"entropy"``, ``"normalized_entropy"``; None: every one the result has), read at
+    ``source`` (default: the model's float input or its word embeddings). ``tokens``:
+    the token strings, one list per example for a batch. Signed quantities use a
+    diverging colour map centred at zero; the value shows on hover and under each token."""
+    return _token_view(res, quantity, source, tokens)
+
+
+def _token_view(res, quantity, source, labels, marks=None) -> View:
+    names = available(res) if quantity is None else [quantity]
+    if not names:
+        raise InputError(
+            f"this result has no per-token quantity to show (computed: "
+            f"{', '.join(s.name for s in res.semirings)}); pass Real(), MaxProduct() or "
+            "Entropy() and PathCount() to backprop"
+        )
+    views = []
+    for q in names:
+        tv = token_values(res, q, source, labels)
+        tv.marks.update(marks or {})
+        views.append(_strip(tv))
+    return _concat(views, "tokens")
+
+
+def _strip(tv: TokenValues, title: str | None = None) -> View:
+    return View(_html.strips(tv, title), lambda color: _text.strips(tv, color, title), tv.quantity)
+
+
+def path(p, title: str = "top gradient path") -> View:
+    """A path as a chain from its source to the output: per module, the layer, the
+    branch (skip / query / key / value / mlp), the head where the path names one, the
+    product of the edge weights and the running product; each row opens to its steps."""
+    runs = path_runs(p)
+    return View(_html.path_block(p, runs, title), lambda color: _text.path(p, runs, color), title)
+
+
+def paths(ps, title: str = "top paths") -> View:
+    """Several paths (``Result.top_paths``) as a list, heaviest first."""
+    ps = list(ps)
+    if not ps:
+        raise InputError("no paths to show: give the list Result.top_paths(...) returned")
+    return View(
+        _html.path_list(ps, path_runs, title),
+        lambda color: _text.paths(ps, path_runs, color),
+        title,
+    )
+
+
+def branches(table, semiring=None, title: str = "branches per layer and token") -> View:
+    """A layer table (``Result.layer_table``) as a layer x token heatmap of the branches'
+    shares of each token's total; per-head rows (a ``head`` column) show on hover."""
+    rows, name, heads = shares(table, semiring)
+    if not len(rows):
+        raise InputError("the table has no rows to show")
+    body = f"<h3>{_html.esc(title)}</h3>" + _html.heatmap(rows, heads, name)
+    return View(body, lambda color: _text.heatmap(rows, name, color), title)
+
+
+def result(res, quantity: str | None = None, *, source=None, tokens=None) -> View:
+    """What ``Result`` shows in a notebook: which semirings it holds, and token strips
+    of every per-token quantity it has (see :func:`tokens`)."""
+    names = ", ".join(s.name for s in res.semirings)
+    head = (
+        f"<h3>semiring backprop result</h3><div class=note>{len(res._store)} nodes; "
+        f"semirings: {_html.esc(names)}</div>"
+    )
+    parts = [View(head, lambda color: f"Result: {len(res._store)} nodes; {names}", "result")]
+    if available(res) or quantity is not None:
+        parts.append(_token_view(res, quantity, source, tokens))
+    return _concat(parts, "semiring backprop result")
+
+
+def _has_shares(semiring: str) -> bool:
+    return not str(semiring).startswith(("Entropy", "PathCount"))
+
+
+def explanation(ex, quantity: str | None = None) -> View:
+    """The report of :func:`semiring_backprop.explain.explain`: what was explained,
+    per-token strips, the top path, the branch heatmap."""
+    res = ex.result
+    top = (
+        f"<h2>{_html.esc(ex.text)}</h2><dl class=card>"
+        f"<dt>model</dt><dd>{_html.esc(ex.model_id)} ({_html.esc(ex.kind)} LM)</dd>"
+        f"<dt>explained</dt><dd>log p({_html.esc(ex.target)}) − log p({_html.esc(ex.foil)}) "
+        f"at position {ex.position} ({_html.esc(ex.tokens[ex.position])}) = "
+        f"<b>{_html.fmt(ex.score)}</b></dd>"
+        f"<dt>semirings</dt><dd>{_html.esc(', '.join(s.name for s in res.semirings))}</dd>"
+        f"<dt>tokens from</dt><dd>{_html.esc(ex.source)}</dd></dl>"
+    )
+    lines = [
+        f"{ex.text}",
+        f"model {ex.model_id} ({ex.kind} LM); log p({ex.target}) - log p({ex.foil}) at "
+        f"position {ex.position} ({ex.tokens[ex.position]}) = {_html.fmt(ex.score)}",
+    ]
+    parts = [View(top, lambda color: "\n".join(lines), "explanation")]
+    marks = {(0, ex.position): "the explained position"}
+    parts.append(_token_view(res, quantity, ex.source, [ex.tokens], marks))
+    if ex.path is not None:
+        parts.append(path(ex.path, f"top gradient path from {ex.source}"))
+    layers = ex.layers
+    if layers is not None and len(layers) and any(map(_has_shares, set(layers["semiring"]))):
+        parts.append(branches(layers))
+    return _concat(parts, f"explanation: {ex.text}")

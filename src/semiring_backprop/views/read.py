@@ -1,0 +1,334 @@
+"""What the views show, read from a result, a path or a table (no pass is run here)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..analysis.branches import _FUSED, _NAMES, _layer_of
+from ..analysis.tokens import per_example
+from ..errors import InputError
+from ..semirings import Entropy, MaxAbs, MaxProduct, PathCount, Real
+
+#: per-token quantities: what each is, and whether it is signed (diverging colours)
+QUANTITIES = {
+    "gradient": (
+        "gradient, summed over the token's hidden units (Real; signed terms can cancel)",
+        True,
+    ),
+    "top_path": ("product of the token's top gradient path (MaxProduct: ⊕ over its units)", True),
+    "entropy": ("path entropy in nats (Entropy, ⊕ over the token's units)", False),
+    "normalized_entropy": ("path entropy / log #paths (Entropy, PathCount)", False),
+}
+
+
+@dataclass
+class TokenValues:
+    """One per-token quantity: ``values[example][position]`` (None: no path)."""
+
+    quantity: str
+    description: str
+    signed: bool
+    values: list  #: examples x positions of float or None
+    tokens: list  #: examples x positions of str
+    source: str = ""
+    marks: dict = field(default_factory=dict)  #: (example, position) -> why it is marked
+
+
+def _find(res, kind):
+    return next((s for s in res.semirings if isinstance(s, kind)), None)
+
+
+def _need(res, quantity, *kinds):
+    got = [_find(res, k) for k in kinds]
+    if any(g is None for g in got):
+        names = ", ".join(f"sbp.{k.__name__}()" for k in kinds)
+        computed = ", ".join(s.name for s in res.semirings)
+        raise InputError(
+            f"quantity={quantity!r} needs {names} in the pass (computed: {computed}); pass "
+            f"semirings=[..., {names}] to backprop, or choose another quantity "
+            f"({', '.join(QUANTITIES)})"
+        )
+    return got
+
+
+def available(res) -> list[str]:
+    """The per-token quantities this result can show."""
+    srs = res.semirings
+    have = {
+        "top_path": any(isinstance(s, MaxProduct | MaxAbs) for s in srs),
+        "gradient": Real() in srs,
+        "entropy": Entropy() in srs,
+        "normalized_entropy": Entropy() in srs and PathCount() in srs,
+    }
+    return [q for q in ("top_path", "gradient", "entropy", "normalized_entropy") if have[q]]
+
+
+def default_source(res) -> str:
+    """Where a result's tokens are read by default: a float input of the traced call,
+    else the model's (word) embedding table's output."""
+    g = res.graph
+    for key, node in g.user_inputs.items():
+        if node in res._store:
+            return key
+    types = getattr(g, "module_types", {}) or {}
+    emb = [t for t in g.tags if types.get(t) == "Embedding" and g.tags[t] in res._store]
+    word = [t for t in emb if any(w in t.lower() for w in ("word", "wte", "embed_tokens", "tok"))]
+    if word or emb:
+        return (word or emb)[0]
+    raise InputError(
+        "found no float input and no embedding table with values in this result: name the "
+        "tensor whose tokens to show, e.g. source='model.embeddings' (a module path, an "
+        "input position or name)"
+    )
+
+
+def token_values(res, quantity: str, source=None, tokens=None) -> TokenValues:
+    """Per-token ``quantity`` at ``source`` (⊕ over the last dimension: hidden units)."""
+    if quantity not in QUANTITIES:
+        raise InputError(f"quantity must be one of {', '.join(QUANTITIES)}; got {quantity!r}")
+    source = default_source(res) if source is None else source
+    missing = None
+    if quantity == "gradient":
+        (sr,) = _need(res, quantity, Real)
+        v = res.aggregate(source, sr)
+    elif quantity == "top_path":
+        sr = _find(res, MaxProduct) or _find(res, MaxAbs)
+        if sr is None:
+            _need(res, quantity, MaxProduct)
+        ro = res.aggregate(source, sr)
+        v = ro.hi if isinstance(sr, MaxProduct) else ro.value
+        missing = ~torch.isfinite(v) if isinstance(sr, MaxProduct) else ro.log == -math.inf
+    else:
+        (ent,) = _need(res, quantity, Entropy)
+        ro = res.aggregate(source, ent)
+        v, missing = ro.entropy, ro.log_z == -math.inf
+        if quantity == "normalized_entropy":
+            (pc,) = _need(res, quantity, PathCount)
+            log_n = res.aggregate(source, pc).log_count
+            v = torch.where(log_n > 0, v / log_n, torch.zeros_like(v))
+    grid = _examples_by_positions(v, source)
+    absent = None if missing is None else _examples_by_positions(missing, source)
+    values = [
+        [None if absent is not None and absent[i][j] else float(x) for j, x in enumerate(row)]
+        for i, row in enumerate(grid)
+    ]
+    n, t = len(values), len(values[0])
+    if tokens is None:
+        labels = [[str(j) for j in range(t)] for _ in range(n)]
+    else:
+        labels = per_example(tokens, n, t)
+    desc, signed = QUANTITIES[quantity]
+    return TokenValues(quantity, desc, signed, values, labels, str(source))
+
+
+def _examples_by_positions(v: torch.Tensor, source) -> list[list]:
+    v = v.detach().cpu()
+    if v.dim() == 0:
+        v = v.reshape(1, 1)
+    elif v.dim() == 1:
+        v = v.reshape(1, -1)
+    elif v.dim() > 2:
+        raise InputError(
+            f"{source!r} holds {tuple(v.shape)} values per token after ⊕ over its last "
+            "dimension; views show (examples, positions, hidden): name a tensor of that "
+            "shape (an embedding or a layer's input)"
+        )
+    return v.double().tolist()
+
+
+# -- paths ----------------------------------------------------------------------------
+
+_MARK = "semiring_backprop.mark.default"
+_CONTRACTIONS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum", "convolution")
+
+
+@dataclass
+class Run:
+    """Consecutive steps of a path inside one module."""
+
+    module: str | None
+    steps: list
+    first: int  #: index of the first step in the path
+    role: str = ""  #: skip / query / key / value / mlp / qkv, or "" outside a branch
+    layer: int | None = None
+    heads: tuple = ()
+    before: list = field(default_factory=list)  #: module-boundary steps just before it
+
+    @property
+    def product(self) -> float | None:
+        """The product of the edge weights of this run's steps."""
+        ws = [s.edge_weight for s in self.steps if s.edge_weight is not None]
+        return math.prod(ws) if ws else None
+
+    @property
+    def running(self) -> float | None:
+        return self.steps[-1].running
+
+    @property
+    def ops(self) -> list[str]:
+        return [_short_op(s.op) for s in self.steps if s.op != _MARK]
+
+
+def _short_op(op: str) -> str:
+    if op == _MARK:
+        return "mark"
+    return op.removeprefix("aten.").removesuffix(".default")
+
+
+def _name_role(module: str) -> str:
+    for part in reversed(module.lower().split(".")):
+        if part in _FUSED:
+            return "qkv"
+        for role, names in _NAMES.items():
+            if part in names:
+                return role
+    return ""
+
+
+def _is_residual(step) -> bool:
+    if step.op != "aten.add.Tensor" or not step.module:
+        return False
+    last = step.module.rsplit(".", 1)[-1].lower()
+    return last.isdigit() or last in ("output", "residual", "skip") or step.module == ""
+
+
+def _layer(module: str | None) -> int | None:
+    path = _layer_of(module or "")
+    tail = path.rsplit(".", 1)[-1]
+    return int(tail) if tail.isdigit() else None
+
+
+def path_runs(path, marks: bool = False) -> list[Run]:
+    """The runs of a path with the branch each is on. A path leaves the residual stream
+    through a projection named query / key / value / mlp (a fused qkv: ``qkv``) and
+    comes back at the residual add; an add reached with no contraction since the last
+    one is the skip branch. Runs made only of module-boundary marks are left out unless
+    ``marks=True`` (the first and the last run always stay)."""
+    runs: list[Run] = []
+    for i, s in enumerate(path.steps):
+        if runs and runs[-1].module == s.module:
+            runs[-1].steps.append(s)
+        else:
+            runs.append(Run(s.module, [s], i))
+    branch, contracted = "", False
+    for r in runs:
+        named = _name_role(r.module or "")
+        if named:
+            branch = named
+        role = branch
+        for s in r.steps:
+            if s.op.removeprefix("aten.").split(".")[0] in _CONTRACTIONS:
+                contracted = True
+            if _is_residual(s):
+                role = role if contracted else "skip"
+                branch, contracted = "", False
+        r.role = role
+        r.layer = _layer(r.module)
+        r.heads = tuple(sorted({h for s in r.steps if (h := getattr(s, "head", None)) is not None}))
+    if marks:
+        return runs
+    kept, pending = [], []
+    for i, r in enumerate(runs):
+        if i in (0, len(runs) - 1) or r.ops:
+            r.before, pending = pending, []
+            kept.append(r)
+        else:  # only module-boundary marks: listed with the next run's steps
+            pending += r.steps
+    return kept
+
+
+def module_label(module: str | None, step, last: bool) -> str:
+    if step.op == "input":
+        return f"input {step.node}"
+    if not module:
+        return "output" if last else "(top level)"
+    return module
+
+
+# -- branch tables --------------------------------------------------------------------
+
+_ADDITIVE = ("Real", "MaxProduct", "MaxAbs", "TopK")
+_LOG = ("LogAbs", "PathCount")
+
+
+def pick_semiring(table, semiring=None) -> str:
+    have = list(dict.fromkeys(map(str, table["semiring"])))
+    if semiring is not None:
+        names = {str(semiring), getattr(semiring, "name", str(semiring))}
+        pick = next((n for n in have if n in names), None)
+        if pick is None:
+            raise InputError(f"semiring {semiring} is not in the table (it has {have})")
+        return pick
+    for prefix in ("MaxProduct", "MaxAbs", "TopK", "Real", "LogAbs"):
+        pick = next((n for n in have if n.startswith(prefix)), None)
+        if pick is not None:
+            return pick
+    raise InputError(
+        f"branch shares need a semiring whose branch values compete (MaxProduct, MaxAbs, "
+        f"TopK, Real, LogAbs); the table has {have}"
+    )
+
+
+def shares(table, semiring=None):
+    """The table's rows of one semiring with ``share``: each branch's part of the token's
+    total, |value| / Σ |value| (log-space semirings: exp(value) / Σ exp(value)); rows
+    without a path count 0. Per-head rows (a ``head`` column) are kept for the tooltips
+    and left out of the shares where their branch has a row of its own."""
+    import pandas as pd
+
+    for col in ("layer", "sublayer", "token", "branch", "value", "semiring"):
+        if col not in table.columns:
+            raise InputError(
+                f"the table has no {col!r} column: pass a table from Result.layer_table() "
+                "or Explanation.layers"
+            )
+    name = pick_semiring(table, semiring)
+    if name.startswith("Entropy"):
+        raise InputError("path entropy does not split into branch shares; pick a semiring")
+    rows = table[table["semiring"].astype(str) == name].copy()
+    if "token_text" not in rows.columns:
+        rows["token_text"] = rows["token"].astype(str)
+    if "example" not in rows.columns:
+        rows["example"] = 0
+    if "path" not in rows.columns:
+        rows["path"] = True
+    heads = None
+    if "head" in rows.columns:
+        per_head = rows["head"].notna()
+        heads = rows[per_head]
+        whole = rows[~per_head]
+        have = set(zip(whole["layer"], whole["sublayer"], whole["branch"]))
+        folded = heads[[k not in have for k in zip(heads["layer"], heads["sublayer"],
+                                                   heads["branch"])]]  # fmt: skip
+        rows = pd.concat([whole, _fold_heads(folded, name)], ignore_index=True)
+    v = rows["value"].astype(float)
+    live = rows["path"].astype(bool) & v.map(math.isfinite)
+    if name.startswith(_LOG):
+        keys = ["example", "layer", "sublayer", "token"]
+        top = v.where(live).groupby([rows[k] for k in keys]).transform("max")
+        weight = (v - top).map(math.exp).where(live, 0.0)
+    else:
+        weight = v.abs().where(live, 0.0)
+    keys = [rows[k] for k in ("example", "layer", "sublayer", "token")]
+    total = weight.groupby(keys).transform("sum")
+    rows["share"] = (weight / total).where(total > 0)
+    if "winner" not in rows.columns:
+        rows["winner"] = False
+    return rows, name, heads
+
+
+def _fold_heads(rows, name):
+    """⊕ of per-head rows into one row per branch, for branches without a row of their own."""
+    if not len(rows):
+        return rows.drop(columns="head")
+    keys = ["example", "layer", "sublayer", "token", "token_text", "branch", "semiring"]
+    keys = [k for k in keys if k in rows.columns]
+    agg = "sum" if name == "Real" else "max"
+    if name.startswith(_LOG):
+        agg = lambda s: float(torch.logsumexp(torch.tensor(list(s), dtype=torch.float64), 0))
+    out = rows.groupby(keys, as_index=False).agg(value=("value", agg), path=("path", "any"))
+    out["winner"] = False
+    return out

@@ -1,0 +1,434 @@
+"""Views (``semiring_backprop.views``): token strips, path chains, branch heatmaps, path
+lists, terminal text, ``--html``, and the batch token labels of ``layer_table``.
+
+Oracles are independent of the views: gradients from ``torch.autograd``, each run's
+edge product from the path's own steps, shares recomputed here from the table's values,
+token labels from the lists the test gives. HTML is read back with ``html.parser``.
+One tiny BERT is explained once per module (tracing dominates the time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import html.parser
+import io
+import math
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pd = pytest.importorskip("pandas")
+
+import semiring_backprop as sbp  # noqa: E402
+from semiring_backprop import cli, views  # noqa: E402
+from semiring_backprop.analysis.paths import Path, Step  # noqa: E402
+from semiring_backprop.errors import InputError  # noqa: E402
+from semiring_backprop.explain import explain  # noqa: E402
+from semiring_backprop.views.colors import DIVERGING  # noqa: E402
+from semiring_backprop.views.read import path_runs  # noqa: E402
+from views_models import TEXT, tiny_bert  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("_offline_quiet")
+SOURCE = "bert.embeddings.word_embeddings"
+BATCH_TOKENS = [
+    ["[CLS]", "the", "keys", "[MASK]", "on", "[SEP]"],
+    ["[CLS]", "a", "dog", "[MASK]", "cat", "[SEP]"],
+]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return tiny_bert(tmp_path_factory.mktemp("views_bert"))
+
+
+@pytest.fixture(scope="module")
+def ex(bert):
+    """The explanation of a float64 copy of the tiny BERT, with every quantity's semiring."""
+    model, tok = bert
+    model = copy.deepcopy(model).double()
+    out = explain(model, TEXT, "are", "is", tokenizer=tok,
+                  semirings=("max", "entropy", "real", "topk"))  # fmt: skip
+    out.result_model, out.result_tokenizer = model, tok
+    return out
+
+
+@pytest.fixture(scope="module")
+def batch(bert):
+    """A batch of two sentences, each explained at its own [MASK] (position 3)."""
+    model, tok = bert
+    ids = torch.tensor([tok.convert_tokens_to_ids(t) for t in BATCH_TOKENS])
+
+    def margin(out):
+        lp = out.logits[:, 3].log_softmax(-1)
+        are, is_ = tok.convert_tokens_to_ids(["are", "is"])
+        return (lp[:, are] - lp[:, is_]).sum()
+
+    res = sbp.backprop(model, kwargs={"input_ids": ids}, output=margin,
+                       semirings=[sbp.Real(), sbp.MaxProduct()])  # fmt: skip
+    return ids, margin, res
+
+
+class _Spans(html.parser.HTMLParser):
+    """The token spans of a page: (title, background colour, token text, value text)."""
+
+    def __init__(self):
+        super().__init__()
+        self.spans, self._in, self._tag = [], None, None
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag == "span" and "tok" in (a.get("class") or "").split():
+            style = a.get("style") or ""
+            bg = re.search(r"background:(#[0-9A-Fa-f]{6})", style)
+            self._in = [a.get("title"), bg.group(1) if bg else None, "", ""]
+        elif self._in is not None and tag in ("b", "i"):
+            self._tag = tag
+
+    def handle_endtag(self, tag):
+        if tag in ("b", "i"):
+            self._tag = None
+        elif tag == "span" and self._in is not None:
+            self.spans.append(tuple(self._in))
+            self._in = None
+
+    def handle_data(self, data):
+        if self._in is not None and self._tag:
+            self._in[2 if self._tag == "b" else 3] += data
+
+
+def spans_of(page: str):
+    p = _Spans()
+    p.feed(page)
+    return p.spans
+
+
+def _value(title: str) -> float:
+    """The value a token's hover text gives (``'the' (position 1): entropy = 3.2 (...)``)."""
+    return float(title.rsplit("= ", 1)[1].split(" ")[0])
+
+
+def strip_section(page: str, heading: str) -> str:
+    """The part of a page from ``<h3>heading</h3>`` to the next ``<h3>``."""
+    start = page.index(f"<h3>{heading}</h3>")
+    end = page.find("<h3>", start + 1)
+    return page[start : end if end > 0 else None]
+
+
+def assert_self_contained(page: str):
+    assert page.startswith("<!DOCTYPE html>") and page.rstrip().endswith("</html>")
+    low = page.lower()
+    assert "<script" not in low and "@import" not in low and "url(" not in low
+    assert "<link" not in low and "<img" not in low and "@font-face" not in low
+    # the only address is the SVG namespace (an identifier, never fetched)
+    assert set(re.findall(r"https?://[^\s\"'<>]+", page)) <= {"http://www.w3.org/2000/svg"}
+
+
+# -- token strips ---------------------------------------------------------------------
+
+
+def test_gradient_strip_equals_autograd_summed_over_units(ex):
+    """Read where the sum over units does not cancel (the MLP's hidden layer; at the
+    embeddings, a LayerNorm makes every token's sum 0 up to rounding)."""
+    model, tok = ex.result_model, ex.result_tokenizer
+    place = "bert.encoder.layer.0.intermediate.dense"
+    enc = tok(TEXT, return_tensors="pt")
+    kept = {}
+    module = model.get_submodule(place)
+    handle = module.register_forward_hook(lambda m, a, o: kept.setdefault("h", o))
+    try:
+        out = model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+        lp = out.logits[0, ex.position].log_softmax(-1)
+        are, is_ = tok.convert_tokens_to_ids(["are", "is"])
+        (grad,) = torch.autograd.grad(lp[are] - lp[is_], kept["h"])
+    finally:
+        handle.remove()
+    want = grad[0].sum(-1)
+    page = ex.result.view("gradient", source=place, tokens=[ex.tokens]).html()
+    spans = spans_of(page)
+    assert [s[2] for s in spans] == ex.tokens
+    big = want.abs().max().item()
+    assert big > 1e-6
+    for (title, bg, _, shown), w in zip(spans, want.tolist()):
+        got = _value(title)
+        assert math.isclose(got, w, rel_tol=1e-3, abs_tol=1e-9 * big), (title, w)
+        assert shown == title.rsplit("= ", 1)[1].split(" ")[0]  # the value under the token
+        # diverging colours centred at zero: blue below, red above, white at 0
+        if abs(w) > 0.2 * big:
+            assert (_reddish if w > 0 else _bluish)(bg), (bg, w)
+    assert_self_contained(page)
+
+
+def _reddish(c):
+    r, b = int(c[1:3], 16), int(c[5:7], 16)
+    return r > b
+
+
+def _bluish(c):
+    r, b = int(c[1:3], 16), int(c[5:7], 16)
+    return b > r
+
+
+def test_explanation_strips_hold_every_quantity(ex):
+    page = ex.view().html()
+    top = spans_of(strip_section(page, "top path"))
+    path_value = ex.result.aggregate(ex.source, sbp.MaxProduct()).hi[0]
+    assert [s[2] for s in top] == ex.tokens
+    for (title, *_), v in zip(top, path_value.tolist()):
+        assert math.isclose(_value(title), v, rel_tol=1e-3)
+    # the explained position is marked, and says so on hover
+    assert "explained position" in top[ex.position][0]
+    ent = spans_of(strip_section(page, "entropy"))
+    for (title, *_), h in zip(ent, ex.entropy["entropy"]):
+        assert math.isclose(_value(title), h, rel_tol=1e-3)
+    norm = spans_of(strip_section(page, "normalized entropy"))
+    for (title, *_), h in zip(norm, ex.entropy["normalized"]):
+        assert math.isclose(_value(title), h, rel_tol=1e-3, abs_tol=1e-9)
+        assert 0 <= h <= 1
+    # entropy is unsigned: a sequential scale from its smallest to its largest value
+    colors = {bg for _, bg, _, _ in ent}
+    assert len(colors) > 1 and not colors & set(DIVERGING)
+
+
+def test_unknown_or_missing_quantity_is_refused(ex, batch):
+    with pytest.raises(InputError, match="quantity must be one of"):
+        ex.result.view("loudness")
+    with pytest.raises(InputError, match=r"needs sbp\.Entropy\(\).*semirings="):
+        batch[2].view("entropy")
+
+
+# -- batches --------------------------------------------------------------------------
+
+
+def test_layer_table_labels_each_example_with_its_own_tokens(batch):
+    _, _, res = batch
+    table = res.layer_table(semirings=[sbp.MaxProduct()], tokens=BATCH_TOKENS)
+    assert set(table["example"]) == {0, 1}
+    for e, t, text in zip(table["example"], table["token"], table["token_text"]):
+        assert text == BATCH_TOKENS[e][t]
+
+
+def test_mismatched_tokens_are_refused_naming_both_lengths(batch):
+    _, _, res = batch
+    flat = BATCH_TOKENS[0] + BATCH_TOKENS[1]
+    with pytest.raises(InputError, match=r"12 strings.*2 examples of 6 positions"):
+        res.layer_table(semirings=[sbp.MaxProduct()], tokens=flat)
+    with pytest.raises(InputError, match=r"example 1\) has 5 tokens.*6 positions"):
+        res.layer_table(tokens=[BATCH_TOKENS[0], BATCH_TOKENS[1][:5]])
+    with pytest.raises(InputError, match=r"3 lists.*2 examples"):
+        res.view(tokens=[*BATCH_TOKENS, BATCH_TOKENS[0]])
+    with pytest.raises(InputError, match=r"6 strings.*2 examples"):
+        res.view("gradient", tokens=BATCH_TOKENS[0])
+
+
+def test_batch_strips_and_heatmaps_use_each_examples_tokens(batch):
+    ids, margin, res = batch
+    page = res.view("gradient", tokens=BATCH_TOKENS).html()
+    spans = spans_of(page)
+    assert [s[2] for s in spans] == BATCH_TOKENS[0] + BATCH_TOKENS[1]
+    table = res.layer_table(semirings=[sbp.MaxProduct()], tokens=BATCH_TOKENS)
+    svg = views.branches(table).html()
+    for toks in BATCH_TOKENS:
+        for t in toks:
+            assert f">{t}</text>" in svg
+
+
+# -- paths ----------------------------------------------------------------------------
+
+
+def test_path_chain_holds_every_step_and_its_products(ex):
+    path = ex.path
+    page = path.view().html()
+    for s in path.steps:
+        assert f"<td>{s.node}</td>" in page
+    runs = path_runs(path)
+    assert sum(len(r.before) + len(r.steps) for r in runs) == len(path)
+    for r in runs:
+        ws = [s.edge_weight for s in r.steps if s.edge_weight is not None]
+        if ws:
+            assert math.isclose(r.product, math.prod(ws), rel_tol=1e-12)
+    assert math.isclose(runs[-1].running, path.value, rel_tol=1e-9)
+    # every layer the path passes is named, with a branch
+    layers = {
+        int(m.group(1)) for s in path.steps if (m := re.search(r"layer\.(\d)\.", s.module or ""))
+    }
+    assert layers == {r.layer for r in runs if r.layer is not None}
+    assert all(r.role for r in runs if r.steps[0].op == "aten.add.Tensor" and r.layer is not None)
+
+
+def _step(i, module, op, w=1.0):
+    return Step(f"n{i}", module, op, (0, i), None if i == 0 else w, 1.0)
+
+
+def test_roles_of_a_hand_made_path():
+    """skip: a residual add with no contraction since the last; query: the path enters
+    the query projection and comes back at the next residual add."""
+    mods = [
+        ("enc.layer.0", "input"),
+        ("enc.layer.0.attention.output", "aten.add.Tensor"),  # straight to the add: skip
+        ("enc.layer.1.attention.self.query", "aten.addmm.default"),
+        ("enc.layer.1.attention.self", "aten.bmm.default"),
+        ("enc.layer.1.attention.output.dense", "aten.addmm.default"),
+        ("enc.layer.1.attention.output", "aten.add.Tensor"),  # back from the query branch
+        ("enc.layer.1.intermediate.dense", "aten.addmm.default"),
+        ("enc.layer.1.output.dense", "aten.addmm.default"),
+        ("enc.layer.1.output", "aten.add.Tensor"),
+        (None, "aten.sum.default"),
+    ]
+    steps = tuple(_step(i, m, op, 0.5) for i, (m, op) in enumerate(mods))
+    path = Path(steps, 0.5 ** (len(steps) - 1), "MaxProduct(neuron)")
+    runs = path_runs(path)
+    roles = [(r.module, r.layer, r.role) for r in runs]
+    assert roles == [
+        ("enc.layer.0", 0, ""),
+        ("enc.layer.0.attention.output", 0, "skip"),
+        ("enc.layer.1.attention.self.query", 1, "query"),
+        ("enc.layer.1.attention.self", 1, "query"),
+        ("enc.layer.1.attention.output.dense", 1, "query"),
+        ("enc.layer.1.attention.output", 1, "query"),
+        ("enc.layer.1.intermediate.dense", 1, "mlp"),
+        ("enc.layer.1.output.dense", 1, "mlp"),
+        ("enc.layer.1.output", 1, "mlp"),
+        (None, None, ""),
+    ]
+    text = str(path)
+    assert len(text.splitlines()) == len(runs) + 2
+    assert all(len(line) <= 120 for line in text.splitlines())
+    assert "query" in text and "skip" in text
+
+
+def test_path_text_and_repr_are_short(ex):
+    path = ex.path
+    assert len(repr(path)) < 120 and str(len(path)) in repr(path)
+    lines = str(path).splitlines()
+    assert 2 < len(lines) < len(path)  # one line per module run, not per step
+    assert all(len(line) <= 120 for line in lines)
+    assert f"{path.value:.4g}" in lines[0]
+
+
+def test_top_paths_list(ex):
+    ps = ex.result.top_paths(ex.source, 3)
+    page = views.paths(ps).html()
+    assert page.count("<li>") == 3
+    for p in ps:
+        assert f"<b>{p.value:.4g}</b>" in page
+        for s in p.steps:
+            assert f"<td>{s.node}</td>" in page
+    assert str(views.paths(ps)).startswith("1. ")
+
+
+# -- branch heatmaps ------------------------------------------------------------------
+
+
+def test_heatmap_shares_are_each_branchs_part_of_the_token_total(ex):
+    table = ex.layers[ex.layers["semiring"] == "MaxProduct(neuron)"]
+    svg = views.branches(table).html()
+    cells = re.findall(r"<g><title>(.*?)</title>(.*?)</g>", svg, flags=re.S)
+    n_cells = len(table.groupby(["layer", "sublayer", "token"]))
+    assert len(cells) == n_cells
+    for (layer, sub, tok), grp in table.groupby(["layer", "sublayer", "token"]):
+        live = grp[grp["path"]]
+        total = live["value"].abs().sum()
+        title = next(t for t, _ in cells if t.startswith(
+            f"{ex.tokens[tok]!r}".replace("'", "&#x27;") + f" (position {tok}), layer {layer} {sub}"
+        ))  # fmt: skip
+        for b, v in zip(live["branch"], live["value"]):
+            assert f"{b}: {v:.4g} ({100 * abs(v) / total:.0f}%)" in title
+        win = grp[grp["winner"]]
+        if len(win):
+            assert f"{win['branch'].iloc[0]}: " in title and "← winner" in title
+    # the stacked bars of a cell fill it: heights in proportion to the shares
+    for _, body in cells:
+        hs = [float(h) for h in re.findall(r'height="([\d.]+)" fill="#[0-9A-F]{6}"', body)]
+        if hs:
+            assert math.isclose(sum(hs), 26 - 4, abs_tol=0.3)
+
+
+def test_heatmap_shows_heads_where_the_table_has_them(ex):
+    table = ex.layers[ex.layers["semiring"] == "MaxProduct(neuron)"].copy()
+    table["head"] = pd.NA
+    extra = table[table["branch"] == "query"].copy()
+    extra = pd.concat([extra.assign(head=0, value=extra["value"] * 0.5),
+                       extra.assign(head=1, value=extra["value"])])  # fmt: skip
+    both = pd.concat([table, extra], ignore_index=True)
+    page = views.branches(both).html()
+    assert "query head 0: " in page and "query head 1: " in page
+    plain = views.branches(table.drop(columns="head")).html()
+    strip = lambda s: re.sub(r"\n(query head \d: [^\n<]*)", "", s)  # noqa: E731
+    assert strip(page) == plain  # the shares are the branch rows', heads only on hover
+
+
+def test_real_heatmap_says_values_can_cancel(ex):
+    table = ex.layers[ex.layers["semiring"] == "Real"]
+    assert "can cancel" in views.branches(table).html()
+    with pytest.raises(InputError, match="entropy does not split"):
+        views.branches(ex.layers, semiring="Entropy")
+
+
+# -- terminals ------------------------------------------------------------------------
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_terminal_colour_only_on_a_terminal_without_no_color(ex, monkeypatch):
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("TERM", "xterm-256color")
+    v = ex.view("top_path")
+    plain, tty = io.StringIO(), _Tty()
+    v.show(plain)
+    v.show(tty)
+    assert "\x1b[" not in plain.getvalue() and "\x1b[48;2;" in tty.getvalue()
+    monkeypatch.setenv("NO_COLOR", "1")
+    tty = _Tty()
+    v.show(tty)
+    assert "\x1b[" not in tty.getvalue()
+    text = plain.getvalue()
+    values = ex.result.aggregate(ex.source, sbp.MaxProduct()).hi[0].tolist()
+    for t, val in zip(ex.tokens, values):
+        assert f"{t} {val:.4g}" in text  # each token with its value
+
+
+# -- files and the CLI ----------------------------------------------------------------
+
+
+def test_to_html_writes_one_self_contained_file(ex, tmp_path):
+    for obj in (ex, ex.path, ex.result):
+        file = tmp_path / f"{type(obj).__name__}.html"
+        assert obj.to_html(file) == str(file)
+        page = file.read_text()
+        assert_self_contained(page)
+        assert obj.view().body in page
+    for obj in (ex, ex.path, ex.result):
+        frag = obj._repr_html_()
+        assert frag.startswith("<style>") and '<div class="sbp">' in frag
+    with pytest.raises(InputError, match="is a directory"):
+        ex.to_html(tmp_path)
+
+
+def test_cli_html(bert, tmp_path, monkeypatch):
+    model, tok = bert
+    d = tmp_path / "model"
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    out, err = io.StringIO(), io.StringIO()
+    page = tmp_path / "r" / "report.html"
+    argv = ["explain", str(d), "--text", TEXT, "--target", "are", "--foil", "is",
+            "--html", str(page)]  # fmt: skip
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert cli.main(argv) == 0, err.getvalue()
+    text = page.read_text()
+    assert_self_contained(text)
+    assert f"wrote {page}" in out.getvalue()
+    tokens = tok.convert_ids_to_tokens(tok(TEXT)["input_ids"])
+    assert [s[2] for s in spans_of(strip_section(text, "top path"))] == tokens
+    # a directory for --html is refused before any work, with one error line
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(argv[:-1] + [str(tmp_path)])
+    assert rc == 2 and err.getvalue().startswith("error: ") and err.getvalue().count("\n") == 1
+    assert out.getvalue() == ""
