@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -262,12 +263,16 @@ def test_sva_spearman_equals_scipy_on_the_csv(synthetic_run):
     assert found >= 1
 
 
-WORDS = "the dog ##s near key cabinet cabinets of is are here".split()
+# "hasn't" / "haven't" split into three pieces each, "barks" / "woofs" into two (both
+# differ), "woo" is one: verbs of several tokens
+WORDS = (
+    "the dog ##s near key cabinet cabinets of is are here hasn haven ' t bar ##ks woo ##fs".split()
+)
 
 
 def _save_bert(d, model_cls):
     """A random ``model_cls`` (BERT) whose vocabulary splits "dogs" into "dog ##s" and
-    lacks "run", saved to ``d`` with its tokenizer (which has [MASK])."""
+    lacks "run", saved to ``d`` with its tokenizer (which has [MASK]); see WORDS."""
     (d / "vocab.txt").write_text("\n".join(list(entropy_sanity.SPECIAL) + WORDS) + "\n")
     transformers.BertTokenizer(str(d / "vocab.txt")).save_pretrained(d)
     cfg = transformers.BertConfig(vocab_size=len(WORDS) + 5, hidden_size=16, num_hidden_layers=1,
@@ -358,19 +363,148 @@ def test_word_pieces_fast_and_word_by_word(word_piece_model):
     assert sva.word_pieces(_SlowTokenizer(tok), words) == expected
 
 
-def test_sva_linzen_without_positions_needs_spacy(tmp_path):
-    try:
-        import spacy  # noqa: F401
-
-        pytest.skip("spaCy is installed: the error path is not reachable")
-    except ImportError:
-        pass
+def test_sva_linzen_without_positions_needs_spacy(tmp_path, monkeypatch):
     data = tmp_path / "agreement.tsv"
     data.write_text("1\tthe keys to the cabinet are here\tthe keys to the cabinet ***mask*** "
                     "here\tare\tis\n")  # fmt: skip
+    monkeypatch.setitem(sys.modules, "spacy", None)  # import spacy -> ImportError
     with pytest.raises(sbp.InputError, match="spaCy"):
         experiments.run("sva", tmp_path / "out", data=str(data), progress=False)
     assert not (tmp_path / "out" / "model").exists()  # failed before building a model
+
+
+def test_cli_sva_takes_the_spacy_pipeline_as_an_option(tmp_path, capsys):
+    pytest.importorskip("spacy")
+    from semiring_backprop import cli
+
+    data = tmp_path / "agreement.tsv"
+    data.write_text("1\tthe keys to the cabinet are here\tthe keys to the cabinet ***mask*** "
+                    "here\tare\tis\n")  # fmt: skip
+    argv = ["experiment", "sva", "--out", str(tmp_path / "out"), "--set", f"data={data}",
+            "nlp=no_such_pipeline_here"]  # fmt: skip
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("error: spaCy is installed but its pipeline 'no_such_pipeline_here'")
+    assert "Traceback" not in err and out == "" and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "model").exists()
+
+
+# -- verbs of several tokens, subjects the parser cannot find, malformed lines ----------
+
+
+def _flat_parse(text):
+    """A parse that gives no word a subject (as when a verb is tagged as a noun)."""
+    from types import SimpleNamespace
+
+    toks, at = [], 0
+    for i, w in enumerate(text.split(" ")):
+        toks.append(SimpleNamespace(i=i, text=w, idx=at, tag_="NN", dep_="dep"))
+        at += len(w) + 1
+    for t in toks:
+        t.head = t
+    return toks
+
+
+MULTI = [
+    _blimp("the dog near the cabinets", "is", "are", "here", 1, [4]),
+    _blimp("the dog near the cabinets", "hasn't", "haven't", "here", 1, [4]),  # 3 masks, 1 read
+    _blimp("the dog near the cabinets", "barks", "woofs", "here", 1, [4]),  # 2 masks, 2 read
+    _blimp("the dog near the cabinets", "barks", "woo", "here", 1, [4]),  # 2 pieces against 1
+    json.dumps({"sentence_good": "the dogs near the key are here",
+                "sentence_bad": "the dogs near the key is here",
+                "one_prefix_prefix": "the dogs near the key", "one_prefix_word_good": "are",
+                "one_prefix_word_bad": "is"}),  # no positions: the parser finds no subject
+    "{not json",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def multi_runs(word_piece_model, tmp_path_factory, _offline_quiet):
+    from semiring_backprop.data import agreement
+
+    d = tmp_path_factory.mktemp("multi")
+    data = d / "agreement.jsonl"
+    data.write_text("\n".join(MULTI) + "\n")
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(agreement, "_parser", lambda nlp: _flat_parse)
+        for multi in (False, True):
+            out = d / f"multi-{multi}"
+            result = experiments.run("sva", out, model=str(word_piece_model), data=str(data),
+                                     aggregation=("oplus",), multi_token=multi,
+                                     progress=False)  # fmt: skip
+            runs[multi] = (out, result["summary"])
+    return data, runs
+
+
+def test_sva_counts_what_it_skips(multi_runs):
+    data, runs = multi_runs
+    _, summary = runs[False]
+    assert summary["explained"] == 1 and summary["skipped"] == 4
+    assert summary["skipped_by_kind"] == {"multi_token_verb": 3, "no_subject": 1}
+    assert summary["multi_token_verbs"]["skipped"] == 3
+    assert summary["multi_token_verbs"]["explained"] == 0
+    note = summary["multi_token_verbs"]["note"]
+    assert note.startswith("3 examples were skipped because a verb splits into several tokens")
+    assert summary["skip_reasons"]["no subject: the parse gives the verb (tagged NN, dep dep) "
+                                   "no nsubj"] == 1  # fmt: skip
+    assert summary["malformed_lines"] == 1
+    assert summary["malformed"] == [f"{data}:6: not valid JSON (Expecting property name "
+                                    "enclosed in double quotes, column 2)"]  # fmt: skip
+    _, summary = runs[True]
+    assert summary["explained"] == 3 and summary["skipped"] == 2
+    assert summary["skipped_by_kind"] == {"multi_token_lengths": 1, "no_subject": 1}
+    assert summary["multi_token_verbs"] == {
+        "multi_token": True, "explained": 2, "skipped": 1,
+        "note": "1 examples were skipped because the two verbs split into different numbers "
+                "of tokens"}  # fmt: skip
+
+
+def _plain_logp(model_dir, ids):
+    model = transformers.BertForMaskedLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([ids])).logits[0].double().log_softmax(-1)
+
+
+PIECES = [(1, ["hasn", "'", "t"], ["haven", "'", "t"]), (2, ["bar", "##ks"], ["woo", "##fs"])]
+
+
+@pytest.mark.parametrize(("key", "good", "bad"), PIECES)
+def test_sva_multi_token_score_equals_the_model_forward(multi_runs, word_piece_model, key,
+                                                        good, bad):  # fmt: skip
+    _, runs = multi_runs
+    out, _ = runs[True]
+    row = next(r for r in _lines(out / "examples.jsonl") if r["key"] == key)
+    vocab = _vocab(word_piece_model)
+    k = len(good)
+    # [CLS] the dog near the cabinets [MASK] x k here [SEP], worked out by hand
+    tokens = ["[CLS]", "the", "dog", "near", "the", "cabinets", *["[MASK]"] * k, "here", "[SEP]"]
+    assert row["input_ids"] == [vocab.index(t) for t in tokens]
+    assert row["verb_tokens"] == k and row["subject_tokens"] == [2]
+    assert row["attractor_tokens"] == [5]
+    # the score is the sum over the masks of log p(good piece) - log p(bad piece),
+    # from the model's own forward (shared pieces included: they cancel)
+    logp = _plain_logp(word_piece_model, row["input_ids"])
+    expected = sum(float(logp[6 + j, vocab.index(g)] - logp[6 + j, vocab.index(b)])
+                   for j, (g, b) in enumerate(zip(good, bad)))  # fmt: skip
+    assert row["score"] == pytest.approx(expected, abs=1e-5)
+    differ = [6 + j for j, (g, b) in enumerate(zip(good, bad)) if g != b]
+    assert row["positions"] == differ
+    # the explained function is that sum over the differing pieces: the embedding entropy
+    # of a direct pass on the plain model with constant indices
+    model = transformers.BertForMaskedLM.from_pretrained(word_piece_model).eval()
+    pairs = [(6 + j, vocab.index(g), vocab.index(b)) for j, (g, b) in enumerate(zip(good, bad))
+             if g != b]  # fmt: skip
+
+    def score(o):
+        lp = o.logits[0].log_softmax(-1)
+        return sum(lp[p, g] - lp[p, b] for p, g, b in pairs)
+
+    ids = torch.tensor([row["input_ids"]])
+    res = sbp.backprop(model, kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                       output=score, semirings=[sbp.Entropy()])  # fmt: skip
+    h = res.at("bert.embeddings.word_embeddings", sbp.Entropy()).entropy.double()
+    assert row["entropy"] == pytest.approx(float(h.mean()), rel=1e-5)
 
 
 def test_sva_refuses_to_mix_settings(synthetic_run):

@@ -14,12 +14,21 @@ and ``PathCount``. Two readings:
   attractors, within sentence-length bins, with Spearman's ρ (the paper found more
   attractors, higher entropy).
 
-Data: a BLiMP JSON-lines or Linzen/Goldberg TSV file (see :mod:`semiring_backprop.data`).
-Subject and attractor positions come from the data where given, else from spaCy's
-``en_core_web_sm``; without either, :func:`~semiring_backprop.data.locate` says what is
-missing. With ``data=None`` a small synthetic set ("the N1 of the N2 ***mask*** ...",
-positions given) is written to the output directory; with ``model=None`` the model is a
-random small BERT over the data's words: a smoke run, whose numbers mean nothing.
+Data: a BLiMP JSON-lines or Linzen/Goldberg TSV file (see :mod:`semiring_backprop.data`);
+malformed lines are skipped and listed in the summary with their ``file:line``.
+Subject and attractor positions come from the data where given, else from a spaCy parse
+(``nlp``, default ``en_core_web_sm``): the parse's subject of the verb, or, where it has
+none that agrees with the verb, no subject (the example is skipped, with the reason);
+without spaCy or the pipeline, :func:`~semiring_backprop.data.locate` says what is
+missing. A verb that splits into several tokens ("hasn't") is skipped and counted,
+unless ``multi_token``: then the verb's pieces are masked together and the score is the
+sum of their log-probabilities (each piece at its own mask, all of them masked), for
+both verbs when they split into the same number of pieces; pieces the two share at one
+place cancel exactly and are left out of the explained function.
+
+With ``data=None`` a small synthetic set ("the N1 of the N2 ***mask*** ...", positions
+given) is written to the output directory; with ``model=None`` the model is a random
+small BERT over the data's words: a smoke run, whose numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from ..api import Backprop
 from ..errors import InputError
@@ -67,6 +77,8 @@ class Config:
     bert_layers: int = 2
     bert_heads: int = 2
     bert_intermediate: int = 128
+    nlp: str = "en_core_web_sm"  #: spaCy pipeline (name or directory) that finds subjects
+    multi_token: bool = False  #: score verbs of several tokens (sum over consecutive masks)
 
     @classmethod
     def quick(cls) -> Config:
@@ -186,33 +198,108 @@ def word_pieces(tokenizer, words) -> tuple[list[int], list[list[int]]]:
     return ids, spans
 
 
-def prepare(ex, tokenizer, max_length: int | None) -> dict:
-    """The inputs of one example and its token groups, or ``{"skipped": reason}``."""
+def verb_pieces(tokenizer, ex, verb: str) -> list[int]:
+    """Token ids of ``verb`` at the example's verb position, tokenized in its sentence."""
+    words = list(ex.words)
+    words[ex.mask_index] = verb
+    ids, spans = word_pieces(tokenizer, words)
+    return [ids[t] for t in spans[ex.mask_index]]
+
+
+def _skip(kind: str, reason: str) -> dict:
+    return {"skipped": reason, "kind": kind}
+
+
+MULTI_TOKEN_SKIP = "the verb splits into several tokens (multi_token=True scores it)"
+
+
+def targets(ex, tokenizer, multi_token: bool = False) -> dict:
+    """``{"good": ids, "bad": ids}``, one id per mask, or ``{"skipped", "kind"}``."""
     from ..explain import word_id
 
     try:
         good, bad = word_id(tokenizer, ex.good, "masked"), word_id(tokenizer, ex.bad, "masked")
     except InputError as e:
-        return {"skipped": f"verb: {e}"}
+        error = e
+    else:
+        if good == bad:
+            return _skip("same_token", f"the verbs {ex.good!r} and {ex.bad!r} are the same token")
+        return {"good": [good], "bad": [bad]}
+    good, bad = (verb_pieces(tokenizer, ex, v) for v in (ex.good, ex.bad))
+    unknown = tokenizer.unk_token_id is not None and tokenizer.unk_token_id in good + bad
+    if unknown or len(good) < 2 and len(bad) < 2:
+        return _skip("verb", f"verb: {error}")
+    if not multi_token:
+        return _skip("multi_token_verb", MULTI_TOKEN_SKIP)
+    if len(good) != len(bad):
+        return _skip("multi_token_lengths", "the verbs split into different numbers of tokens; "
+                     "consecutive masks score only verbs of as many pieces")  # fmt: skip
     if good == bad:
-        return {"skipped": f"the verbs {ex.good!r} and {ex.bad!r} are the same token"}
+        return _skip("same_token", f"the verbs {ex.good!r} and {ex.bad!r} are the same tokens")
+    return {"good": good, "bad": bad}  # one id per mask, in order
+
+
+def prepare(ex, tokenizer, max_length: int | None, multi_token: bool = False) -> dict:
+    """The inputs of one example and its token groups, or ``{"skipped": reason, "kind"}``."""
+    verbs = targets(ex, tokenizer, multi_token)
+    if "skipped" in verbs:
+        return verbs
     if ex.subject is None:
-        return {"skipped": "no subject found"}
+        return _skip("no_subject", ex.unlocated or "no subject found")
     words = list(ex.words)
     words[ex.mask_index] = tokenizer.mask_token
     ids, spans = word_pieces(tokenizer, words)
-    if max_length is not None and len(ids) > max_length:
-        return {"skipped": f"{len(ids)} tokens, more than the model's {max_length}"}
     masks = [t for t, i in enumerate(ids) if i == tokenizer.mask_token_id]
     if masks != spans[ex.mask_index]:
-        return {"skipped": "the sentence holds the mask token other than at the verb"}
+        return _skip("mask_in_sentence", "the sentence holds the mask token other than at the verb")
+    k, at = len(verbs["good"]), masks[0]
+    if k > 1:  # as many masks as the verb has pieces, where its pieces would be
+        ids = [*ids[:at], *[tokenizer.mask_token_id] * k, *ids[at + 1 :]]
+        spans = [[t + k - 1 if t > at else t for t in span] for span in spans]
+        spans[ex.mask_index] = list(range(at, at + k))
+    if max_length is not None and len(ids) > max_length:
+        return _skip("too_long", f"{len(ids)} tokens, more than the model's {max_length}")
     attractors = sorted({t for w in ex.attractor_positions or () for t in spans[w]})
     groups = {"subject": spans[ex.subject], "attractor": attractors, "all": list(range(len(ids)))}
     if not groups["subject"]:
-        return {"skipped": f"the subject {ex.words[ex.subject]!r} has no tokens"}
+        return _skip("subject_no_tokens", f"the subject {ex.words[ex.subject]!r} has no tokens")
     count = ex.attractors if ex.attractors is not None else len(ex.attractor_positions or ())
-    return {"inputs": score_inputs(ids, masks[0], good, bad), "ids": ids, "position": masks[0],
-            "good": good, "bad": bad, "groups": groups, "attractors": count}  # fmt: skip
+    # pieces the verbs share at one place ("hasn't" / "haven't": "'", "t") add the same
+    # log-probability to both sides: they cancel exactly, and are left out of the score
+    # (their paths would be spurious under max)
+    read = [j for j, (g, b) in enumerate(zip(verbs["good"], verbs["bad"])) if g != b]
+    positions = [spans[ex.mask_index][j] for j in read]
+    good, bad = [verbs["good"][j] for j in read], [verbs["bad"][j] for j in read]
+    if len(read) == 1:
+        inputs = score_inputs(ids, positions[0], good[0], bad[0])
+    else:
+        inputs = sum_inputs(ids, positions, good, bad)
+    return {"inputs": inputs, "ids": ids, "position": positions[0], "positions": positions,
+            "verb_tokens": k, "good": good, "bad": bad, "groups": groups,
+            "attractors": count}  # fmt: skip
+
+
+class MaskedSumScore(torch.nn.Module):
+    """``sum_j log p(good_j) - sum_j log p(bad_j)``, piece ``j`` read at the mask at
+    ``positions[j]``: a verb of several tokens, all of them masked at once. Positions
+    and ids are tensor inputs, so one trace serves every sentence and piece count."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, positions, good, bad):
+        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[0]
+        logp = logits.index_select(0, positions).log_softmax(-1)
+        return logp.gather(1, good[:, None]).sum() - logp.gather(1, bad[:, None]).sum()
+
+
+def sum_inputs(ids, positions, good, bad) -> dict:
+    """Keyword inputs of :class:`MaskedSumScore` for one sentence of token ids."""
+    ids = torch.as_tensor(ids, dtype=torch.long)[None]
+    many = lambda xs: torch.tensor(list(xs), dtype=torch.long)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "positions": many(positions), "good": many(good), "bad": many(bad)}  # fmt: skip
 
 
 # -- the experiment ---------------------------------------------------------------------
@@ -237,7 +324,8 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
             f"{data}: no examples (the file is empty or holds only blank lines); give a "
             "BLiMP JSON-lines or Linzen/Goldberg TSV file with at least one example"
         )
-    examples = locate(every[: config.limit])  # an InputError if positions cannot be found
+    # an InputError if positions are needed and spaCy or its pipeline is missing
+    examples = locate(every[: config.limit], nlp=config.nlp)
     rows = explain(examples, every, out, config, progress)
     done = [r for r in rows if "skipped" not in r]
     if rows and not done:
@@ -251,7 +339,7 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     entropy = _entropy(done, config.length_bins)
     write_csv(branches, out / "branches.csv")
     write_csv(entropy, out / "entropy.csv")
-    summary = _summary(branches, entropy, rows, config)
+    summary = _summary(branches, entropy, rows, config, every.skipped)
     write_json(out / "summary.json", summary)
     files = [str(out / f) for f in ("branches.csv", "entropy.csv", "summary.json")]
     try:
@@ -273,18 +361,22 @@ def explain(examples, every, out: Path, config: Config, progress: bool = True) -
     with lm_threads(config):
         if todo:
             model, tok = language_model(config, out, vocabulary(every), progress)
+            top = MaxProduct(config.granularity)
+            semirings = [top, Entropy(), PathCount()]
             wrapper = MaskedScore(model).eval()
             place = embedding_place(wrapper)
-            top = MaxProduct(config.granularity)
-            bp = Backprop(wrapper, output=lambda y: y, semirings=[top, Entropy(), PathCount()])
+            bp = Backprop(wrapper, output=lambda y: y, semirings=semirings)
+            # a verb of several tokens: its own score function (traced on first use)
+            bp_sum = Backprop(MaskedSumScore(model).eval(), output=lambda y: y,
+                              semirings=semirings)  # fmt: skip
             max_length = getattr(model.config, "max_position_embeddings", None)
         for i, ex in tqdm(todo, desc="examples", disable=not progress, leave=False):
             head = {"key": i, "source": ex.source, "length": len(ex.words)}
-            item = prepare(ex, tok, max_length)
+            item = prepare(ex, tok, max_length, config.multi_token)
             if "skipped" in item:
-                records.add({**head, "skipped": item["skipped"]})
+                records.add({**head, "skipped": item["skipped"], "kind": item["kind"]})
                 continue
-            res = bp(kwargs=item["inputs"])
+            res = (bp if len(item["good"]) == 1 else bp_sum)(kwargs=item["inputs"])
             tokens = tok.convert_ids_to_tokens(item["ids"])
             values = []
             for agg in config.aggregation:
@@ -293,7 +385,9 @@ def explain(examples, every, out: Path, config: Config, progress: bool = True) -
                 values += group_values(table, item["groups"], agg)
             records.add({**head, "attractors": item["attractors"], "tokens": len(item["ids"]),
                          "input_ids": item["ids"], "position": item["position"],
-                         "good": item["good"], "bad": item["bad"],
+                         "positions": item["positions"], "verb_tokens": item["verb_tokens"],
+                         "good": item["good"][0], "bad": item["bad"][0],
+                         "good_ids": item["good"], "bad_ids": item["bad"],
                          "subject_tokens": item["groups"]["subject"],
                          "attractor_tokens": item["groups"]["attractor"],
                          "score": float(res.values[res.graph.output_node]),
@@ -352,7 +446,7 @@ def _entropy(done, bins):
     return frame
 
 
-def _summary(branches, entropy, rows, config: Config) -> dict:
+def _summary(branches, entropy, rows, config: Config, malformed=()) -> dict:
     first = config.aggregation[0]
     top = branches[branches["semiring"].str.startswith("MaxProduct")
                    & (branches["aggregation"] == first)]  # fmt: skip
@@ -366,9 +460,11 @@ def _summary(branches, entropy, rows, config: Config) -> dict:
         part = entropy[entropy["length_bin"] == label]
         attractors[label] = spearman(part["attractors"], part["entropy"])
     reasons: dict = {}
+    kinds: dict = {}
     for r in rows:
         if "skipped" in r:
             reasons[r["skipped"]] = reasons.get(r["skipped"], 0) + 1
+            kinds[r.get("kind", "other")] = kinds.get(r.get("kind", "other"), 0) + 1
     out = {
         "branches": table,
         "branches_setting": f"{top['semiring'].iloc[0] if len(top) else 'MaxProduct'}, {first}",
@@ -377,9 +473,36 @@ def _summary(branches, entropy, rows, config: Config) -> dict:
         "explained": len(entropy),
         "skipped": sum(reasons.values()),
         "skip_reasons": reasons,
+        "skipped_by_kind": kinds,
+        "multi_token_verbs": _multi_token(rows, kinds, config),
+        "malformed_lines": len(malformed),
+        "malformed": [f"{m.source}: {m.reason}" for m in malformed[:MALFORMED_SHOWN]],
     }
     if config.model is None:
         out["note"] = RANDOM_NOTE
+    return out
+
+
+MALFORMED_SHOWN = 20  #: malformed lines listed by name in the summary (all are counted)
+
+
+def _multi_token(rows, kinds: dict, config: Config) -> dict:
+    """How the verbs of several tokens fared: explained (summed over consecutive masks)
+    or skipped, and what to do about the skipped ones."""
+    explained = sum(r.get("verb_tokens", 1) > 1 for r in rows if "skipped" not in r)
+    skipped = kinds.get("multi_token_verb", 0) + kinds.get("multi_token_lengths", 0)
+    out = {"multi_token": config.multi_token, "explained": explained, "skipped": skipped}
+    if kinds.get("multi_token_verb"):
+        out["note"] = (
+            f"{kinds['multi_token_verb']} examples were skipped because a verb splits into "
+            "several tokens; multi_token=True scores them as the sum of the pieces' "
+            "log-probabilities at consecutive masks"
+        )
+    elif kinds.get("multi_token_lengths"):
+        out["note"] = (
+            f"{kinds['multi_token_lengths']} examples were skipped because the two verbs "
+            "split into different numbers of tokens"
+        )
     return out
 
 
