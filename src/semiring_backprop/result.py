@@ -44,6 +44,11 @@ class Result:
     def value(self, where, semiring: Semiring):
         """The raw semiring value (tuple of fields) at ``where``."""
         node = self.node(where)
+        if not isinstance(semiring, Semiring):
+            raise InputError(
+                f"semiring must be a Semiring instance such as Real() or MaxProduct(), got "
+                f"{semiring!r}; computed in this pass: {self.semirings}"
+            )
         try:
             k = self.semirings.index(semiring)
         except ValueError:
@@ -72,12 +77,13 @@ class Result:
 
     def at(self, where, semiring: Semiring):
         """The readout of ``semiring`` at ``where`` (see each semiring's readout)."""
-        return semiring.finalize(self.value(where, semiring))
+        value = self.value(where, semiring)  # (checks ``semiring`` first)
+        return semiring.finalize(value)
 
     def aggregate(self, where, semiring: Semiring, dims=(-1,)):
         """⊕ of the values over ``dims`` (the paper's aggregated derivative, Eq. 3)."""
         v = self.value(where, semiring)
-        return semiring.finalize(semiring.sum(v, dims))
+        return semiring.finalize(semiring.sum(v, _dims(dims, self.node(where), where)))
 
     @property
     def needed(self) -> frozenset:
@@ -111,10 +117,13 @@ class Result:
         from .analysis import paths
 
         self._require_all("top_paths")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InputError(f"top_paths: k={k!r} is the number of paths to return: 1 or more")
         return paths.top_paths(self, source, k, semiring)
 
     def branches(self, where, semiring: Semiring | None = None, aggregate: str = "oplus",
-                 roles=None, by: str = "consumer"):  # fmt: skip
+                 roles=None, by: str = "consumer", per_head: bool = False,
+                 heads=None):  # fmt: skip
         """Tidy DataFrame (``token``, ``consumer``, ``role``, ``value``, ``winner``,
         ``path``, ``semiring``): the ⊕ over paths from ``where`` that leave through each
         consumer. ``path`` is False where the value is the semiring's zero: no path
@@ -127,22 +136,43 @@ class Result:
         ``roles``: ``{"module regex": "query", ...}`` or a function of the module path,
         tried before the built-in names. ``by="role"``: one row per role, the ⊕ of the
         consumers that share it (a gated MLP's ``gate_proj`` and ``up_proj``).
+
+        ``per_head=True`` adds a ``head`` column and splits the query, key and value
+        branches by attention head: head ``h``'s row is the ⊕ over the paths through
+        head ``h``'s columns of the projection's output (fused projections too). Under
+        grouped-query attention the key and value heads are the K/V heads. The rows
+        still partition the paths: their ⊕ is D at ``where``. The number of heads comes
+        from the attention module or the model's config; ``heads=`` gives it (an int:
+        query heads; ``{"query": 8, "key": 2, "value": 2}``).
+
+        >>> res.branches("transformer.h.0:input", MaxProduct(), per_head=True)
         """
         from .analysis import branches
 
         self._require_all("branches")
-        return branches.branches(self, where, semiring, aggregate, roles, by=by)
+        _check_roles(roles)
+        return branches.branches(self, where, semiring, aggregate, roles, by=by,
+                                 per_head=per_head, heads=heads)  # fmt: skip
 
     def layer_table(self, semirings=None, aggregate: str = "oplus", tokens=None, roles=None,
-                    sublayers=("attention", "mlp"), by: str = "consumer"):  # fmt: skip
+                    sublayers=("attention", "mlp"), by: str = "consumer",
+                    per_head: bool = False, heads=None):  # fmt: skip
         """Tidy DataFrame (``layer``, ``sublayer``, ``token``, ``token_text``, ``branch``,
         ``consumer``, ``value``, ``winner``, ``path``, ``semiring``) for every attention block:
         branches at the block's input (skip/query/key/value) and at the input of its MLP
-        sublayer (skip/mlp). ``tokens``: the token strings, for ``token_text``."""
+        sublayer (skip/mlp). ``tokens``: the token strings, for ``token_text``.
+        ``per_head``, ``heads``: a ``head`` column, as in :meth:`branches`."""
         from .analysis import branches
 
         self._require_all("layer_table")
-        return branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers, by)
+        _check_roles(roles)
+        if isinstance(sublayers, str) or not set(sublayers) or not set(sublayers) <= SUBLAYERS:
+            raise InputError(
+                f"sublayers={sublayers!r}: give some of {SUBLAYERS_SHOWN} as a tuple, e.g. "
+                "sublayers=('attention',)"
+            )
+        return branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers, by,
+                                    per_head, heads)  # fmt: skip
 
     def _why_missing(self, where, node) -> str:
         val = node.meta.get("val")
@@ -188,6 +218,39 @@ def _html_escape(text) -> str:
     return html.escape(str(text))
 
 
+SUBLAYERS = frozenset({"attention", "mlp"})
+SUBLAYERS_SHOWN = "'attention', 'mlp'"
+
+
+def _check_roles(roles) -> None:
+    if roles is not None and not isinstance(roles, dict) and not callable(roles):
+        raise InputError(
+            f"roles={roles!r}: give a dict {{'module regex': 'query', ...}} or a function "
+            "from a module path to a role name"
+        )
+
+
+def _dims(dims, node, where) -> tuple[int, ...]:
+    """``dims`` as a tuple of valid dimensions of ``node``'s value, or an InputError."""
+    val = node.meta.get("val")
+    shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+    given = (dims,) if isinstance(dims, int) else dims
+    try:
+        given = tuple(given)
+    except TypeError:
+        given = (given,)
+    rank = len(shape) if shape is not None else None
+    for d in given:
+        bad = isinstance(d, bool) or not isinstance(d, int)
+        if bad or (rank is not None and not -rank <= d < rank):
+            raise InputError(
+                f"dims={dims!r}: the value at {where!r} has shape {shape}, so each dim is an "
+                f"int from {-rank if rank else 0} to {rank - 1 if rank else 0} (e.g. dims=(-1,) "
+                "for the hidden units)"
+            )
+    return given
+
+
 def _keys(d):
     return ", ".join(repr(k) for k in d) or "none"
 
@@ -196,7 +259,13 @@ def find_node(g, where) -> torch.fx.Node:
     """The graph node for an input position/keyword, a module path or a node name."""
     if isinstance(where, torch.fx.Node):
         return where
-    if where in g.user_inputs:
+    try:
+        given = where in g.user_inputs
+    except TypeError:  # unhashable: a list or a dict is no place
+        raise InputError(
+            f"a place is an int (args position), an input name or a module path, got {where!r}"
+        ) from None
+    if given:
         return g.user_inputs[where]
     if isinstance(where, int):
         raise NotFoundError(

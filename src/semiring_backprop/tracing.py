@@ -46,6 +46,9 @@ class Graph:
     aliases: dict = field(default_factory=dict)
     #: module path -> class name, for every submodule of the traced model
     module_types: dict = field(default_factory=dict)
+    #: module path -> the attention head counts and sizes its attributes (or its
+    #: ``config`` / ``cfg``) give, for per-head branch tables (:func:`head_attrs`)
+    head_attrs: dict = field(default_factory=dict)
     #: prepared contraction weights kept across calls (``rules.Prepared``), if any
     prepared: object = None
     nodes: list = field(init=False)
@@ -330,7 +333,32 @@ def trace(
     graph = _build_graph(program, args, kwargs, tuple(whole))
     if isinstance(model, torch.nn.Module):
         graph.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
+        graph.head_attrs = head_attrs(model)
     return graph
+
+
+#: attribute names under which modules and configs give head counts and sizes
+HEAD_ATTRS = (
+    "num_heads", "num_attention_heads", "n_head", "n_heads", "num_key_value_heads",
+    "num_kv_heads", "n_kv_heads", "n_key_value_heads", "num_key_value_groups", "head_dim",
+    "attention_head_size", "head_size", "key_value_proj_dim", "d_head",
+)  # fmt: skip
+
+
+def head_attrs(model: torch.nn.Module) -> dict:
+    """``{module path: {attribute: int}}`` for the :data:`HEAD_ATTRS` each module has,
+    itself or through its ``config`` (Hugging Face) or ``cfg`` (TransformerLens)."""
+    out = {}
+    for path, m in model.named_modules():
+        found: dict = {}
+        for src in (m, getattr(m, "config", None), getattr(m, "cfg", None)):
+            for name in HEAD_ATTRS if src is not None else ():
+                val = getattr(src, name, None)
+                if isinstance(val, int) and not isinstance(val, bool) and val > 0:
+                    found.setdefault(name, val)
+        if found:
+            out[path] = found
+    return out
 
 
 @contextlib.contextmanager

@@ -78,6 +78,10 @@ class Entry:
     consumer: str  #: module path of the entry op, or the weight or hook that names its role
     op: torch.fx.Node
     via: torch.fx.Node
+    #: a fused projection's contraction and the columns of its output this part reads
+    proj: torch.fx.Node | None = None
+    cols: tuple = ()
+    head: int | None = None  #: per-head tables: the attention head (K/V heads under GQA)
 
 
 class _Roles:
@@ -272,7 +276,9 @@ def _fused_entries(r: _Roles, u, via, module) -> list[Entry]:
     names = ("query", "key", "value")[3 - len(order) :]
     # everything from the input up to each part's entry is one region: enter at ``u``
     return [
-        Entry(name, r.module(c), c, n) for name, cols in zip(names, order) for c, n in parts[cols]
+        Entry(name, r.module(c), c, n, proj, tuple(sorted(cols)))
+        for name, cols in zip(names, order)
+        for c, n in parts[cols]
     ]
 
 
@@ -339,15 +345,19 @@ def _ancestors(t, stop):
 
 def contribution(res, v, entry: Entry, down=None) -> list:
     """⊕ over the paths from ``v`` that leave through ``entry``: one value per semiring."""
-    graph, values, needed = res.graph, res.values, res.needed
-    u_id = graph.nodes.index(entry.op)
     down = down if down is not None else _descendants(v)
     region = _ancestors(entry.via, down)
+    return _carry(res, v, entry.op, res._store[entry.op], region)
+
+
+def _carry(res, v, u, d, region) -> list:
+    """⊕ over the paths from ``v`` that stay in ``region`` up to ``u`` and go on from
+    ``u`` with the values ``d`` (one per semiring) at ``u``."""
+    graph, values, needed = res.graph, res.values, res.needed
+    u_id = graph.ids[u]
     acc: dict = {}
     with torch.no_grad():  # the weights are constants here, as in the pass
-        for inp, s, c in engine.contributions(
-            graph, values, res.semirings, u_id, res._store[entry.op], needed
-        ):
+        for inp, s, c in engine.contributions(graph, values, res.semirings, u_id, d, needed):
             if inp in region:
                 slot = acc.setdefault(inp, [None] * len(res.semirings))
                 sr = res.semirings[s]
@@ -360,6 +370,138 @@ def contribution(res, v, entry: Entry, down=None) -> list:
     if v not in store:
         return [sr.zero(values[v].shape, values[v]) for sr in res.semirings]
     return store[v]
+
+
+# -- per head --------------------------------------------------------------------------
+
+_QKV = ("query", "key", "value")
+_N_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
+_N_KV = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_key_value_heads")
+_HEAD_DIM = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_head")
+
+
+def head_parts(res, v, ents, down=None, heads=None, roles=None) -> tuple[list, list]:
+    """The query, key and value entries of ``ents`` split by attention head: entries with
+    ``head`` set and their contributions (one value per semiring each).
+
+    Head ``h`` of a projection is the ⊕ over the paths from ``v`` through head ``h``'s
+    columns of the projection's output (a fused projection: of its part's columns, in
+    order, ``head_dim`` per head). Under grouped-query attention the key and value
+    heads are the K/V heads (each read by several query heads). ``heads``: the number
+    of query heads (an int) or ``{"query": n, "key": n_kv, "value": n_kv}``; by default
+    read from the attention module's attributes or the model's config."""
+    r = _Roles(res, roles)
+    down = down if down is not None else _descendants(v)
+    groups: dict = {}  # (contraction, role) -> (columns, entries)
+    for e in ents:
+        if e.role not in _QKV:
+            continue
+        proj = e.proj or _first_contraction(r, e.op)
+        if proj is None:
+            raise InputError(
+                f"cannot split the {e.role} branch ({e.consumer!r}) by head: no matmul "
+                "follows it (a projection whose output holds heads × head_dim columns); "
+                "use per_head=False for this model"
+            )
+        cols = e.cols or tuple(range(res.values[proj].shape[-1]))
+        groups.setdefault((proj, e.role), (cols, []))[1].append(e)
+    if not groups:
+        return [], []
+    widths = {role: len(cols) for (_, role), (cols, _) in groups.items()}
+    consumer = next((e.consumer for e in ents if e.role in _QKV), "")
+    counts = _head_counts(res.graph, consumer, widths, heads)
+    region_of: dict = {}
+    out_e, out_p = [], []
+    for (proj, role), (cols, es) in groups.items():
+        if proj not in region_of:
+            region_of[proj] = set().union(*(_ancestors(a, down) for a in proj.all_input_nodes))
+        d_proj, like = res._store[proj], res.values[proj]
+        size = len(cols) // counts[role]
+        for h in range(counts[role]):
+            mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
+            mask[list(cols[h * size : (h + 1) * size])] = True
+            d = [_only(sr, val, mask, like) for sr, val in zip(res.semirings, d_proj)]
+            out_p.append(_carry(res, v, proj, d, region_of[proj]))
+            e = es[0]
+            out_e.append(Entry(role, e.consumer, e.op, e.via, proj, e.cols, h))
+    return out_e, out_p
+
+
+def _only(sr, value, cols, like):
+    """``value`` where the last dim is in ``cols`` (a bool mask), the zero elsewhere."""
+    zero = sr.zero(like.shape, like)
+    out = []
+    for f, z in zip(value, zero):
+        m = cols.reshape(cols.shape + (1,) * (f.dim() - like.dim()))
+        out.append(torch.where(m, f, z))
+    return tuple(out)  # a plain tuple: no longer a path at every element
+
+
+def _head_counts(graph, consumer: str, widths: dict, heads) -> dict:
+    """``{role: number of heads}`` for projections of ``widths`` columns per role."""
+    where = f"the attention at {consumer!r}"
+    how = (
+        "Give it as heads=<number of query heads> (or heads={'query': n, 'key': n_kv, "
+        "'value': n_kv} for grouped-query attention)"
+    )
+    if isinstance(heads, dict):
+        counts = {role: heads.get(role) for role in widths}
+        missing = [role for role, n in counts.items() if n is None]
+        if missing:
+            raise InputError(f"heads= gives no count for {missing} at {where}. {how}")
+    else:
+        if heads is not None:
+            if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+                raise InputError(f"heads must be a positive int or a dict, got {heads!r}")
+            n_q, n_kv, d = heads, None, None
+        else:
+            attrs = _attrs_of(graph, consumer)
+            n_q = next((attrs[k] for k in _N_HEADS if k in attrs), None)
+            n_kv = next((attrs[k] for k in _N_KV if k in attrs), None)
+            if n_kv is None and n_q and "num_key_value_groups" in attrs:
+                n_kv = n_q // attrs["num_key_value_groups"]
+            d = next((attrs[k] for k in _HEAD_DIM if k in attrs), None)
+        if d is None and n_q is not None:
+            ref = "query" if "query" in widths else next(iter(widths))
+            if widths[ref] % n_q:
+                raise InputError(
+                    f"{n_q} heads do not divide the {widths[ref]} output columns of the "
+                    f"{ref} projection of {where}. {how}"
+                )
+            d = widths[ref] // n_q
+        if d is None or d < 1:
+            raise InputError(
+                f"cannot tell how many heads {where} has: neither the module nor the "
+                f"model's config gives {'/'.join(_N_HEADS)} or {'/'.join(_HEAD_DIM)}. {how}"
+            )
+        counts = {role: w // d for role, w in widths.items()}
+        kv = n_kv if n_kv is not None else (n_q if heads is None else None)
+        want = {"query": n_q, "key": kv, "value": kv}
+        for role, n in counts.items():
+            if want[role] is not None and n != want[role] or n * d != widths[role]:
+                raise InputError(
+                    f"the {role} projection of {where} has {widths[role]} output columns, "
+                    f"not {want[role]} heads × head_dim {d}: its output is not laid out as "
+                    f"heads × head_dim. {how}, or use per_head=False"
+                )
+    for role, n in counts.items():
+        if not isinstance(n, int) or n < 1 or widths[role] % n:
+            raise InputError(
+                f"{n!r} {role} heads do not divide the {widths[role]} output columns of "
+                f"the {role} projection of {where}. {how}"
+            )
+    return counts
+
+
+def _attrs_of(graph, path: str) -> dict:
+    """Head attributes of ``path`` and its ancestors (the nearest module's first)."""
+    table = getattr(graph, "head_attrs", {}) or {}
+    out: dict = {}
+    parts = path.split(".") if path else []
+    for i in range(len(parts), -1, -1):
+        for k, val in table.get(".".join(parts[:i]), {}).items():
+            out.setdefault(k, val)
+    return out
 
 
 # -- readouts and tables --------------------------------------------------------------
@@ -376,8 +518,9 @@ def _rank(sr, value) -> torch.Tensor:
 
 
 def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_dim=-1,
-             by="consumer"):  # fmt: skip
-    """Tidy DataFrame: the contribution through each consumer of ``where``, per token."""
+             by="consumer", per_head=False, heads=None):  # fmt: skip
+    """Tidy DataFrame: the contribution through each consumer of ``where``, per token
+    (with ``per_head``, the query, key and value branches per head: :func:`head_parts`)."""
     import pandas as pd
 
     if aggregate not in ("oplus", "bucket_sum"):
@@ -393,14 +536,20 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
             raise InputError(f"{sr} was not computed in this pass (computed: {res.semirings})")
     v, ents = entries(res, where, roles)
     down = _descendants(v)
-    parts = [contribution(res, v, e, down) for e in ents]
+    if per_head:
+        head_e, head_p = head_parts(res, v, ents, down, heads, roles)
+        ents = [e for e in ents if e.role not in _QKV]
+        parts = [contribution(res, v, e, down) for e in ents] + head_p
+        ents += head_e
+    else:
+        parts = [contribution(res, v, e, down) for e in ents]
     if by == "role":  # ⊕ the branches that share a role (a gated MLP's gate and up)
         ents, parts = _by_role(res, ents, parts)
     elif by != "consumer":
         raise InputError(f"by must be 'consumer' or 'role', got {by!r}")
     frames = [
         _per_token(res, sr, [p[res.semirings.index(sr)] for p in parts], ents, aggregate,
-                   hidden_dim)
+                   hidden_dim, per_head)
         for sr in srs
     ]  # fmt: skip
     return pd.concat(frames, ignore_index=True)
@@ -409,16 +558,18 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
 def _by_role(res, ents, parts):
     merged: dict = {}
     for e, p in zip(ents, parts):
-        if e.role not in merged:
-            merged[e.role] = (e, p)
+        key = (e.role, e.head)
+        if key not in merged:
+            merged[key] = (e, p)
             continue
-        e0, p0 = merged[e.role]
+        e0, p0 = merged[key]
         both = [sr.plus(a, b) for sr, a, b in zip(res.semirings, p0, p)]
-        merged[e.role] = (Entry(e.role, f"{e0.consumer} + {e.consumer}", e0.op, e0.via), both)
+        merged[key] = (Entry(e.role, f"{e0.consumer} + {e.consumer}", e0.op, e0.via,
+                             head=e.head), both)  # fmt: skip
     return [e for e, _ in merged.values()], [p for _, p in merged.values()]
 
 
-def _per_token(res, sr, values, ents, aggregate, hidden_dim):
+def _per_token(res, sr, values, ents, aggregate, hidden_dim, per_head=False):
     import pandas as pd
 
     rows = []
@@ -452,13 +603,17 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim):
                     **_position(idx, batched),
                     "consumer": e.consumer,
                     "role": e.role,
+                    **({"head": e.head} if per_head else {}),
                     "value": float(stacked[(b, *idx)]),
                     "winner": bool(win[idx] == b) and bool(live[idx]),
                     "path": bool(has[(b, *idx)]),
                     "semiring": sr.name,
                 }
             )
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    if per_head:  # None where a branch has no heads (skip, mlp)
+        frame["head"] = frame["head"].astype("Int64")
+    return frame
 
 
 def _indices(shape):
@@ -584,7 +739,8 @@ def _next_fanout(r: _Roles, node, limit=8):
 
 
 def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
-                sublayers=("attention", "mlp"), by="consumer"):  # fmt: skip
+                sublayers=("attention", "mlp"), by="consumer", per_head=False,
+                heads=None):  # fmt: skip
     """Tidy DataFrame of the branch values of every attention block's fan-out points."""
     import pandas as pd
 
@@ -605,7 +761,8 @@ def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
                 srs = [sr for sr in srs if getattr(sr, "selective", False)]
             if not srs:
                 raise InputError("aggregate='bucket_sum' needs a selective semiring (MaxProduct…)")
-            f = branches(res, b.points[sub], srs, aggregate, roles, by=by)
+            f = branches(res, b.points[sub], srs, aggregate, roles, by=by, per_head=per_head,
+                         heads=heads)  # fmt: skip
             f.insert(0, "sublayer", sub)
             f.insert(0, "layer", i)
             frames.append(f)
