@@ -1,6 +1,8 @@
 import pytest
 import torch
 
+from views_models import views_bert, views_ex  # noqa: F401 (fixtures bert, ex of the view tests)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

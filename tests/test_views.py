@@ -10,7 +10,6 @@ One tiny BERT is explained once per module (tracing dominates the time).
 from __future__ import annotations
 
 import contextlib
-import copy
 import html.parser
 import io
 import math
@@ -26,10 +25,9 @@ import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import cli, views  # noqa: E402
 from semiring_backprop.analysis.paths import Path, Step  # noqa: E402
 from semiring_backprop.errors import InputError  # noqa: E402
-from semiring_backprop.explain import explain  # noqa: E402
 from semiring_backprop.views.colors import DIVERGING  # noqa: E402
 from semiring_backprop.views.read import path_runs  # noqa: E402
-from views_models import TEXT, tiny_bert  # noqa: E402
+from views_models import TEXT  # noqa: E402 (fixtures bert, ex: see conftest)
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")
 SOURCE = "bert.embeddings.word_embeddings"
@@ -37,22 +35,6 @@ BATCH_TOKENS = [
     ["[CLS]", "the", "keys", "[MASK]", "on", "[SEP]"],
     ["[CLS]", "a", "dog", "[MASK]", "cat", "[SEP]"],
 ]
-
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return tiny_bert(tmp_path_factory.mktemp("views_bert"))
-
-
-@pytest.fixture(scope="module")
-def ex(bert):
-    """The explanation of a float64 copy of the tiny BERT, with every quantity's semiring."""
-    model, tok = bert
-    model = copy.deepcopy(model).double()
-    out = explain(model, TEXT, "are", "is", tokenizer=tok,
-                  semirings=("max", "entropy", "real", "topk"))  # fmt: skip
-    out.result_model, out.result_tokenizer = model, tok
-    return out
 
 
 @pytest.fixture(scope="module")

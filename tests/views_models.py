@@ -3,6 +3,9 @@ the notebook): a random BERT masked LM with a tokenizer written from a small voc
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 
 WORDS = "the keys to cabinet is are on table a dog cat".split()
@@ -30,3 +33,23 @@ def tiny_bert(directory, layers: int = 2, positions: int = 16):
     )
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(cfg).eval(), tok
+
+
+@pytest.fixture(scope="session", name="bert")
+def views_bert(tmp_path_factory):
+    """(Fixture ``bert``) the tiny BERT and its tokenizer, made once for the view tests."""
+    return tiny_bert(tmp_path_factory.mktemp("views_bert"))
+
+
+@pytest.fixture(scope="session", name="ex")
+def views_ex(bert):
+    """(Fixture ``ex``) the explanation of a float64 copy of the tiny BERT, with every quantity's
+    semiring (max, entropy, real, topk); ``result_model``, ``result_tokenizer`` attached."""
+    from semiring_backprop.explain import explain
+
+    model, tok = bert
+    model = copy.deepcopy(model).double()
+    out = explain(model, TEXT, "are", "is", tokenizer=tok,
+                  semirings=("max", "entropy", "real", "topk"))  # fmt: skip
+    out.result_model, out.result_tokenizer = model, tok
+    return out
