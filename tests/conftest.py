@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from views_models import views_bert, views_ex  # noqa: F401 (fixtures bert, ex of the view tests)
+from views_models import views_bert, views_ex  # noqa: F401 (view tests' fixtures)
 
 
 @pytest.fixture(autouse=True)

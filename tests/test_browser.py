@@ -94,7 +94,8 @@ def test_the_console_check_sees_errors(tmp_path):
     assert any("notDefined" in m for m in messages), run.stderr
 
 
-def test_report_in_chromium(ex, tmp_path):
+def test_report_in_chromium(views_ex, tmp_path):
+    ex = views_ex
     page = tmp_path / "report.html"
     ex.to_html(page)
     run = _run("--dump-dom", page.as_uri())

@@ -27,7 +27,7 @@ from semiring_backprop.analysis.paths import Path, Step  # noqa: E402
 from semiring_backprop.errors import InputError  # noqa: E402
 from semiring_backprop.views.colors import DIVERGING  # noqa: E402
 from semiring_backprop.views.read import path_runs  # noqa: E402
-from views_models import TEXT  # noqa: E402 (fixtures bert, ex: see conftest)
+from views_models import TEXT  # noqa: E402 (fixtures views_bert, views_ex: conftest)
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")
 SOURCE = "bert.embeddings.word_embeddings"
@@ -38,8 +38,9 @@ BATCH_TOKENS = [
 
 
 @pytest.fixture(scope="module")
-def batch(bert):
+def batch(views_bert):
     """A batch of two sentences, each explained at its own [MASK] (position 3)."""
+    bert = views_bert
     model, tok = bert
     ids = torch.tensor([tok.convert_tokens_to_ids(t) for t in BATCH_TOKENS])
 
@@ -111,9 +112,10 @@ def assert_self_contained(page: str):
 # -- token strips ---------------------------------------------------------------------
 
 
-def test_gradient_strip_equals_autograd_summed_over_units(ex):
+def test_gradient_strip_equals_autograd_summed_over_units(views_ex):
     """Read where the sum over units does not cancel (the MLP's hidden layer; at the
     embeddings, a LayerNorm makes every token's sum 0 up to rounding)."""
+    ex = views_ex
     model, tok = ex.result_model, ex.result_tokenizer
     place = "bert.encoder.layer.0.intermediate.dense"
     enc = tok(TEXT, return_tensors="pt")
@@ -153,7 +155,8 @@ def _bluish(c):
     return b > r
 
 
-def test_explanation_strips_hold_every_quantity(ex):
+def test_explanation_strips_hold_every_quantity(views_ex):
+    ex = views_ex
     page = ex.view().html()
     top = spans_of(strip_section(page, "top path"))
     path_value = ex.result.aggregate(ex.source, sbp.MaxProduct()).hi[0]
@@ -174,7 +177,8 @@ def test_explanation_strips_hold_every_quantity(ex):
     assert len(colors) > 1 and not colors & set(DIVERGING)
 
 
-def test_unknown_or_missing_quantity_is_refused(ex, batch):
+def test_unknown_or_missing_quantity_is_refused(views_ex, batch):
+    ex = views_ex
     with pytest.raises(InputError, match="quantity must be one of"):
         ex.result.view("loudness")
     with pytest.raises(InputError, match=r"needs sbp\.Entropy\(\).*semirings="):
@@ -220,7 +224,8 @@ def test_batch_strips_and_heatmaps_use_each_examples_tokens(batch):
 # -- paths ----------------------------------------------------------------------------
 
 
-def test_path_chain_holds_every_step_and_its_products(ex):
+def test_path_chain_holds_every_step_and_its_products(views_ex):
+    ex = views_ex
     path = ex.path
     page = path.view().html()
     for s in path.steps:
@@ -281,7 +286,8 @@ def test_roles_of_a_hand_made_path():
     assert "query" in text and "skip" in text
 
 
-def test_path_text_and_repr_are_short(ex):
+def test_path_text_and_repr_are_short(views_ex):
+    ex = views_ex
     path = ex.path
     assert len(repr(path)) < 120 and str(len(path)) in repr(path)
     lines = str(path).splitlines()
@@ -290,7 +296,8 @@ def test_path_text_and_repr_are_short(ex):
     assert f"{path.value:.4g}" in lines[0]
 
 
-def test_top_paths_list(ex):
+def test_top_paths_list(views_ex):
+    ex = views_ex
     ps = ex.result.top_paths(ex.source, 3)
     page = views.paths(ps).html()
     assert page.count("<li>") == 3
@@ -304,7 +311,8 @@ def test_top_paths_list(ex):
 # -- branch heatmaps ------------------------------------------------------------------
 
 
-def test_heatmap_shares_are_each_branchs_part_of_the_token_total(ex):
+def test_heatmap_shares_are_each_branchs_part_of_the_token_total(views_ex):
+    ex = views_ex
     table = ex.layers[ex.layers["semiring"] == "MaxProduct(neuron)"]
     svg = views.branches(table).html()
     cells = re.findall(r"<g><title>(.*?)</title>(.*?)</g>", svg, flags=re.S)
@@ -328,7 +336,8 @@ def test_heatmap_shares_are_each_branchs_part_of_the_token_total(ex):
             assert math.isclose(sum(hs), 26 - 4, abs_tol=0.3)
 
 
-def test_heatmap_shows_heads_where_the_table_has_them(ex):
+def test_heatmap_shows_heads_where_the_table_has_them(views_ex):
+    ex = views_ex
     table = ex.layers[ex.layers["semiring"] == "MaxProduct(neuron)"].copy()
     table["head"] = pd.NA
     extra = table[table["branch"] == "query"].copy()
@@ -342,7 +351,8 @@ def test_heatmap_shows_heads_where_the_table_has_them(ex):
     assert strip(page) == plain  # the shares are the branch rows', heads only on hover
 
 
-def test_real_heatmap_says_values_can_cancel(ex):
+def test_real_heatmap_says_values_can_cancel(views_ex):
+    ex = views_ex
     table = ex.layers[ex.layers["semiring"] == "Real"]
     assert "can cancel" in views.branches(table).html()
     with pytest.raises(InputError, match="entropy does not split"):
@@ -357,7 +367,8 @@ class _Tty(io.StringIO):
         return True
 
 
-def test_terminal_colour_only_on_a_terminal_without_no_color(ex, monkeypatch):
+def test_terminal_colour_only_on_a_terminal_without_no_color(views_ex, monkeypatch):
+    ex = views_ex
     monkeypatch.delenv("NO_COLOR", raising=False)
     monkeypatch.setenv("TERM", "xterm-256color")
     v = ex.view("top_path")
@@ -378,7 +389,8 @@ def test_terminal_colour_only_on_a_terminal_without_no_color(ex, monkeypatch):
 # -- files and the CLI ----------------------------------------------------------------
 
 
-def test_to_html_writes_one_self_contained_file(ex, tmp_path):
+def test_to_html_writes_one_self_contained_file(views_ex, tmp_path):
+    ex = views_ex
     for obj in (ex, ex.path, ex.result):
         file = tmp_path / f"{type(obj).__name__}.html"
         assert obj.to_html(file) == str(file)
@@ -392,7 +404,8 @@ def test_to_html_writes_one_self_contained_file(ex, tmp_path):
         ex.to_html(tmp_path)
 
 
-def test_cli_html(bert, tmp_path, monkeypatch):
+def test_cli_html(views_bert, tmp_path, monkeypatch):
+    bert = views_bert
     model, tok = bert
     d = tmp_path / "model"
     model.save_pretrained(d)

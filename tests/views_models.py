@@ -35,19 +35,19 @@ def tiny_bert(directory, layers: int = 2, positions: int = 16):
     return transformers.BertForMaskedLM(cfg).eval(), tok
 
 
-@pytest.fixture(scope="session", name="bert")
+@pytest.fixture(scope="session")
 def views_bert(tmp_path_factory):
-    """(Fixture ``bert``) the tiny BERT and its tokenizer, made once for the view tests."""
+    """The tiny BERT and its tokenizer, made once for the view tests."""
     return tiny_bert(tmp_path_factory.mktemp("views_bert"))
 
 
-@pytest.fixture(scope="session", name="ex")
-def views_ex(bert):
-    """(Fixture ``ex``) the explanation of a float64 copy of the tiny BERT, with every quantity's
+@pytest.fixture(scope="session")
+def views_ex(views_bert):
+    """The explanation of a float64 copy of the tiny BERT, with every quantity's
     semiring (max, entropy, real, topk); ``result_model``, ``result_tokenizer`` attached."""
     from semiring_backprop.explain import explain
 
-    model, tok = bert
+    model, tok = views_bert
     model = copy.deepcopy(model).double()
     out = explain(model, TEXT, "are", "is", tokenizer=tok,
                   semirings=("max", "entropy", "real", "topk"))  # fmt: skip
