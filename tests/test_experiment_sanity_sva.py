@@ -27,7 +27,7 @@ pytest.importorskip("matplotlib")
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import experiments  # noqa: E402
 from semiring_backprop.data import first_feature  # noqa: E402
-from semiring_backprop.experiments import entropy_sanity, sva  # noqa: E402
+from semiring_backprop.experiments import entropy_sanity, sva, sva_inputs  # noqa: E402
 
 TINY_BERT = dict(bert_hidden=16, bert_layers=1, bert_heads=2, bert_intermediate=32)
 
@@ -359,8 +359,8 @@ def test_word_pieces_fast_and_word_by_word(word_piece_model):
     words = ["the", "dogs", tok.mask_token, "here"]
     ids = tok.convert_tokens_to_ids(["[CLS]", "the", "dog", "##s", "[MASK]", "here", "[SEP]"])
     expected = (ids, [[1], [2, 3], [4], [5]])
-    assert sva.word_pieces(tok, words) == expected
-    assert sva.word_pieces(_SlowTokenizer(tok), words) == expected
+    assert sva_inputs.word_pieces(tok, words) == expected
+    assert sva_inputs.word_pieces(_SlowTokenizer(tok), words) == expected
 
 
 def test_sva_linzen_without_positions_needs_spacy(tmp_path, monkeypatch):
