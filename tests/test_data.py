@@ -646,6 +646,7 @@ def test_locate_maps_tokens_to_words(tmp_path, parser):
     assert out.attractor_positions == (6,)  # word "cabinet", token 7
     assert out.attractors == 1 and out.words == ex.words and out.source == ex.source
     assert out.unlocated is None
+    assert locate([ex], nlp=parser(SENTENCE), progress=True) == [out]  # with a tqdm bar
 
 
 def test_locate_auxiliary_and_copula(tmp_path, parser):
@@ -668,6 +669,25 @@ def test_locate_auxiliary_and_copula(tmp_path, parser):
     cop[-1] = ("happy", "JJ", "ROOT", 6)
     (out,) = locate([ex], nlp=parser(cop))
     assert (out.subject, out.attractor_positions) == (1, (4,))
+    # a contraction is two tokens of one word; its first, "has", is the auxiliary
+    ex = linzen_example(tmp_path, "A niece of most senators hasn't descended", "hasn't", "haven't")
+    contraction = [
+        ("A", "DT", "det", 1),
+        ("niece", "NN", "nsubj", 7),
+        ("of", "IN", "prep", 1),
+        ("most", "JJS", "amod", 4),
+        ("senators", "NNS", "pobj", 2),
+        ("has", "VBZ", "aux", 7),
+        ("n't", "RB", "neg", 7),
+        ("descended", "VBN", "ROOT", 7),
+    ]
+    (out,) = locate([ex], nlp=parser(contraction))
+    assert (out.subject, out.attractor_positions, out.unlocated) == (1, (4,), None)
+    # a parse with no token at the verb's word (a stub: a Doc covers its whole text)
+    no_verb = [*contraction[:5], ("descended", "VBN", "ROOT", 5)]
+    no_verb[1] = ("niece", "NN", "nsubj", 5)
+    (out,) = locate([ex], nlp=stub_nlp(no_verb))
+    assert out.subject is None and out.unlocated == "no subject: the parse has no token at the verb"
 
 
 # The failure the nearest-noun fallback had: the parser tags the verb "hurts" as a plural

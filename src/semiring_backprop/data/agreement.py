@@ -18,8 +18,8 @@ the first one instead). A file with lines but no usable example is an error.
 >>> ex = data[0]
 >>> ex.masked("[MASK]"), ex.good, ex.bad
 ('the keys to the cabinet [MASK] here', 'are', 'is')
->>> data.skipped  # [Malformed(source='lgd_dataset.tsv:17', reason='expected 5 ...')]
-[]
+>>> data.skipped  # malformed lines, skipped
+[Malformed(source='lgd_dataset.tsv:17', reason='expected 5 tab-separated columns ...')]
 >>> locate([ex])[0].subject  # needs spaCy and en_core_web_sm unless the data gives it
 1
 """
@@ -126,7 +126,9 @@ def read_agreement(path, strict: bool = False) -> AgreementData:
 
 
 def locate(
-    examples: Iterable[AgreementExample], nlp: str | Callable | None = None
+    examples: Iterable[AgreementExample],
+    nlp: str | Callable | None = None,
+    progress: bool = False,
 ) -> list[AgreementExample]:
     """Fill in ``subject`` and ``attractor_positions`` where the data did not give them.
 
@@ -136,8 +138,8 @@ def locate(
     ``text``, ``tag_``, ``dep_`` and ``head``.
 
     - subject: the ``nsubj``/``nsubjpass`` of the token at the verb's position (or, where
-      that token is an auxiliary or copula, of its head). Where the parse gives that verb
-      no subject (e.g. it tagged the verb as a noun), gives it several, or gives it one
+      that token is an auxiliary or copula, of its head). Where the parse has no token
+      there, gives that verb no subject (e.g. it tagged the verb as a noun), several, or one
       whose number contradicts the verb's (VBZ/"was" singular, VBP/"were" plural against
       NN/NNP singular, NNS/NNPS plural), ``subject`` stays None and ``unlocated`` says
       why: no answer rather than a guess, which in agreement data is most often the
@@ -145,7 +147,8 @@ def locate(
     - attractors: nouns strictly between subject and verb whose number differs from the
       subject's (the verb's, if the subject is no noun).
 
-    Token positions are mapped back to whitespace words by character offset.
+    Token positions are mapped back to whitespace words by character offset. With
+    ``progress``, a tqdm bar counts the parsed sentences.
     """
     examples = list(examples)
     todo = [
@@ -157,6 +160,10 @@ def locate(
     texts = [examples[k].sentence() for k in todo]
     pipe = getattr(parse, "pipe", None)
     docs = pipe(texts) if callable(pipe) else map(parse, texts)
+    if progress:
+        from tqdm.auto import tqdm
+
+        docs = tqdm(docs, total=len(todo), desc="parsing", leave=False)
     out = list(examples)
     for k, doc in zip(todo, docs):
         out[k] = _locate(examples[k], list(doc))
@@ -192,6 +199,8 @@ def _lines(path) -> Iterator[tuple[str, bytes]]:
         raise InputError(f"agreement data file {str(path)!r} does not exist or is not a file")
     with p.open("rb") as f:
         for number, raw in enumerate(f, 1):
+            if number == 1:  # a byte-order mark (files saved by Excel, Notepad) is no data
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             if raw.strip():
                 yield f"{p}:{number}", raw
 
@@ -422,7 +431,7 @@ def _locate(ex: AgreementExample, tokens: list) -> AgreementExample:
     word = {t.i: bisect.bisect_right(starts, t.idx) - 1 for t in tokens}
     verb = next((t for t in tokens if word[t.i] == ex.mask_index), None)
     if verb is None:
-        raise InputError(f"{ex.source}: the parser returned no token for the verb {ex.good!r}")
+        return replace(ex, unlocated="no subject: the parse has no token at the verb")
     number = _VERB_NUMBER.get(verb.tag_) or _VERB_WORD_NUMBER.get(verb.text.lower())
     subject, why = ex.subject, None
     if subject is None:

@@ -189,7 +189,7 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
             "BLiMP JSON-lines or Linzen/Goldberg TSV file with at least one example"
         )
     # an InputError if positions are needed and spaCy or its pipeline is missing
-    examples = locate(every[: config.limit], nlp=config.nlp)
+    examples = locate(every[: config.limit], nlp=config.nlp, progress=progress)
     rows = explain(examples, every, out, config, progress)
     done = [r for r in rows if "skipped" not in r]
     if rows and not done:
