@@ -1,0 +1,26 @@
+"""Explain a whole data set: readers -> batches -> explain -> Parquet shards, resumable;
+one process by default, Ray workers when asked.
+
+>>> from semiring_backprop.runner import run, load_results
+>>> run("bert-base-uncased", "agreement.jsonl", "runs/agreement", workers=2)
+>>> load_results("runs/agreement")["branches"]      # example x token x layer x branch
+"""
+
+from .compute import Explainer, Item, prepare, readouts
+from .driver import Settings, batches, load_results, run
+from .readers import FORMATS, Example, Malformed, read_examples
+
+__all__ = [
+    "FORMATS",
+    "Example",
+    "Explainer",
+    "Item",
+    "Malformed",
+    "Settings",
+    "batches",
+    "load_results",
+    "prepare",
+    "read_examples",
+    "readouts",
+    "run",
+]

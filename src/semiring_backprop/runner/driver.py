@@ -1,0 +1,338 @@
+"""Explain a whole data set: readers -> batches -> explain -> Parquet shards, resumable.
+
+Results are written as they are computed: each batch's three tables become one Parquet
+file each (``examples/``, ``tokens/``, ``branches/``, under one shard name), written
+under a temporary name and renamed; then the shard's line in ``done.jsonl`` commits it.
+A rerun reads ``done.jsonl``, deletes shards that were written but never committed (a
+run killed between the two), and explains only the examples no committed line names:
+no row is lost or written twice. A rerun with other settings is refused
+(:func:`~semiring_backprop.experiments.common.same_settings`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ForwardError, InputError, NonFiniteError
+from ..experiments.common import Records, atomic_write, lock, same_settings
+from .compute import Explainer, Item, prepare
+from .readers import Example, Malformed, iter_examples, read_examples
+
+log = logging.getLogger(__name__)
+
+TABLES = ("examples", "tokens", "branches")
+DEFAULT_SEMIRINGS = ("max", "entropy", "real")
+#: settings that choose how (or how much) is computed, not what: a rerun may change them
+FREE = ("limit", "batch_size", "workers", "threads")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run's results depend on (``config.json`` of its output directory)."""
+
+    model: str
+    data: str | None
+    format: str = "auto"
+    columns: tuple = ()
+    split: str | None = None
+    semirings: tuple = DEFAULT_SEMIRINGS
+    granularity: str = "neuron"
+    kind: str | None = None
+    dtype: str = "float32"
+    top_path: bool = False
+    limit: int | None = None
+    batch_size: int = 8
+    workers: int = 0
+    threads: int = 0
+
+    def check(self) -> None:
+        from ..explain import semirings_for
+
+        semirings_for(self.semirings, self.granularity)
+        if self.granularity not in ("neuron", "tensor"):
+            raise InputError(f"granularity must be 'neuron' or 'tensor', got {self.granularity!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise InputError(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        if self.kind not in (None, "masked", "causal"):
+            raise InputError(f"kind must be 'masked' or 'causal', got {self.kind!r}")
+        for name, low in (("batch_size", 1), ("workers", 0), ("threads", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise InputError(f"{name} must be a whole number >= {low}, got {v!r}")
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
+            raise InputError(f"limit must be a positive whole number or None, got {self.limit!r}")
+        if self.top_path and not {"max", "maxabs", "topk"} & set(self.semirings):
+            raise InputError("top_path needs a semiring with back-pointers: add 'max'")
+
+
+def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
+        tokenizer=None, semirings=DEFAULT_SEMIRINGS, granularity: str = "neuron",
+        kind: str | None = None, dtype: str = "float32", device="cpu", format: str = "auto",
+        columns: dict | None = None, split: str | None = None, top_path: bool = False,
+        batch_size: int = 8, limit: int | None = None, workers: int = 0,
+        address: str | None = None, threads: int = 0, figures: bool = True,
+        progress: bool = True) -> dict:  # fmt: skip
+    """Explain ``log p(target) - log p(foil)`` for every example of ``data`` (a file, a
+    saved Hugging Face data set, a data set name) or of ``examples`` (an iterable of
+    :class:`Example` or dicts with ``text``, ``target``, ``foil`` and more columns,
+    copied to the results: how an experiment adds its own columns).
+
+    ``model``: a hub id or a local directory (a masked or causal LM), or a loaded model
+    (then pass ``tokenizer``). Writes into ``out``: ``examples/``, ``tokens/`` and
+    ``branches/`` (Parquet shards, read back with :func:`load_results`), ``done.jsonl``,
+    ``summary.json`` and figures. ``workers``: that many Ray actors (each one model,
+    one trace, a fair share of the cores); ``address`` joins a running Ray cluster.
+    ``threads``: torch threads of a one-process run (0: the caller's count).
+
+    >>> r = run("bert-base-uncased", "blimp/regular_plural_subject_verb_agreement_1.jsonl",
+    ...         "runs/blimp", semirings=("max", "entropy"))
+    >>> load_results("runs/blimp")["branches"]
+    """
+    model_id = model if isinstance(model, str | Path) else getattr(
+        getattr(model, "config", None), "_name_or_path", "") or type(model).__name__  # fmt: skip
+    if examples is not None and data is not None:
+        raise InputError("pass data= (a file or data set) or examples= (an iterable), not both")
+    if examples is None and data is None:
+        raise InputError("no data: pass data= (a file or data set) or examples=")
+    settings = Settings(
+        model=str(model_id), data=None if data is None else str(data), format=format,
+        columns=tuple(sorted((columns or {}).items())), split=split,
+        semirings=tuple(semirings), granularity=granularity, kind=kind, dtype=dtype,
+        top_path=top_path, limit=limit, batch_size=batch_size, workers=workers,
+        threads=threads,
+    )  # fmt: skip
+    settings.check()
+    if workers:
+        from .workers import require_ray
+
+        require_ray()
+        if not isinstance(model, str | Path):
+            raise InputError("workers= loads the model in each worker: pass a hub id or directory")
+    if isinstance(model, str | Path):
+        from ..explain import check_device
+
+        check_device(device)
+    elif tokenizer is None:
+        raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")
+    else:
+        have = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        if have is not None and have != getattr(torch, dtype):
+            raise InputError(
+                f"the model's weights are {have}, and dtype={dtype!r}: convert the model "
+                "(model.double() / model.float()) or pass its dtype"
+            )
+    if data is not None:
+        every, malformed = read_examples(data, format, columns, split)
+    else:
+        every, malformed = _split(iter_examples(examples))
+    for m in malformed:
+        log.warning("%s: skipped: %s", m.source, m.reason)
+    if not every:
+        raise InputError(
+            f"{data if data is not None else 'examples'}: no examples could be read "
+            f"({len(malformed)} malformed rows" + (f", first: {malformed[0].source}: "
+            f"{malformed[0].reason})" if malformed else ")")
+        )  # fmt: skip
+    chosen = every[:limit]
+    out = Path(out)
+    started = time.perf_counter()
+    with lock(out):
+        same_settings(out, settings, free=FREE)
+        records = Records(out / "done.jsonl", key="shard")
+        _drop_uncommitted(out, records)
+        done = {i for r in records.rows for i in (*r.get("ids", ()), *r.get("skipped", {}))}
+        todo = [ex for ex in chosen if ex.id not in done]
+        if todo:
+            source = _Source(model, tokenizer, settings, device)
+            n_new = _explain(todo, source, records, out, settings, address, progress)
+        else:
+            n_new = 0
+        elapsed = time.perf_counter() - started
+        from .report import summarize
+
+        return summarize(out, settings, chosen, malformed, records, n_new, elapsed, figures)
+
+
+def _split(rows) -> tuple[list[Example], list[Malformed]]:
+    examples, bad, seen = [], [], {}
+    for row in rows:
+        if isinstance(row, Malformed):
+            bad.append(row)
+        elif row.id in seen:
+            bad.append(Malformed(row.source, f"id {row.id!r} again (first at {seen[row.id]})"))
+        else:
+            seen[row.id] = row.source
+            examples.append(row)
+    return examples, bad
+
+
+class _Source:
+    """The model, loaded once where it runs: here for one process, in every worker
+    for Ray (then this process loads only the tokenizer and config)."""
+
+    def __init__(self, model, tokenizer, settings: Settings, device):
+        self.settings, self.device = settings, device
+        self.model, self.tokenizer, self.kind = model, tokenizer, settings.kind
+        self.config = getattr(model, "config", None)
+        if isinstance(model, str | Path):
+            self.model = str(model)
+            if settings.workers:
+                self.tokenizer, self.config, self.kind = _tokenizer(self.model, settings.kind)
+            else:
+                from ..explain import load
+
+                m, self.tokenizer, self.kind = load(
+                    self.model, settings.kind, getattr(torch, settings.dtype), device
+                )
+                self.model, self.config = m, m.config
+        elif self.kind is None:
+            from ..explain import _kind
+
+            self.kind = _kind(model.config, tokenizer, type(model).__name__)
+
+    def explainer(self) -> Explainer:
+        from ..explain import semirings_for
+
+        srs = semirings_for(self.settings.semirings, self.settings.granularity)
+        return Explainer(self.model, self.tokenizer, srs, self.settings.top_path,
+                         pairs=self.settings.batch_size > 1)  # fmt: skip
+
+
+def _tokenizer(model_id: str, kind):
+    """``(tokenizer, config, kind)`` without the weights."""
+    import transformers
+
+    from ..explain import _kind, _load_hint
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(model_id, trust_remote_code=False)
+        tok = transformers.AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        from ..errors import LoadError
+
+        raise LoadError(_load_hint(model_id, e)) from None
+    return tok, config, kind or _kind(config, tok)
+
+
+def batches(items: list[Item], size: int) -> list[list[Item]]:
+    """Items of equal token length together (no padding: the examples of a batch do not
+    interact), in the order of their first example, at most ``size`` each."""
+    by_length: dict = {}
+    for it in items:
+        by_length.setdefault(len(it.ids), []).append(it)
+    out = []
+    for group in by_length.values():
+        out += [group[i : i + size] for i in range(0, len(group), size)]
+    return out
+
+
+def _explain(todo, source: _Source, records, out: Path, settings, address, progress) -> int:
+    from tqdm.auto import tqdm
+
+    items, skipped = [], {}
+    for ex in todo:
+        got = prepare(ex, source.tokenizer, source.config, source.kind)
+        if isinstance(got, str):
+            log.warning("%s: skipped: %s", ex.source, got)
+            skipped[ex.id] = got
+        else:
+            items.append(got)
+    if skipped:
+        records.add({"shard": None, "ids": [], "skipped": skipped})
+    groups = batches(items, settings.batch_size)
+    bar = tqdm(total=len(items), desc="examples", unit="ex", disable=not progress, leave=False)
+    n = 0
+    try:
+        if settings.workers:
+            from .workers import ray_batches
+
+            results = ray_batches(groups, source, settings.workers, address)
+        else:
+            from .._threads import threads
+
+            results = _serial(groups, source, threads(settings.threads))
+        for group, tables in results:
+            _commit(out, records, group, tables)
+            n += len(group)
+            bar.update(len(group))
+    finally:
+        bar.close()
+    return n
+
+
+def _serial(groups, source: _Source, thread_count):
+    with thread_count:
+        explainer = source.explainer()
+        for group in groups:
+            yield group, explain_batch(explainer, group)
+
+
+def explain_batch(explainer: Explainer, group: list[Item]) -> dict:
+    """The tables of a batch; where the batch fails in the forward pass or overflows,
+    its examples one by one, and those that fail alone are skipped with the reason."""
+    try:
+        return explainer(group)
+    except (ForwardError, NonFiniteError) as e:
+        if len(group) == 1:
+            return {"skipped": {group[0].example.id: f"{type(e).__name__}: {e}"}}
+    parts = [explain_batch(explainer, [it]) for it in group]
+    merged: dict = {"skipped": {}}
+    import pandas as pd
+
+    for name in TABLES:
+        frames = [p[name] for p in parts if name in p]
+        if frames:
+            merged[name] = pd.concat(frames, ignore_index=True)
+    for p in parts:
+        merged["skipped"].update(p.get("skipped", {}))
+    return merged
+
+
+def _commit(out: Path, records: Records, group: list[Item], tables: dict) -> None:
+    """Write a batch's shards, then the line in ``done.jsonl`` that commits them."""
+    skipped = tables.get("skipped", {})
+    for where, reason in skipped.items():
+        log.warning("example %s: skipped: %s", where, reason)
+    ids = [it.example.id for it in group if it.example.id not in skipped]
+    name = None
+    if ids:
+        name = f"{len(records.rows):06d}-{uuid.uuid4().hex[:8]}"
+        for table in TABLES:
+            frame = tables[table]
+            path = out / table / f"{name}.parquet"
+            atomic_write(path, lambda tmp, f=frame: f.to_parquet(tmp, index=False))
+    records.add({"shard": name, "ids": ids, "skipped": skipped})
+
+
+def _drop_uncommitted(out: Path, records: Records) -> None:
+    committed = {r["shard"] for r in records.rows if r.get("shard")}
+    for table in TABLES:
+        for f in sorted((out / table).glob("*.parquet")) if (out / table).is_dir() else ():
+            if f.stem not in committed:
+                log.warning("%s was written by a run that stopped before committing it; "
+                            "deleting it (its examples are explained again)", f)  # fmt: skip
+                f.unlink()
+
+
+def load_results(out) -> dict:
+    """The committed tables of a run directory: ``{"examples", "tokens", "branches"}``
+    as pandas DataFrames (shards in commit order)."""
+    import pandas as pd
+
+    out = Path(out)
+    if not (out / "done.jsonl").exists():
+        raise InputError(f"{out} holds no run (no done.jsonl): run semiring-backprop run first")
+    records = Records(out / "done.jsonl", key="shard")
+    names = [r["shard"] for r in records.rows if r.get("shard")]
+    tables = {}
+    for table in TABLES:
+        frames = [pd.read_parquet(out / table / f"{n}.parquet") for n in names]
+        tables[table] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return tables

@@ -1,0 +1,146 @@
+"""A run's ``summary.json`` and figures, from its committed shards (all runs so far)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+from ..experiments.common import write_json
+
+#: malformed rows listed in the summary (all are counted)
+LISTED = 100
+
+
+def summarize(out: Path, settings, chosen, malformed, records, n_new: int, elapsed: float,
+              figures: bool = True) -> dict:  # fmt: skip
+    from .driver import load_results
+
+    tables = load_results(out)
+    wanted = {ex.id for ex in chosen}
+    skipped: dict = {}
+    for r in records.rows:
+        for i, reason in (r.get("skipped") or {}).items():
+            if i in wanted:
+                skipped[i] = reason
+    reasons: dict = {}
+    for reason in skipped.values():
+        key = reason.splitlines()[0][:200]
+        reasons[key] = reasons.get(key, 0) + 1
+    ex = tables["examples"]
+    explained = ex[ex["example_id"].isin(wanted)] if len(ex) else ex
+    summary = {
+        "settings": asdict(settings),
+        "examples": len(chosen),
+        "explained": len(explained),
+        "skipped": len(skipped),
+        "skip_reasons": reasons,
+        "malformed": len(malformed),
+        "malformed_rows": [{"source": m.source, "reason": m.reason} for m in malformed[:LISTED]],
+        "this_run": {"explained": n_new, "seconds": round(elapsed, 3),
+                     "examples_per_second": round(n_new / elapsed, 3) if n_new else None},
+        "score": _describe(explained["score"]) if len(explained) else None,
+        "tokens": _token_means(tables["tokens"]),
+        "branches": _branch_means(tables["branches"]),
+    }  # fmt: skip
+    files = [str(out / "summary.json")]
+    if figures and len(tables["branches"]):
+        try:
+            files += branch_figures(tables["branches"], out)
+        except ImportError:  # matplotlib is the optional ``plots`` extra
+            pass
+    summary["files"] = [Path(f).name for f in files]
+    write_json(out / "summary.json", summary)
+    return {"summary": summary, "files": files, "explained": len(explained),
+            "skipped": len(skipped), "malformed": len(malformed), "out": str(out)}  # fmt: skip
+
+
+def _describe(s) -> dict:
+    s = s.astype(float)
+    return {"mean": float(s.mean()), "std": float(s.std()) if len(s) > 1 else 0.0,
+            "min": float(s.min()), "max": float(s.max()),
+            "target_preferred": float((s > 0).mean())}  # fmt: skip
+
+
+def _token_means(tokens) -> dict:
+    if not len(tokens):
+        return {}
+    skip = {"token", "word"}
+    cols = [c for c in tokens.columns if tokens[c].dtype.kind == "f" and c not in skip]
+    out = {}
+    for c in cols:
+        v = tokens[c][tokens[c].map(math.isfinite)]
+        out[c] = float(v.mean()) if len(v) else None
+    return out
+
+
+def branch_means(branches):
+    """Per semiring, layer, sublayer and branch: the mean value over examples and tokens
+    where a path leaves through the branch, and the share of tokens it wins."""
+    live = branches[branches["path"]]
+    live = live[live["value"].map(math.isfinite)]
+    keys = ["semiring", "layer", "sublayer", "branch"]
+    mean = live.groupby(keys, sort=True)["value"].agg(value="mean", n="count")
+    share = branches.groupby(keys, sort=True)["winner"].mean().rename("winner_share")
+    return mean.join(share, how="outer").reset_index()
+
+
+def _branch_means(branches) -> dict:
+    if not len(branches):
+        return {}
+    out: dict = {}
+    for r in branch_means(branches).itertuples():
+        place = out.setdefault(r.semiring, {}).setdefault(f"{r.layer}.{r.sublayer}", {})
+        place[r.branch] = {
+            "mean": None if r.value != r.value else float(r.value),
+            "winner_share": None if r.winner_share != r.winner_share else float(r.winner_share),
+        }
+    return out
+
+
+def branch_figures(branches, out: Path) -> list[str]:
+    """As Fig. 4 of the paper, over the data set: per layer and sublayer, each branch's
+    mean value (one panel per semiring) and, for selective semirings, the share of
+    tokens whose best value leaves through it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..plots import COLORS
+
+    table = branch_means(branches)
+    files = []
+    for column, label, name in (
+        ("value", "mean value over examples and tokens", "branches"),
+        ("winner_share", "share of tokens it wins", "winners"),
+    ):
+        srs = sorted(set(table["semiring"]))
+        if column == "winner_share":
+            srs = [s for s in srs if s.startswith(("MaxProduct", "MaxAbs", "TopK"))]
+        if not srs:
+            continue
+        fig, axes = plt.subplots(len(srs), 1, figsize=(10, 2.8 * len(srs)), squeeze=False)
+        for ax, sr in zip(axes[:, 0], srs):
+            part = table[table["semiring"] == sr]
+            places = sorted({(r.layer, r.sublayer) for r in part.itertuples()})
+            kinds = [b for b in ("skip", "query", "key", "value", "mlp", "other")
+                     if b in set(part["branch"])]  # fmt: skip
+            width = 0.8 / max(len(kinds), 1)
+            for k, branch in enumerate(kinds):
+                rows = part[part["branch"] == branch].set_index(["layer", "sublayer"])[column]
+                ys = [float(rows.get(p, math.nan)) for p in places]
+                xs = [i + (k - (len(kinds) - 1) / 2) * width for i in range(len(places))]
+                ax.bar(xs, ys, width, label=branch, color=COLORS.get(branch))
+            ax.set_xticks(range(len(places)), [f"{layer} {sub}" for layer, sub in places])
+            ax.set_title(sr)
+            ax.set_ylabel(label, fontsize=8)
+            ax.axhline(0, color="black", linewidth=0.5)
+            ax.legend(title="branch", fontsize=7)
+        fig.suptitle(f"branches per layer ({name}, over the data set)")
+        fig.tight_layout()
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(str(path))
+    return files
