@@ -25,6 +25,7 @@ from .errors import (
 )
 from .result import Result
 from .rules import register, supported_ops
+from .runner import load_results, run
 from .semirings import (
     Entropy,
     LogAbs,
@@ -64,7 +65,9 @@ __all__ = [
     "UnsupportedOpError",
     "backprop",
     "clear_traces",
+    "load_results",
     "register",
+    "run",
     "supported_ops",
     "threads",
     "trace",
