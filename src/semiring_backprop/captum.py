@@ -1,0 +1,203 @@
+"""The semirings as Captum attribution methods (optional extra: ``pip install
+"semiring-backprop[captum]"``).
+
+:class:`SemiringAttribution` is a ``captum.attr.GradientAttribution``: ``attribute``
+takes Captum's inputs (a tensor or a tuple of tensors whose first dimension is the
+batch), ``target`` and ``additional_forward_args``, and returns one real number per
+input element: the ⊕ over the paths from that element to the target output, read out
+as a tensor. So Captum's visualization and metrics (``infidelity``, ``sensitivity_max``)
+take it as they take ``Saliency``:
+
+>>> from semiring_backprop.captum import SemiringAttribution
+>>> sa = SemiringAttribution(model, MaxProduct())
+>>> best = sa.attribute(x, target=3)          # the best path's product per element
+>>> grad = SemiringAttribution(model, Real()).attribute(x, target=3)  # == Saliency(abs=False)
+
+What each semiring reads out (the semiring's own headline, as in branch tables):
+``Real`` the gradient; ``MaxProduct`` the most positive path product (``hi``;
+``field="lo"`` the most negative); ``MaxAbs`` the largest ``|path product|``;
+``LogAbs`` ``log Σ |path products|``; ``Entropy`` the path entropy; ``PathCount`` the
+log number of paths; ``TopK`` the heaviest path's signed product. ``field=`` picks
+another field of the readout. An element with no path to the target reads the
+semiring's "no path" value (``-inf`` for ``MaxProduct``'s hi, ``LogAbs``); Captum's
+metrics need finite numbers, so such inputs are for ``Real`` or ``MaxAbs``.
+
+The examples of a batch are explained at once (one pass, per-example scalars seeded
+together: ``backprop(..., per_example=True)``); they must not interact (no batch norm in
+training mode, no attention across examples).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import torch
+
+from .api import backprop
+from .errors import InputError
+from .semirings import MaxProduct, Real
+from .semirings.base import Semiring
+
+try:
+    from captum.attr import GradientAttribution
+except ImportError:
+    raise InputError(
+        "semiring_backprop.captum needs Captum, an optional extra: pip install "
+        '"semiring-backprop[captum]"'
+    ) from None
+
+__all__ = ["SemiringAttribution"]
+
+#: semirings whose readout is a path product (or a sum of them): times the input, it is
+#: that input's share of the output along those paths (``InputXGradient`` for Real)
+_PRODUCTS = (Real, MaxProduct)
+
+
+class SemiringAttribution(GradientAttribution):
+    """A semiring as a Captum attribution method.
+
+    Args:
+        forward_func: the model (an ``nn.Module`` in eval mode) or a function of tensors,
+            as for any Captum method.
+        semiring: what is computed (default ``Real()``: the gradient).
+        field: the field of the semiring's readout to return (``"lo"`` for
+            ``MaxProduct``'s most negative path); default: the semiring's headline.
+        multiply_by_inputs: multiply by the input, as ``InputXGradient`` does
+            (``Real`` and ``MaxProduct`` only: their readouts are path products).
+    """
+
+    def __init__(self, forward_func: Callable, semiring: Semiring | None = None, *,
+                 field: str | None = None, multiply_by_inputs: bool = False) -> None:  # fmt: skip
+        super().__init__(forward_func)
+        semiring = Real() if semiring is None else semiring
+        if not isinstance(semiring, Semiring):
+            raise InputError(
+                f"semiring must be a Semiring such as Real() or MaxProduct(), got {semiring!r}"
+            )
+        if multiply_by_inputs and not isinstance(semiring, _PRODUCTS):
+            raise InputError(
+                f"multiply_by_inputs=True multiplies a path product by the input; "
+                f"{semiring.name}'s readout is not one (use Real or MaxProduct)"
+            )
+        self.semiring = semiring
+        self.field = field
+        self._multiply_by_inputs = multiply_by_inputs
+
+    @property
+    def multiplies_by_inputs(self) -> bool:
+        return self._multiply_by_inputs
+
+    def attribute(self, inputs, target=None, additional_forward_args=None):
+        """Per-input-element values, shaped as ``inputs`` (a tuple where it is one).
+
+        ``target``: as in Captum: an int (or a tuple of ints) indexing every example's
+        output, a tensor or list with one per example, or None for a model whose output
+        is one number per example."""
+        is_tuple = isinstance(inputs, tuple)
+        xs = inputs if is_tuple else (inputs,)
+        for i, x in enumerate(xs):
+            if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+                raise InputError(
+                    f"inputs[{i}] must be a floating-point tensor (attributions are per "
+                    f"element of a real input), got {_describe(x)}; explain token ids "
+                    "through their embeddings"
+                )
+        extra = _as_tuple(additional_forward_args)
+        args = (*xs, *extra)
+        per_example = self._check_output(args, target)
+        output = functools.partial(_select, target=target)
+        res = backprop(self.forward_func, args=args, output=output, semirings=[self.semiring],
+                       keep=list(range(len(xs))), per_example=per_example)  # fmt: skip
+        outs = []
+        for i, x in enumerate(xs):
+            a = self._read(res.value(i, self.semiring))
+            outs.append(a * x.detach() if self._multiply_by_inputs else a)
+        return tuple(outs) if is_tuple else outs[0]
+
+    def _check_output(self, args, target) -> bool:
+        """Run the model once: the target must pick one number per example (or one
+        number). Returns whether the output is per example."""
+        with torch.no_grad():
+            out = self.forward_func(*args)
+        if not isinstance(out, torch.Tensor):
+            raise InputError(
+                f"the model returned {type(out).__name__}; Captum methods need a tensor "
+                "output (wrap the model in a function that returns the logits)"
+            )
+        try:
+            picked = _select(out, target)
+        except (IndexError, RuntimeError, TypeError, ValueError) as e:
+            raise InputError(
+                f"target={_describe(target)} does not select from the model's output of "
+                f"shape {tuple(out.shape)}: {e}. Give an int (a column of every example), "
+                "a tuple of ints, or one per example (a list or a 1-D tensor)"
+            ) from None
+        n = out.shape[0] if out.dim() else 1
+        if picked.dim() == 0:
+            return False
+        if picked.numel() != n:
+            raise InputError(
+                f"target={_describe(target)} selects {tuple(picked.shape)} from the model's "
+                f"output of shape {tuple(out.shape)}; it must select one number per example "
+                "(a target index for each)"
+            )
+        return True
+
+    def _read(self, value) -> torch.Tensor:
+        if self.field is None:  # the headline: what branch tables show
+            return self.semiring.scalar(value)
+        readout = self.semiring.finalize(value)
+        names = [f.name for f in dataclasses.fields(readout)] if _is_dataclass(readout) else []
+        if self.field not in names:
+            raise InputError(
+                f"{self.semiring.name}'s readout has no field {self.field!r}; "
+                + (f"its fields: {', '.join(names)}" if names else "it is one tensor: drop field=")
+            )
+        return getattr(readout, self.field)
+
+
+def _is_dataclass(x) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def _select(out: torch.Tensor, target) -> torch.Tensor:
+    """Captum's target convention: None (the output is one number per example), an int
+    or a tuple of ints (indices after the batch dim, the same for every example), or
+    one per example (a 1-D tensor or list of ints, a list of tuples)."""
+    if target is None:
+        picked = out
+    elif isinstance(target, torch.Tensor) and target.numel() == 1:
+        picked = out[:, int(target.item())]
+    elif isinstance(target, int):
+        picked = out[:, target]
+    elif isinstance(target, tuple):
+        picked = out[(slice(None), *target)]
+    elif (
+        isinstance(target, torch.Tensor | list) and len(target) and not isinstance(target[0], tuple)
+    ):
+        index = torch.as_tensor(target, device=out.device).reshape(-1)
+        if index.numel() != out.shape[0] or out.dim() != 2:
+            raise ValueError(
+                f"one target per example needs a 2-D output and {out.shape[0]} targets, got "
+                f"{index.numel()}"
+            )
+        picked = out.gather(1, index.reshape(-1, 1)).squeeze(-1)
+    elif isinstance(target, list) and len(target) == out.shape[0]:
+        picked = torch.stack([out[(i, *t)] for i, t in enumerate(target)])
+    else:
+        raise ValueError("not an int, a tuple, a tensor or a list of one per example")
+    return picked.reshape(-1) if picked.dim() else picked
+
+
+def _as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return repr(x) if len(repr(x)) < 60 else type(x).__name__
