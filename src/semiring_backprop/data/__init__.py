@@ -7,7 +7,9 @@
 
 from .agreement import (
     MASK,
+    AgreementData,
     AgreementExample,
+    Malformed,
     locate,
     read_agreement,
     read_blimp,
@@ -18,7 +20,9 @@ from .synthetic import TASKS, Split, TaskData, first_feature, make_task
 __all__ = [
     "MASK",
     "TASKS",
+    "AgreementData",
     "AgreementExample",
+    "Malformed",
     "Split",
     "TaskData",
     "first_feature",
