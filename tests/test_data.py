@@ -765,3 +765,13 @@ def test_locate_loads_a_pipeline_by_directory_and_needs_its_parser(tmp_path):
     ex = linzen_example(tmp_path, "dogs bark", "bark", "barks")
     with pytest.raises(InputError, match="x.tsv:1: the parser gave no dependency labels"):
         locate([ex], nlp=str(tmp_path / "blank"))
+
+
+def test_a_byte_order_mark_is_no_data(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + blimp_row().encode() + b"\n")
+    data = read_blimp(path)
+    assert len(data) == 1 and data.skipped == [] and data[0].words[0] == "The"
+    path = tmp_path / "bom.tsv"
+    path.write_bytes(b"\xef\xbb\xbf" + linzen_line().encode() + b"\n")
+    assert read_linzen(path)[0].attractors == 1
