@@ -446,3 +446,68 @@ def test_unknown_head_count_is_refused_and_heads_gives_it():
             h.remove()
     rows = table[(table["role"] == "query") & (table["head"] == 1)]
     np.testing.assert_allclose(rows["value"].to_numpy(), g[0].sum(-1).numpy(), rtol=1e-9)
+
+
+# -- 5. TransformerLens: projections that are weights read through einsums ------------------
+
+TL_CONFIGS = {
+    "learned-ln": {"act_fn": "gelu"},
+    "rotary-rms-gqa": {  # 4 query heads, 2 key/value heads
+        "positional_embedding_type": "rotary", "normalization_type": "RMS",
+        "n_key_value_heads": 2, "gated_mlp": True, "act_fn": "silu",
+    },
+}  # fmt: skip
+
+
+@pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("kind", list(TL_CONFIGS))
+def test_transformer_lens_heads_equal_autograd_through_hook_qkv(kind):
+    """Head ``h`` of a role is autograd's gradient with every other head of ``hook_q``,
+    ``hook_k``, ``hook_v`` (whose outputs are ``[batch, pos, head, d_head]``) detached."""
+    tl = pytest.importorskip("transformer_lens")
+    if not hasattr(tl, "HookedTransformer"):
+        pytest.skip("this TransformerLens has no HookedTransformer")
+    cfg = tl.HookedTransformerConfig(
+        n_layers=1, d_model=8, n_heads=4, d_head=2, d_mlp=16, d_vocab=V, n_ctx=16,
+        dtype=F64, device="cpu", seed=0, **TL_CONFIGS[kind],
+    )  # fmt: skip
+    m = tl.HookedTransformer(cfg).eval()
+    out = lambda logits: logits[0, -1, 5] - logits[0, -2, 3]  # noqa: E731
+    res = sbp.backprop(m, args=(IDS,), output=out, semirings=[sbp.Real()])
+    _, _, got = head_values(res, "blocks.0:input", sbp.Real())
+    n_kv = TL_CONFIGS[kind].get("n_key_value_heads", 4)
+    assert sorted(got) == sorted(
+        [("query", h) for h in range(4)] + [(r, h) for r in ("key", "value") for h in range(n_kv)]
+    )
+    block, state = m.blocks[0], {}
+
+    def block_pre(mod, args):
+        state["leaf"] = args[0].detach().clone().requires_grad_()
+        return (state["leaf"].detach(), *args[1:])
+
+    def ln_pre(mod, args):
+        return (state["leaf"], *args[1:])
+
+    def keep_head(head):  # [batch, pos, head, d_head]: only ``head`` carries gradient
+        def post(mod, args, o):
+            mask = torch.zeros(o.shape[-2], 1, dtype=torch.bool)
+            if head is not None:
+                mask[head] = True
+            return torch.where(mask, o, o.detach())
+
+        return post
+
+    for (role, h), value in got.items():
+        hooks = [block.register_forward_pre_hook(block_pre),
+                 block.ln1.register_forward_pre_hook(ln_pre)]  # fmt: skip
+        for r in QKV:
+            hook = getattr(block.attn, f"hook_{r[0]}")
+            hooks.append(hook.register_forward_hook(keep_head(h if r == role else None)))
+        try:
+            with torch.enable_grad():
+                (want,) = torch.autograd.grad(out(m(IDS)), state["leaf"])
+        finally:
+            for hk in hooks:
+                hk.remove()
+        assert want.abs().max() > 0
+        torch.testing.assert_close(value[0], want, rtol=1e-9, atol=1e-9 * float(want.abs().max()))
