@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from views_models import views_bert, views_ex  # noqa: F401 (view tests' fixtures)
+from views_models import views_bert, views_ex, views_run  # noqa: F401 (view tests' fixtures)
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ One tiny BERT is explained once per module (tracing dominates the time).
 from __future__ import annotations
 
 import contextlib
+import functools
 import html.parser
 import io
 import math
@@ -25,7 +26,7 @@ import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import cli, views  # noqa: E402
 from semiring_backprop.analysis.paths import Path, Step  # noqa: E402
 from semiring_backprop.errors import InputError  # noqa: E402
-from semiring_backprop.views.colors import DIVERGING  # noqa: E402
+from semiring_backprop.views.colors import DIVERGING, ROLES  # noqa: E402
 from semiring_backprop.views.read import path_runs  # noqa: E402
 from views_models import TEXT  # noqa: E402 (fixtures views_bert, views_ex: conftest)
 
@@ -286,6 +287,35 @@ def test_roles_of_a_hand_made_path():
     assert "query" in text and "skip" in text
 
 
+@functools.cache
+def _tel_result():
+    torch.manual_seed(1)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+    x = torch.randn(1, 5, 8, dtype=torch.float64)
+    return sbp.backprop(layer.double().eval(), args=(x,),
+                        output=lambda y: y[0, -1, 1] - y[0, 0, 0],
+                        semirings=[sbp.MaxProduct()])  # fmt: skip
+
+
+@pytest.mark.parametrize("token", range(5))
+def test_path_branch_is_the_winning_branch_of_its_token(token):
+    """From a fan-out point itself, the top path of a token takes the branch that wins
+    that token in ``Result.branches`` (a pass restricted to each branch): the branches
+    the view names for the path (``res=``) must be those. nn.MultiheadAttention's fused
+    projection: query, key and value from the columns each part takes."""
+    res = _tel_result()
+    table = res.branches(0, sbp.MaxProduct())
+    won = table[(table["token"] == token) & table["winner"]]
+    assert len(won) == 1
+    path = res.top_path((0, (0, token)))
+    runs = path_runs(path, roles=views.entry_roles(res))
+    first = next(r.role for r in runs if r.role)
+    assert first == won["role"].iloc[0]
+    text = str(views.path(path, res=res)).splitlines()[2:]
+    shown = [w for line in text for w in line.split() if w in ROLES]
+    assert shown[0] == first
+
+
 def test_path_text_and_repr_are_short(views_ex):
     ex = views_ex
     path = ex.path
@@ -404,26 +434,17 @@ def test_to_html_writes_one_self_contained_file(views_ex, tmp_path):
         ex.to_html(tmp_path)
 
 
-def test_cli_html(views_bert, tmp_path, monkeypatch):
-    bert = views_bert
-    model, tok = bert
-    d = tmp_path / "model"
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    out, err = io.StringIO(), io.StringIO()
-    page = tmp_path / "r" / "report.html"
-    argv = ["explain", str(d), "--text", TEXT, "--target", "are", "--foil", "is",
-            "--html", str(page)]  # fmt: skip
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        assert cli.main(argv) == 0, err.getvalue()
-    text = page.read_text()
+def test_cli_html(views_run):
+    run = views_run
+    assert run.rc == 0, run.err
+    text = run.page.read_text()
     assert_self_contained(text)
-    assert f"wrote {page}" in out.getvalue()
-    tokens = tok.convert_ids_to_tokens(tok(TEXT)["input_ids"])
-    assert [s[2] for s in spans_of(strip_section(text, "top path"))] == tokens
+    assert f"wrote {run.page}" in run.out
+    assert [s[2] for s in spans_of(strip_section(text, "top path"))] == run.ex.tokens
+    assert text == run.ex.view().html()
     # a directory for --html is refused before any work, with one error line
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = cli.main(argv[:-1] + [str(tmp_path)])
+        rc = cli.main(run.argv[:-1] + [str(run.dir)])
     assert rc == 2 and err.getvalue().startswith("error: ") and err.getvalue().count("\n") == 1
     assert out.getvalue() == ""

@@ -3,7 +3,9 @@ the notebook): a random BERT masked LM with a tokenizer written from a small voc
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import io
+import types
 
 import pytest
 import torch
@@ -42,14 +44,47 @@ def views_bert(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def views_ex(views_bert):
-    """The explanation of a float64 copy of the tiny BERT, with every quantity's
-    semiring (max, entropy, real, topk); ``result_model``, ``result_tokenizer`` attached."""
-    from semiring_backprop.explain import explain
+def views_run(views_bert, tmp_path_factory):
+    """``semiring-backprop explain DIR ... --dtype float64 --html FILE`` on the tiny BERT
+    saved to DIR, with every quantity's semiring; the Explanation it made is kept (the
+    CLI imports ``explain`` from its module at call time)."""
+    import huggingface_hub.constants
+
+    from semiring_backprop import cli
+    from semiring_backprop import explain as explain_mod
 
     model, tok = views_bert
-    model = copy.deepcopy(model).double()
-    out = explain(model, TEXT, "are", "is", tokenizer=tok,
-                  semirings=("max", "entropy", "real", "topk"))  # fmt: skip
-    out.result_model, out.result_tokenizer = model, tok
-    return out
+    d = tmp_path_factory.mktemp("views_model")
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    page = d / "out" / "report.html"
+    argv = ["explain", str(d), "--text", TEXT, "--target", "are", "--foil", "is",
+            "--dtype", "float64", "--semiring", "max", "entropy", "real", "topk",
+            "--html", str(page)]  # fmt: skip
+    made, real = [], explain_mod.explain
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        mp.setattr(explain_mod, "explain", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(argv)
+    return types.SimpleNamespace(
+        rc=rc, out=out.getvalue(), err=err.getvalue(), ex=made[0] if made else None,
+        page=page, dir=d, argv=argv,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def views_ex(views_run):
+    """The Explanation of :func:`views_run` (float64), with the model it explained loaded
+    again (``result_model``) and its tokenizer (``result_tokenizer``)."""
+    import transformers
+
+    assert views_run.rc == 0, views_run.err
+    ex = views_run.ex
+    ex.result_model = transformers.AutoModelForMaskedLM.from_pretrained(
+        views_run.dir, dtype=torch.float64
+    ).eval()
+    ex.result_tokenizer = transformers.AutoTokenizer.from_pretrained(views_run.dir)
+    return ex

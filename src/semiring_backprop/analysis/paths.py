@@ -146,11 +146,12 @@ class Path:
         n, v = len(self.steps), self.value
         return f"<Path {self.semiring} {self.sign}: {n} steps, product {v:.6g}>"
 
-    def view(self, title: str = "top gradient path"):
-        """The path as a chain (:func:`semiring_backprop.views.path`)."""
+    def view(self, title: str = "top gradient path", res=None):
+        """The path as a chain (:func:`semiring_backprop.views.path`; ``res``: the result
+        it was read from, for the branches as ``Result.branches`` finds them)."""
         from .. import views
 
-        return views.path(self, title)
+        return views.path(self, title, res)
 
     def _repr_html_(self) -> str:
         return self.view()._repr_html_()

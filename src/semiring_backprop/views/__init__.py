@@ -21,7 +21,15 @@ from pathlib import Path as FilePath
 from ..errors import InputError
 from . import html as _html
 from . import text as _text
-from .read import QUANTITIES, TokenValues, available, path_runs, shares, token_values
+from .read import (
+    QUANTITIES,
+    TokenValues,
+    available,
+    entry_roles,
+    path_runs,
+    shares,
+    token_values,
+)
 
 __all__ = ["QUANTITIES", "View", "branches", "explanation", "path", "paths", "result", "tokens"]
 
@@ -107,22 +115,27 @@ def _strip(tv: TokenValues, title: str | None = None) -> View:
     return View(_html.strips(tv, title), lambda color: _text.strips(tv, color, title), tv.quantity)
 
 
-def path(p, title: str = "top gradient path") -> View:
+def path(p, title: str = "top gradient path", res=None) -> View:
     """A path as a chain from its source to the output: per module, the layer, the
     branch (skip / query / key / value / mlp), the head where the path names one, the
-    product of the edge weights and the running product; each row opens to its steps."""
-    runs = path_runs(p)
+    product of the edge weights and the running product; each row opens to its steps.
+    With ``res`` (the result the path was read from) the branches are those
+    ``Result.branches`` finds (fused projections too); else they come from module names."""
+    runs = path_runs(p, roles=None if res is None else entry_roles(res))
     return View(_html.path_block(p, runs, title), lambda color: _text.path(p, runs, color), title)
 
 
-def paths(ps, title: str = "top paths") -> View:
-    """Several paths (``Result.top_paths``) as a list, heaviest first."""
+def paths(ps, title: str = "top paths", res=None) -> View:
+    """Several paths (``Result.top_paths``) as a list, heaviest first (``res``: as for
+    :func:`path`)."""
     ps = list(ps)
     if not ps:
         raise InputError("no paths to show: give the list Result.top_paths(...) returned")
+    roles = None if res is None else entry_roles(res)
+    runs_of = lambda p: path_runs(p, roles=roles)  # noqa: E731
     return View(
-        _html.path_list(ps, path_runs, title),
-        lambda color: _text.paths(ps, path_runs, color),
+        _html.path_list(ps, runs_of, title),
+        lambda color: _text.paths(ps, runs_of, color),
         title,
     )
 
@@ -177,7 +190,7 @@ def explanation(ex, quantity: str | None = None) -> View:
     marks = {(0, ex.position): "the explained position"}
     parts.append(_token_view(res, quantity, ex.source, [ex.tokens], marks))
     if ex.path is not None:
-        parts.append(path(ex.path, f"top gradient path from {ex.source}"))
+        parts.append(path(ex.path, f"top gradient path from {ex.source}", res))
     layers = ex.layers
     if layers is not None and len(layers) and any(map(_has_shares, set(layers["semiring"]))):
         parts.append(branches(layers))

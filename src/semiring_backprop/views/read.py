@@ -189,10 +189,30 @@ def _name_role(module: str) -> str:
 
 
 def _is_residual(step) -> bool:
-    if step.op != "aten.add.Tensor" or not step.module:
+    """An add in a block's own module (GPT-2's ``h.3``), in BERT's ``*.output``, or at
+    the top level (``nn.TransformerEncoderLayer`` as the model)."""
+    if step.op != "aten.add.Tensor":
         return False
+    if not step.module:
+        return True
     last = step.module.rsplit(".", 1)[-1].lower()
-    return last.isdigit() or last in ("output", "residual", "skip") or step.module == ""
+    return last.isdigit() or last in ("output", "residual", "skip")
+
+
+def entry_roles(res) -> dict[tuple[str, str], str]:
+    """The role of every branch of every attention block, keyed by the branch's first
+    edge (the node it reads, the op), by graph node names, as ``Result.branches`` finds
+    them (fused projections by the columns each part takes). A path that takes that
+    edge takes that branch (a residual add is entered by the skip edge and by the
+    branch it ends)."""
+    from ..analysis.branches import blocks, entries
+
+    out: dict[tuple[str, str], str] = {}
+    for block in blocks(res):
+        for point in block.points.values():
+            for e in entries(res, point)[1]:
+                out[e.via.name, e.op.name] = e.role
+    return out
 
 
 def _layer(module: str | None) -> int | None:
@@ -201,29 +221,37 @@ def _layer(module: str | None) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
-def path_runs(path, marks: bool = False) -> list[Run]:
-    """The runs of a path with the branch each is on. A path leaves the residual stream
-    through a projection named query / key / value / mlp (a fused qkv: ``qkv``) and
-    comes back at the residual add; an add reached with no contraction since the last
-    one is the skip branch. Runs made only of module-boundary marks are left out unless
-    ``marks=True`` (the first and the last run always stay)."""
+def path_runs(path, marks: bool = False, roles: dict | None = None) -> list[Run]:
+    """The runs of a path with the branch each is on. ``roles`` (:func:`entry_roles`):
+    the path takes a branch where it passes that branch's first op. Without them, from
+    module names: it leaves the residual stream through a projection named query / key
+    / value / mlp (a fused one: ``qkv``), and an add reached with no contraction since
+    the last one is the skip branch. A branch lasts until the residual add that ends
+    it. Runs made only of module-boundary marks are left out unless ``marks=True``
+    (the first and the last run always stay)."""
     runs: list[Run] = []
     for i, s in enumerate(path.steps):
         if runs and runs[-1].module == s.module:
             runs[-1].steps.append(s)
         else:
             runs.append(Run(s.module, [s], i))
-    branch, contracted = "", False
+    branch, contracted, prev = "", False, None
     for r in runs:
-        named = _name_role(r.module or "")
+        named = _name_role(r.module or "") if roles is None else ""
         if named:
             branch = named
         role = branch
         for s in r.steps:
+            edge, prev = (prev, s.node), s.node
+            if roles is not None and edge in roles:
+                branch = role = roles[edge]
+                if role == "skip":  # the residual add itself: the branch ends here
+                    branch, contracted = "", False
+                    continue
             if s.op.removeprefix("aten.").split(".")[0] in _CONTRACTIONS:
                 contracted = True
             if _is_residual(s):
-                role = role if contracted else "skip"
+                role = role if contracted or roles is not None else "skip"
                 branch, contracted = "", False
         r.role = role
         r.layer = _layer(r.module)

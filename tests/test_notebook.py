@@ -1,0 +1,47 @@
+"""A notebook that uses the views (tests/notebooks/views.ipynb), executed by nbclient in a
+fresh Python kernel: its outputs hold the views' HTML, with the tokens and the path."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+pytest.importorskip("ipykernel")
+
+NOTEBOOK = pathlib.Path(__file__).parent / "notebooks" / "views.ipynb"
+TOKENS = ["[CLS]", "the", "keys", "to", "the", "cabinet", "[MASK]", "[SEP]"]
+
+
+def _html(cell) -> str:
+    parts = [o.get("data", {}).get("text/html", "") for o in cell.outputs]
+    return "".join(p if isinstance(p, str) else "".join(p) for p in parts)
+
+
+def test_notebook_outputs_hold_the_views(tmp_path):
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = nbclient.NotebookClient(
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    errors = [o for c in code for o in c.outputs if o.get("output_type") == "error"]
+    assert not errors, errors
+    strips, path, heatmap, top3, printed = code[1:6]
+    for cell in (strips, path, heatmap, top3):
+        page = _html(cell)
+        assert page.startswith("<style>") and '<div class="sbp">' in page, cell.source
+    page = _html(strips)
+    for quantity in ("top path", "gradient", "entropy", "normalized entropy"):
+        assert f"<h3>{quantity}</h3>" in page
+    assert page.count("<b>[MASK]</b>") == 4  # one strip per quantity, every token
+    for t in TOKENS:
+        assert f"<b>{t}</b>" in page
+    assert "top gradient path" in _html(path) and "running product" in _html(path)
+    assert all(f">{t}</text>" in _html(heatmap) for t in TOKENS)
+    assert _html(top3).count("<li>") == 3
+    text = "".join(o.get("text", "") for o in printed.outputs)
+    assert text.startswith("MaxProduct(neuron) top path, product") and "\n" in text
+    assert " skip " in text or " query " in text or " value " in text or " key " in text
