@@ -757,6 +757,8 @@ def test_locate_needs_spacy_and_its_pipeline(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="pipeline 'en_core_web_trf' is not"):
         locate([ex], nlp="en_core_web_trf")  # the pipeline is an option
     assert asked == ["en_core_web_sm", "en_core_web_trf"]
+    with pytest.raises(InputError, match="nlp='': name a spaCy pipeline"):
+        locate([ex], nlp="")  # not the default in disguise
 
 
 def test_locate_loads_a_pipeline_by_directory_and_needs_its_parser(tmp_path):

@@ -518,6 +518,8 @@ def test_sva_config_errors(tmp_path):
         experiments.run("sva", tmp_path, aggregation=("sum",), progress=False)
     with pytest.raises(sbp.InputError, match="length_bins"):
         experiments.run("sva", tmp_path, length_bins=(10, 5), progress=False)
+    with pytest.raises(sbp.InputError, match="nlp must name a spaCy pipeline"):
+        experiments.run("sva", tmp_path, nlp=" ", progress=False)
 
 
 # -- a checkpoint without the masked-LM head --------------------------------------------

@@ -401,7 +401,11 @@ _NUMBER = {"sg": "singular", "pl": "plural"}
 def _parser(nlp):
     if nlp is not None and not isinstance(nlp, str | Path):
         return nlp
-    name = str(nlp or DEFAULT_NLP)
+    name = DEFAULT_NLP if nlp is None else str(nlp)
+    if not name.strip():
+        raise InputError(
+            f"nlp={nlp!r}: name a spaCy pipeline (e.g. {DEFAULT_NLP}) or its directory"
+        )
     how = "or give `subject` and `attractors` in the data (BLiMP JSON lines)"
     try:
         import spacy

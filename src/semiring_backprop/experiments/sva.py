@@ -94,6 +94,10 @@ class Config:
             raise InputError(f"length_bins must be increasing edges, got {self.length_bins}")
         if self.limit is not None and self.limit < 1:
             raise InputError(f"limit must be positive or None, got {self.limit}")
+        if not self.nlp.strip():
+            raise InputError(
+                "nlp must name a spaCy pipeline (e.g. en_core_web_sm) or its directory"
+            )
 
 
 # -- data ---------------------------------------------------------------------------------
