@@ -102,6 +102,26 @@ MODELS = {
                               _cols({"query": 0, "key": 8, "value": 12}[role] + 2 * h, 2)),
         rtol=1e-6,
     ),
+    "bloom": dict(  # per head [q k v], as GPT-NeoX (viewed as heads x 3 x head_dim)
+        build=lambda: T.BloomForCausalLM(T.BloomConfig(
+            vocab_size=V, hidden_size=8, n_layer=1, n_head=2)),
+        output=lambda out: out.logits[0, -1, 5],
+        layer="transformer.h.{i}", attn_in="transformer.h.{i}.input_layernorm",
+        heads={"query": 2, "key": 2, "value": 2},
+        cols=lambda role, h: ("self_attention.query_key_value",
+                              _cols(12 * h + 4 * QKV.index(role), 4)),
+        rtol=1e-6,
+    ),
+    "falcon-mqa": dict(  # multi-query: [2 query heads | 1 key head | 1 value head]
+        build=lambda: T.FalconForCausalLM(T.FalconConfig(
+            vocab_size=V, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)),
+        output=lambda out: out.logits[0, -1, 5],
+        layer="transformer.h.{i}", attn_in="transformer.h.{i}.input_layernorm",
+        cut=("transformer.h.{i}.mlp",),  # parallel attention: the mlp reads the same norm
+        heads={"query": 2, "key": 1, "value": 1},
+        cols=lambda role, h: ("self_attention.query_key_value",
+                              _cols({"query": 0, "key": 8, "value": 12}[role] + 4 * h, 4)),
+    ),
 }  # fmt: skip
 
 
@@ -152,6 +172,9 @@ def autograd_through(name, i, role, head):
     try:
         handles.append(mods[layer].register_forward_pre_hook(layer_pre))
         handles.append(mods[spec["attn_in"].format(i=i)].register_forward_pre_hook(attn_pre))
+        for c in spec.get("cut", ()):
+            cut = lambda mod, args: (args[0].detach(), *args[1:])  # noqa: E731
+            handles.append(mods[c.format(i=i)].register_forward_pre_hook(cut))
         for p in projections:
             post = keep_cols(cols if p == proj else [])
             handles.append(mods[f"{layer}.{p}"].register_forward_hook(post))
