@@ -134,7 +134,15 @@ class Backprop:
         dynamic: bool = True,
         _traces: _Traces | None = None,
     ):
-        semirings = list(semirings)
+        if isinstance(semirings, Semiring):
+            raise InputError(
+                f"semirings must be a list of Semiring instances, got the single semiring "
+                f"{semirings!r}: pass semirings=[{semirings!r}]"
+            )
+        try:
+            semirings = list(semirings)
+        except TypeError:  # None, a number: not a collection of semirings
+            semirings = [semirings]
         if not semirings or not all(isinstance(s, Semiring) for s in semirings):
             raise InputError(
                 f"semirings must be a non-empty list of Semiring instances, got {semirings!r}"

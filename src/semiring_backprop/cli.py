@@ -31,6 +31,8 @@ def main(argv=None) -> int:
         from .quickstart import run
 
         seed = getattr(args, "seed", 0)
+        if not -(2**63) <= seed < 2**64:  # torch.manual_seed's range
+            parser.error(f"--seed {seed}: a seed must fit in 64 bits, e.g. --seed 0")
         if getattr(args, "json", False):
             print(json.dumps(run(seed, print_fn=lambda *a: None), indent=2))
         else:
@@ -83,10 +85,12 @@ def _explain_parser(sub):
 def _explain(args) -> int:
     import torch
 
-    from .errors import SemiringBackpropError
+    from .errors import InputError, SemiringBackpropError
     from .explain import explain
 
     try:
+        if args.out:  # checked before the work, not after it
+            _writable(args.out)
         if args.html:
             _check_html_file(args.html)
         ex = explain(
@@ -102,7 +106,12 @@ def _explain(args) -> int:
         )
         print(ex.report())
         if args.out:
-            files = ex.write(args.out)
+            try:
+                files = ex.write(args.out)
+            except OSError as e:
+                raise InputError(
+                    f"--out {args.out!r}: cannot write {e.filename or 'the files'} ({e.strerror})"
+                ) from None
             print(
                 f"\nwrote {len(files)} files to {args.out}: "
                 + ", ".join(f.rsplit("/", 1)[-1] for f in files)
@@ -128,6 +137,25 @@ def _check_html_file(file) -> None:
         parent = os.path.dirname(parent)
     if not os.access(parent, os.W_OK):
         raise InputError(f"--html {file}: cannot write under {parent}; give another file")
+
+
+def _writable(out) -> None:
+    """``--out`` as a directory this process can write into (made if missing)."""
+    import os
+    from pathlib import Path
+
+    from .errors import InputError
+
+    probe = Path(out) / f".write-test-{os.getpid()}"
+    try:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+        probe.unlink()
+    except OSError as e:
+        raise InputError(
+            f"--out {str(out)!r}: cannot write there ({e.strerror}); give a directory you "
+            "can write into"
+        ) from None
 
 
 def _experiment_parsers(sub):

@@ -91,6 +91,14 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
         )
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise LoadError(
+            f"could not load {model_id!r}: its weights file cannot be read ({e}): it is cut "
+            "off or not a safetensors file. Save the model again with "
+            "model.save_pretrained(DIR), or download it again"
+        ) from None
     _refuse_fresh_weights(model_id, kind, config, model, info)
     return model.to(device).eval(), tokenizer, kind
 

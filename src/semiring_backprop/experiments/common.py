@@ -219,17 +219,39 @@ class Records:
     def __init__(self, path: Path, key: str = "key"):
         self.path, self.key = Path(path), key
         self.rows: list[dict] = []
-        text = self.path.read_text() if self.path.exists() else ""
+        try:
+            text = self.path.read_text(encoding="utf-8") if self.path.exists() else ""
+        except UnicodeDecodeError as e:
+            raise InputError(
+                f"{self.path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                f"{e.start}): not a file of records this package wrote; delete it to start over"
+            ) from None
         lines = text.splitlines()
+        seen: dict = {}  # key -> row, to find rows written twice
         for i, line in enumerate(lines, 1):
             try:
-                self.rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 if i < len(lines):
                     raise InputError(
                         f"{self.path}:{i} is not valid JSON; delete the file to start over"
                     ) from None
-                # the last line was cut off by an interrupted run: drop it
+                continue  # the last line was cut off by an interrupted run: drop it
+            if not isinstance(row, dict):
+                raise InputError(
+                    f"{self.path}:{i} holds a JSON {type(row).__name__}, not a record (an "
+                    "object); delete the file to start over"
+                )
+            k = row.get(key)
+            if k is not None and k in seen:
+                if seen[k] != row:
+                    raise InputError(
+                        f"{self.path}:{i} is a second, different record for {key} {k!r}: "
+                        "which one holds is unknown; delete the file to start over"
+                    )
+                continue  # the same record written twice: read once
+            seen.setdefault(k, row)
+            self.rows.append(row)
         self._done = {r.get(key) for r in self.rows}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if len(self.rows) != len(lines) or not text.endswith("\n") and lines:  # cut off
@@ -269,7 +291,10 @@ def same_settings(out: Path, config, free=()) -> None:
                 "unknown; delete the directory to start over, or write into a new one"
             ) from None
         if not isinstance(before, dict):
-            before = {}
+            raise InputError(
+                f"{path} holds a JSON {type(before).__name__}, not the settings of the results "
+                "beside it; delete the directory to start over, or write into a new one"
+            )
         changed = sorted(k for k in now if k not in free and before.get(k, now[k]) != now[k])
         if changed:
             raise InputError(
