@@ -444,6 +444,10 @@ def test_unknown_head_count_is_refused_and_heads_gives_it():
         res.branches("0:input", per_head=True, heads=3)
     with pytest.raises(InputError, match="positive int"):
         res.branches("0:input", per_head=True, heads=0)
+    with pytest.raises(InputError, match="add per_head=True"):
+        res.branches("0:input", heads=2)
+    with pytest.raises(InputError, match="no count for"):
+        res.branches("0:input", per_head=True, heads={"query": 2})
     table = res.branches("0:input", sbp.Real(), per_head=True, heads=2)
     assert sorted(table.loc[table["role"] == "key", "head"].unique()) == [0, 1]
     same = res.branches("0:input", sbp.Real(), per_head=True,

@@ -18,9 +18,10 @@ What each semiring reads out (the semiring's own headline, as in branch tables):
 ``field="lo"`` the most negative); ``MaxAbs`` the largest ``|path product|``;
 ``LogAbs`` ``log Σ |path products|``; ``Entropy`` the path entropy; ``PathCount`` the
 log number of paths; ``TopK`` the heaviest path's signed product. ``field=`` picks
-another field of the readout. An element with no path to the target reads the
-semiring's "no path" value (``-inf`` for ``MaxProduct``'s hi, ``LogAbs``); Captum's
-metrics need finite numbers, so such inputs are for ``Real`` or ``MaxAbs``.
+another field of the readout. An element with no path to the target (a pixel max
+pooling does not select) reads the semiring's "no path" value: 0 for ``Real`` and
+``MaxAbs``, ``-inf`` for ``MaxProduct``'s hi and for ``LogAbs``. Captum's metrics and
+heat maps need finite numbers: on such models give them ``Real`` or ``MaxAbs``.
 
 The examples of a batch are explained at once (one pass, per-example scalars seeded
 together: ``backprop(..., per_example=True)``); they must not interact (no batch norm in

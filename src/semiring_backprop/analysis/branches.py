@@ -525,6 +525,8 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
 
     if aggregate not in ("oplus", "bucket_sum"):
         raise InputError(f"aggregate must be 'oplus' or 'bucket_sum', got {aggregate!r}")
+    if heads is not None and not per_head:
+        raise InputError("heads= gives the head counts of per-head tables: add per_head=True")
     if semiring is None:
         srs = res.semirings
     elif isinstance(semiring, list | tuple):
