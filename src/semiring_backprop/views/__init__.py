@@ -192,6 +192,6 @@ def explanation(ex, quantity: str | None = None) -> View:
     if ex.path is not None:
         parts.append(path(ex.path, f"top gradient path from {ex.source}", res))
     layers = ex.layers
-    if layers is not None and len(layers) and any(map(_has_shares, set(layers["semiring"]))):
+    if layers is not None and len(layers) and any(map(_has_shares, layers["semiring"].unique())):
         parts.append(branches(layers))
     return _concat(parts, f"explanation: {ex.text}")

@@ -47,6 +47,8 @@ CSS = """
  margin-right:4px;vertical-align:-2px}
 .sbp .scroll{overflow-x:auto;max-width:100%}
 .sbp ol.paths>li{margin:4px 0 10px}
+.sbp svg .hov{fill:#fff;fill-opacity:0}
+.sbp svg .hov:hover{fill:#000;fill-opacity:.08}
 .sbp svg text{font-family:ui-monospace,Menlo,Consolas,monospace;fill:#222}
 """
 
@@ -259,7 +261,10 @@ def heatmap(rows, heads, semiring: str) -> str:
         if semiring.startswith(("LogAbs", "PathCount"))
         else ")"
     )
-    note += "; the winning branch is outlined; hover a cell for the numbers."
+    note += (
+        "; the winning branch is outlined (← in the hover text); hover a token's column for "
+        "its shares in every layer (the values are in the table)."
+    )
     if semiring == "Real":
         note += (
             " Real values are sums of signed gradients over a token's hidden units: they can "
@@ -270,23 +275,27 @@ def heatmap(rows, heads, semiring: str) -> str:
 
 
 def _heatmap_svg(part, heads, example) -> str:
-    tokens = part.drop_duplicates("token").sort_values("token")
-    labels = [str(t) for t in tokens["token_text"]]
-    n = len(labels)
-    levels = (
-        part[["layer", "sublayer"]]
-        .drop_duplicates()
-        .sort_values(
-            ["layer", "sublayer"], key=lambda s: s if s.name == "layer" else s.map(_sub_order)
+    """One SVG: per (layer, sublayer) row and role, one path of the bars of every token
+    (small files for long inputs); over each cell a transparent rect with the numbers."""
+    cols = ["layer", "sublayer", "token", "token_text", "branch", "value", "share", "winner"]
+    cells: dict = {}
+    texts: dict = {}
+    for layer, sub, tok, text, b, v, share, won in zip(*(part[c].tolist() for c in cols)):
+        cells.setdefault((layer, _sub_order(sub), sub), {}).setdefault(tok, []).append(
+            (ROLES.index(b) if b in ROLES else len(ROLES), b, v, share, bool(won))
         )
-    )
+        texts[tok] = str(text)
+    order = sorted(texts)
+    index = {t: j for j, t in enumerate(order)}
+    labels = [texts[t] for t in order]
+    levels = sorted(cells)
+    names = [f"layer {layer} {sub}" for layer, _, sub in levels]
+    n = len(labels)
     cw = max(12, min(40, 900 // max(n, 1)))
-    rows = [f"layer {layer} {sub}" for layer, sub in zip(levels["layer"], levels["sublayer"])]
-    ch, left = 26, 12 + 7 * max(map(len, rows), default=8)
+    ch, left = 26, 12 + 7 * max(map(len, names), default=8)
     longest = min(max((len(t) for t in labels), default=1), 14)
     top = 10 + 7 * longest
     width, height = left + cw * n + 10, top + ch * len(levels) + 6
-    index = {t: j for j, t in enumerate(tokens["token"])}
     head_text = _head_text(heads, example)
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
@@ -297,15 +306,49 @@ def _heatmap_svg(part, heads, example) -> str:
         short = t if len(t) <= 14 else t[:13] + "…"
         out.append(
             f'<text transform="translate({x:g},{top - 4}) rotate(-90)">'
-            f"<title>{esc(t)} (position {j})</title>{esc(short)}</text>"
+            f"<title>{esc(t)} (position {order[j]})</title>{esc(short)}</text>"
         )
-    for i, (layer, sub) in enumerate(zip(levels["layer"], levels["sublayer"])):
+    h = ch - 4
+    tips = {tok: [f"{texts[tok]!r} (position {tok}): share of each branch"] for tok in order}
+    for i, key in enumerate(levels):
+        layer, _, sub = key
         y = top + ch * i
-        out.append(f'<text x="4" y="{y + ch / 2 + 4:g}">{esc(rows[i])}</text>')
-        cells = part[(part["layer"] == layer) & (part["sublayer"] == sub)]
-        for tok, grp in cells.groupby("token", sort=True):
+        out.append(f'<text x="4" y="{y + ch / 2 + 4:g}">{esc(names[i])}</text>')
+        bars: dict = {}  # role -> path data of its bars in this row
+        empty, wins = [], []
+        for tok, entries in sorted(cells[key].items()):
             x = left + cw * index[tok]
-            out.append(_cell(grp, x, y, cw, ch, head_text.get((layer, sub, tok), "")))
+            entries.sort()
+            y0, parts = y + 2.0, []
+            for _, b, _v, share, won in entries:
+                if share != share or share <= 0:
+                    continue
+                if share >= 0.005 or won:  # a share that rounds to 0% is left out
+                    parts.append(f"{b} {100 * share:.0f}%" + (" ←" if won else ""))
+                hh = h * share
+                if hh >= 0.2:  # thinner bars do not show
+                    bars.setdefault(b, []).append(f"M{x + 1} {y0:.1f}h{cw - 2}v{hh:.1f}h-{cw - 2}z")
+                if won:
+                    wins.append(f"M{x + 1.5} {y0 + 0.5:.1f}h{cw - 3}v{max(hh - 1, 0.5):.1f}"
+                                f"h-{cw - 3}z")  # fmt: skip
+                y0 += hh
+            if not parts:
+                empty.append(f"M{x + 1} {y + 2}h{cw - 2}v{h}h-{cw - 2}z")
+            line = ", ".join(parts) or "no path"
+            tips[tok].append(f"{names[i]}: {line}{head_text.get((layer, sub, tok), '')}")
+        for b, d in bars.items():
+            color = ROLE_COLORS.get(b, ROLE_COLORS["other"])
+            out.append(f'<path class="bar" data-role="{esc(b)}" fill="{color}" d="{"".join(d)}"/>')
+        if empty:
+            out.append(f'<path fill="#eee" d="{"".join(empty)}"/>')
+        if wins:
+            out.append(f'<path fill="none" stroke="#000" d="{"".join(wins)}"/>')
+    rows_h = ch * len(levels)
+    for tok in order:  # hover a token's column: its shares in every layer
+        out.append(
+            f'<rect class="hov" x="{left + cw * index[tok]}" y="{top}" width="{cw}" '
+            f'height="{rows_h}"><title>{esc(chr(10).join(tips[tok]))}</title></rect>'
+        )
     out.append("</svg>")
     return "".join(out)
 
@@ -320,39 +363,7 @@ def _head_text(heads, example) -> dict:
     if "example" in heads.columns:
         heads = heads[heads["example"] == example]
     out: dict = {}
-    for (layer, sub, tok), grp in heads.groupby(["layer", "sublayer", "token"]):
-        parts = [f"{b} head {h}: {fmt(v)}" for b, h, v in zip(grp["branch"], grp["head"],
-                                                                grp["value"])]  # fmt: skip
-        out[(layer, sub, tok)] = "\n" + "\n".join(parts)
+    cols = ["layer", "sublayer", "token", "branch", "head", "value"]
+    for layer, sub, tok, b, head, v in zip(*(heads[c].tolist() for c in cols)):
+        out[(layer, sub, tok)] = out.get((layer, sub, tok), "") + f"; {b} head {head}: {fmt(v)}"
     return out
-
-
-def _cell(grp, x, y, cw, ch, extra) -> str:
-    grp = grp.assign(order=grp["branch"].map(lambda b: ROLES.index(b) if b in ROLES else 99))
-    grp = grp.sort_values("order")
-    tip = [f"{grp['token_text'].iloc[0]!r} (position {grp['token'].iloc[0]}), layer "
-           f"{grp['layer'].iloc[0]} {grp['sublayer'].iloc[0]}"]  # fmt: skip
-    rects, y0, h = [], y + 2.0, ch - 4.0
-    win = None
-    for b, v, s, w in zip(grp["branch"], grp["value"], grp["share"], grp["winner"]):
-        tip.append(f"{b}: {fmt(v)}" + ("" if s != s else f" ({100 * s:.0f}%)")
-                   + (" ← winner" if w else ""))  # fmt: skip
-        if s != s or s <= 0:
-            continue
-        hh = h * float(s)
-        color = ROLE_COLORS.get(b, ROLE_COLORS["other"])
-        rects.append(
-            f'<rect x="{x + 1}" y="{y0:.1f}" width="{cw - 2}" height="{hh:.1f}" fill="{color}"/>'
-        )
-        if w:
-            win = (y0, hh)
-        y0 += hh
-    if not rects:
-        rects.append(f'<rect x="{x + 1}" y="{y + 2}" width="{cw - 2}" height="{h:g}" fill="#eee"/>')
-        tip.append("(no path)")
-    if win is not None:
-        rects.append(
-            f'<rect x="{x + 1.5}" y="{win[0] + 0.5:.1f}" width="{cw - 3}" '
-            f'height="{max(win[1] - 1, 0.5):.1f}" fill="none" stroke="#000" stroke-width="1"/>'
-        )
-    return f"<g><title>{esc(chr(10).join(tip) + extra)}</title>{''.join(rects)}</g>"

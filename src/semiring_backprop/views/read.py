@@ -283,7 +283,7 @@ _LOG = ("LogAbs", "PathCount")
 
 
 def pick_semiring(table, semiring=None) -> str:
-    have = list(dict.fromkeys(map(str, table["semiring"])))
+    have = [str(n) for n in table["semiring"].unique()]
     if semiring is not None:
         names = {str(semiring), getattr(semiring, "name", str(semiring))}
         pick = next((n for n in have if n in names), None)
