@@ -173,7 +173,9 @@ def explanation(ex, quantity: str | None = None) -> View:
     per-token strips, the top path, the branch heatmap."""
     res = ex.result
     top = (
-        f"<h2>{_html.esc(ex.text)}</h2><dl class=card>"
+        f"<h2>log p({_html.esc(ex.target)}) − log p({_html.esc(ex.foil)}): what the "
+        f"{_html.esc(ex.kind)} LM's choice flows from</h2><dl class=card>"
+        f'<dt>text</dt><dd class="text">{_html.esc(ex.text)}</dd>'
         f"<dt>model</dt><dd>{_html.esc(ex.model_id)} ({_html.esc(ex.kind)} LM)</dd>"
         f"<dt>explained</dt><dd>log p({_html.esc(ex.target)}) − log p({_html.esc(ex.foil)}) "
         f"at position {ex.position} ({_html.esc(ex.tokens[ex.position])}) = "

@@ -19,6 +19,7 @@ CSS = """
  background:#fafafa}
 .sbp .card dt{float:left;clear:left;width:110px;color:#666}
 .sbp .card dd{margin:0 0 2px 118px;overflow-wrap:anywhere}
+.sbp .card dd.text{max-height:6.5em;overflow-y:auto}
 .sbp .strip{display:flex;flex-wrap:wrap;gap:3px;margin:4px 0 6px}
 .sbp .tok{display:inline-flex;flex-direction:column;align-items:center;padding:2px 5px;
  border-radius:4px;border:1px solid rgba(0,0,0,.08);min-width:18px}
