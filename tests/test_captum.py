@@ -129,6 +129,30 @@ def test_tuple_inputs_and_additional_forward_args():
         _close(g, w, "input x gradient, two inputs")
 
 
+class PerPosition(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):  # (batch, positions, 4) -> (batch, positions, 3)
+        return torch.tanh(self.lin(x))
+
+
+def test_targets_as_tuples_and_float32_inputs_that_require_grad():
+    model = _model(PerPosition)
+    x = torch.randn(2, 5, 4, dtype=F64)
+    sal = captum_attr.Saliency(model)
+    for target in ((3, 1), [(1, 2), (4, 0)]):  # one for all; one per example
+        got = SemiringAttribution(model).attribute(x, target=target)
+        _close(got, sal.attribute(_leaf(x), target=target, abs=False), f"target={target}")
+    model32 = _model(TitanicSimpleNNModel).float()
+    x32 = torch.rand(5, 12, requires_grad=True)
+    got = SemiringAttribution(model32).attribute(x32, target=1)
+    want = captum_attr.Saliency(model32).attribute(x32, target=1, abs=False)
+    assert got.dtype == torch.float32 and not got.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * float(want.abs().max()))
+
+
 # -- 2. the selective semirings, against path products written out by hand ----------------
 
 
