@@ -15,14 +15,19 @@ pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, _offline_quiet):
-    return battery.Env(tmp_path_factory.mktemp("battery"))
-
-
-@pytest.fixture(scope="module")
 def forkserver():
     """Command-line cases run in children of one server that imported torch once."""
     return battery._context()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory, _offline_quiet, forkserver):
+    """Shared tiny models and files; the command-line cases start at once, two at a
+    time, while the library cases run here."""
+    env = battery.Env(tmp_path_factory.mktemp("battery"))
+    pool = battery.prefetch(battery.CASES, env, forkserver)
+    yield env
+    pool.shutdown(cancel_futures=True)
 
 
 @pytest.mark.parametrize("case", battery.CASES, ids=lambda c: c.name)

@@ -205,6 +205,15 @@ def encode(tokenizer, model, text: str, kind: str) -> tuple[dict, int]:
     ids = enc["input_ids"]
     if ids.shape[1] == 0:
         raise InputError(f"the text {text!r} gives no tokens: give a sentence to explain")
+    rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if rows is not None and int(ids.max()) >= rows:  # before tracing, naming the cause
+        bad = int(ids.max())
+        raise InputError(
+            f"the tokenizer gives the text the id {bad} "
+            f"({tokenizer.convert_ids_to_tokens(bad)!r}), but the model's vocabulary has "
+            f"{rows} entries (ids 0..{rows - 1}): the tokenizer is not this model's own. "
+            "Save the model and its tokenizer from one checkpoint"
+        )
     limit = max_positions(model)
     if limit is not None and ids.shape[1] > limit:
         raise InputError(
