@@ -311,6 +311,13 @@ def test_branches_per_head_by_role_and_batch():
     place = attention_point("llama-gqa")
     table = res.branches(place, per_head=True, by="role")
     assert set(zip(table["role"], table["head"].fillna(-1))) >= {("query", 3), ("key", 1)}
+    # bucket_sum: every hidden unit goes to one (branch, head), so per token the heads'
+    # buckets add up to the plain table's
+    split = res.branches(place, aggregate="bucket_sum", per_head=True)
+    plain = res.branches(place, aggregate="bucket_sum")
+    per_token = [t.groupby("token")["value"].sum().to_numpy() for t in (split, plain)]
+    np.testing.assert_allclose(*per_token, rtol=1e-9)
+    assert split.groupby("token")["winner"].sum().eq(1).all()
     # a batch of two examples: an example column, heads per example
     m = model("bert")
     ids = torch.tensor([[3, 7, 1, 9, 4], [5, 2, 8, 6, 4]])
