@@ -203,7 +203,7 @@ def test_path_diagram_neuron_granularity():
     texts = _texts(fig)
     assert len(texts) == len(path.modules) == 10
     assert texts[0] == "input n0\nproduct 1"
-    assert texts[1].startswith("attention.self.query  (2 ops)\nproduct ")
+    assert texts[1].startswith("layer 0 attention.self.query  (2 ops)\nproduct ")
     assert texts[-1].startswith("model output\nproduct ")
     assert f"{path.steps[-2].running:.3g}" in texts[-2]
     legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]

@@ -74,7 +74,10 @@ def _explain_parser(sub):
     e.add_argument("--kind", choices=["masked", "causal"], help="default: from the config")
     e.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     e.add_argument("--device", default="cpu")
-    e.add_argument("--out", help="directory for JSON, CSV and PNG files")
+    e.add_argument("--out", help="directory for JSON, CSV and figure files")
+    e.add_argument(
+        "--format", choices=["png", "svg", "pdf"], default="png", help="figure format (--out)"
+    )
     e.add_argument(
         "--html",
         metavar="FILE",
@@ -107,7 +110,7 @@ def _explain(args) -> int:
         print(ex.report())
         if args.out:
             try:
-                files = ex.write(args.out)
+                files = ex.write(args.out, args.format)
             except OSError as e:
                 raise InputError(
                     f"--out {args.out!r}: cannot write {e.filename or 'the files'} ({e.strerror})"

@@ -303,8 +303,11 @@ class Explanation:
             "top_path": None if self.path is None else self.path.to_dict(),
         }
 
-    def write(self, out) -> list[str]:
-        """JSON, CSV and PNG files under ``out``; returns their paths."""
+    def write(self, out, format: str = "png") -> list[str]:
+        """JSON, CSV and figure files (``format``: png, svg or pdf) under ``out``;
+        returns their paths."""
+        if format not in ("png", "svg", "pdf"):
+            raise InputError(f"figure format {format!r}: choose png, svg or pdf")
         out = FilePath(out)
         out.mkdir(parents=True, exist_ok=True)
         written = []
@@ -320,28 +323,31 @@ class Explanation:
         if self.path is not None:
             self.path.to_frame().to_csv(out / "top_path.csv", index=False)
             written.append(str(out / "top_path.csv"))
-        written += self._figures(out)
+        written += self._figures(out, format)
         return written
 
-    def _figures(self, out) -> list[str]:
+    def _figures(self, out, format: str = "png") -> list[str]:
         from . import plots
 
         files = []
+
+        def save(fig, name, semiring):
+            said = f"log p({self.target}) − log p({self.foil}) = {self.score:.4g}"
+            plots.caption(fig, f'"{self.text}"\n{said}; {semiring}; {self.model_id}')
+            files.append(str(plots.save(fig, out / f"{name}.{format}")))
+
         if self.layers is not None and len(self.layers):
             max_rows = self.layers[self.layers.semiring.str.startswith("MaxProduct")]
             table = max_rows if len(max_rows) else self.layers
             sr = table.semiring.iloc[0]
             for sub in sorted(set(table.sublayer)):
-                fig = plots.branch_bars(table, sublayer=sub, semiring=sr)
-                files.append(str(plots.save(fig, out / f"branches_{sub}.png")))
-            fig = plots.token_heatmap(table, semiring=sr)
-            files.append(str(plots.save(fig, out / "token_heatmap.png")))
+                save(plots.branch_bars(table, sublayer=sub, semiring=sr), f"branches_{sub}", sr)
+            save(plots.token_heatmap(table, semiring=sr), "token_heatmap", sr)
         if self.entropy is not None:
             fig = plots.token_bars(self.entropy, value="entropy", title="path entropy per token")
-            files.append(str(plots.save(fig, out / "entropy.png")))
+            save(fig, "entropy", "Entropy")
         if self.path is not None:
-            fig = plots.path_diagram(self.path)
-            files.append(str(plots.save(fig, out / "top_path.png")))
+            save(plots.path_diagram(self.path), "top_path", self.path.semiring)
         return files
 
 

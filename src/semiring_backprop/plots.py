@@ -95,6 +95,15 @@ def branch_bars(
         per = win.groupby(["layer", "role"])["w"].sum()
         tokens = rows.groupby("layer")["token"].nunique()
         heights = per / tokens.reindex(per.index.get_level_values("layer")).to_numpy()
+        # tokens with no path through the sublayer (after the explained position, say)
+        missing = 1.0 - heights.groupby(level="layer").sum().reindex(tokens.index).fillna(0.0)
+        missing = missing[missing > 1e-9]
+        if len(missing):
+            import pandas as pd
+
+            extra = pd.Series(missing.to_numpy(), index=pd.MultiIndex.from_arrays(
+                [missing.index, ["no path"] * len(missing)], names=["layer", "role"]))  # fmt: skip
+            heights = pd.concat([heights, extra])
         ylabel = "share of tokens (top path)"
     else:
         heights = rows.groupby(["layer", "role"])[value].sum()
@@ -104,10 +113,12 @@ def branch_bars(
     fig, ax = _new_axes(ax, (max(4.0, 0.45 * len(layers) + 2.5), 3.6))
     up = [0.0] * len(layers)
     down = [0.0] * len(layers)
-    for role in (r for r in ROLES if r in grid.columns):
+    for role in (r for r in (*ROLES, "no path") if r in grid.columns):
         h = grid[role].tolist()
         bottom = [d if v < 0 else u for v, u, d in zip(h, up, down)]
-        ax.bar(layers, h, bottom=bottom, color=COLORS[role], label=role, width=0.8)
+        style = {"color": COLORS[role]} if role in COLORS else {
+            "facecolor": "white", "edgecolor": "#999999", "hatch": "///"}  # fmt: skip
+        ax.bar(layers, h, bottom=bottom, label=role, width=0.8, **style)
         up = [u + max(v, 0.0) for u, v in zip(up, h)]
         down = [d + min(v, 0.0) for d, v in zip(down, h)]
     ax.set_xticks(layers)
@@ -180,9 +191,16 @@ def token_bars(
     frame = frame.sort_values("token")
     fig, ax = _new_axes(ax, (max(4.0, 0.35 * len(frame) + 1.5), 3.0))
     xs = range(len(frame))
-    ax.bar(xs, frame[value].tolist(), color=COLORS["query"])
+    heights = frame[value].tolist()
+    ax.bar(xs, heights, color=COLORS["query"])
     ax.set_xticks(xs, [str(t) for t in frame[label]], rotation=90 if len(frame) > 8 else 0)
     ax.set_ylabel(value)
+    finite = [h for h in heights if math.isfinite(h)]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)
+    if lo > 0 and hi - lo < 0.5 * hi:  # bars near one height: the axis starts where they differ
+        pad = 0.15 * (hi - lo) or 0.01 * hi
+        ax.set_ylim(lo - pad, hi + pad)
+        ax.set_ylabel(f"{value} (axis from {lo - pad:.4g})")
     ax.set_title(title or f"{value} per token")
     return fig
 
@@ -304,16 +322,49 @@ def _run_labels(runs) -> list[str]:
         elif module is None:
             name = "model output" if i == len(runs) - 1 else "(top level)"
         else:
-            name = ".".join(module.split(".")[prefix:][-3:])
+            name = _with_layer(module) or ".".join(module.split(".")[prefix:][-3:])
         out.append(name + (f"  ({len(steps)} ops)" if len(steps) > 1 else ""))
     return out
 
 
-def save(fig: Figure, path: str | os.PathLike) -> str | os.PathLike:
-    """Write ``fig`` as a PNG (120 dpi), creating parent folders; returns ``path``.
+def _with_layer(module: str) -> str | None:
+    """``layer 3 attention.output.LayerNorm`` for a module inside a numbered layer."""
+    from .analysis.branches import _layer_of
 
-    >>> save(branch_bars(table), "out/branches.png")
+    layer = _layer_of(module)
+    if not layer:
+        return None
+    rest = module[len(layer) :].lstrip(".")
+    number = layer.rsplit(".", 1)[-1]
+    return f"layer {number} " + (".".join(rest.split(".")[-3:]) or "(block)")
+
+
+FORMATS = ("png", "svg", "pdf")
+
+
+def save(fig: Figure, path: str | os.PathLike) -> str | os.PathLike:
+    """Write ``fig`` in the format its suffix names (``.png`` at 120 dpi, ``.svg``,
+    ``.pdf``; no suffix: PNG), creating parent folders; returns ``path``.
+
+    >>> save(branch_bars(table), "out/branches.pdf")
     """
+    suffix = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
+    if suffix not in FORMATS:
+        raise InputError(f"cannot save a figure as {suffix!r}: use .png, .svg or .pdf")
+    import matplotlib
+
     os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
-    fig.savefig(path, dpi=120, format="png")
+    with matplotlib.rc_context({"svg.fonttype": "none", "pdf.fonttype": 42}):  # text stays text
+        fig.savefig(path, dpi=120, format=suffix)
     return path
+
+
+def caption(fig: Figure, text: str) -> Figure:
+    """Name what the figure shows above it (the text, the target, the semiring): a
+    figure read apart from its report still says what it is about."""
+    import textwrap
+
+    short = text if len(text) <= 300 else text[:299] + "…"
+    lines = [textwrap.fill(line, 110) for line in short.splitlines()]
+    fig.suptitle("\n".join(lines), fontsize=7, color="#444444")
+    return fig
