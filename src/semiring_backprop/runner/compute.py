@@ -51,13 +51,20 @@ def prepare(ex: Example, tokenizer, config, kind: str) -> Item | str:
             text = " ".join(tokenizer.mask_token if w == MASK else w for w in text.split())
         else:  # a causal LM predicts the masked word from the words before it
             text = " ".join(text.split()[: text.split().index(MASK)])
-    shim = types.SimpleNamespace(config=config, device=torch.device("cpu"))
     try:
-        inputs, pos = encode(tokenizer, shim, text, kind)
+        inputs, pos = encode(tokenizer, _stand_in(config), text, kind)
     except InputError as e:
         return str(e)
     ids = inputs["input_ids"][0].tolist()
     return Item(ex, ids, pos, target, foil, _word_of_tokens(tokenizer, text, len(ids)))
+
+
+def _stand_in(config):
+    """What :func:`~semiring_backprop.explain.encode` reads of a model, from its config
+    (a process that only tokenizes, such as a Ray driver, loads no weights)."""
+    table = types.SimpleNamespace(num_embeddings=getattr(config, "vocab_size", None))
+    return types.SimpleNamespace(config=config, device=torch.device("cpu"),
+                                 get_input_embeddings=lambda: table)  # fmt: skip
 
 
 def _word_of_tokens(tokenizer, text: str, n: int) -> list:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from ..errors import InputError
+from ..errors import InputError, SemiringBackpropError
 
 INSTALL = (
     "workers= (--workers) runs Ray actors, and Ray is not installed: pip install "
@@ -92,6 +92,13 @@ def ray_batches(groups, source, workers: int, address: str | None = None):
                 tables = pool.get_next_unordered()
             except ray.exceptions.RayTaskError as e:
                 raise e.as_instanceof_cause() from None
+            except ray.exceptions.RayError as e:  # a worker died (out of memory, killed)
+                first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+                raise SemiringBackpropError(
+                    f"a Ray worker stopped ({type(e).__name__}: {first}); the results "
+                    "written so far are kept: run again into the same output directory "
+                    "to go on (with fewer workers if they ran out of memory)"
+                ) from None
             yield pending.pop(tables.pop("_batch")), tables
     finally:
         for a in actors:
