@@ -264,7 +264,7 @@ def test_blimp_file_with_a_multi_word_prefix(tmp_path, bert_dir):
     path = _jsonl(tmp_path / "blimp.jsonl", [
         {"sentence_good": "The dog is here.", "sentence_bad": "The dog are here.",
          "one_prefix_prefix": "The dog", "one_prefix_word_good": "is",
-         "one_prefix_word_bad": "are"},
+         "one_prefix_word_bad": "are", "subject": 1},
         {"sentence_good": "The keys to the cabinet that works with the dog are here.",
          "sentence_bad": "The keys to the cabinet that work with the dog are here.",
          "one_prefix_prefix": "The keys to the cabinet that",
@@ -275,6 +275,8 @@ def test_blimp_file_with_a_multi_word_prefix(tmp_path, bert_dir):
     ])  # fmt: skip
     examples, bad = read_examples(path)
     assert [m.source for m in bad] == [f"{path}:3"]
+    assert examples[0].positions == {"subject": (1,)}
+    assert examples[0].text == f"The dog {MASK} here."
     two = examples[1]
     assert (two.target, two.foil) == ("works", "work")
     assert two.text == f"The keys to the cabinet that {MASK} with the dog are here."

@@ -8,7 +8,7 @@ one process by default, Ray workers when asked.
 
 from .compute import Explainer, Item, prepare, readouts
 from .driver import Settings, batches, load_results, run
-from .readers import FORMATS, Example, Malformed, read_examples
+from .readers import FORMATS, Example, Malformed, from_agreement, read_examples
 
 __all__ = [
     "FORMATS",
@@ -18,6 +18,7 @@ __all__ = [
     "Malformed",
     "Settings",
     "batches",
+    "from_agreement",
     "load_results",
     "prepare",
     "read_examples",

@@ -102,7 +102,7 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
     if examples is None and data is None:
         raise InputError("no data: pass data= (a file or data set) or examples=")
     settings = Settings(
-        model=str(model_id), data=None if data is None else str(data), format=format,
+        model=_where(model_id), data=None if data is None else _where(data), format=format,
         columns=tuple(sorted((columns or {}).items())), split=split,
         semirings=tuple(semirings), granularity=granularity, kind=kind, dtype=dtype,
         top_path=top_path, limit=limit, batch_size=batch_size, workers=workers,
@@ -158,6 +158,13 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         from .report import summarize
 
         return summarize(out, settings, chosen, malformed, records, n_new, elapsed, figures)
+
+
+def _where(name) -> str:
+    """A local path as an absolute one (a rerun from another directory is the same
+    run); a hub or data set name as given."""
+    p = Path(str(name)).expanduser()
+    return str(p.resolve()) if p.exists() else str(name)
 
 
 def _split(rows) -> tuple[list[Example], list[Malformed]]:

@@ -262,9 +262,7 @@ def _positions(value, n_words: int) -> dict:
 
 def _agreement(path, read) -> Iterator[Example | Malformed]:
     """The examples of :func:`~semiring_backprop.data.read_blimp` or ``read_linzen``
-    (which skip malformed lines and list them), as runner examples: the text has MASK at
-    the verb; the subject and attractors, where known, are positions of interest; the
-    id is the line number."""
+    (which skip malformed lines and list them), as runner examples (:func:`from_agreement`)."""
     data = read(path)
     rows = [*data, *data.skipped]
     rows.sort(key=lambda r: int(r.source.rsplit(":", 1)[1]))
@@ -272,14 +270,21 @@ def _agreement(path, read) -> Iterator[Example | Malformed]:
         if isinstance(row, Malformed):
             yield row
             continue
-        positions = {}
-        if row.subject is not None:
-            positions["subject"] = (row.subject,)
-        if row.attractor_positions is not None:
-            positions["attractors"] = tuple(row.attractor_positions)
-        extra = {} if row.attractors is None else {"attractors": row.attractors}
-        line = row.source.rsplit(":", 1)[1]
-        yield Example(line, " ".join(row.words), row.good, row.bad, positions, extra, row.source)
+        yield from_agreement(row)
+
+
+def from_agreement(ex) -> Example:
+    """A runner example of an :class:`~semiring_backprop.data.AgreementExample`: the text
+    has MASK at the verb, the subject and attractors (where known) are positions of
+    interest, the number of attractors an extra column; the id is the line number."""
+    positions = {}
+    if ex.subject is not None:
+        positions["subject"] = (ex.subject,)
+    if ex.attractor_positions is not None:
+        positions["attractors"] = tuple(ex.attractor_positions)
+    extra = {} if ex.attractors is None else {"attractors": ex.attractors}
+    line = ex.source.rsplit(":", 1)[-1]
+    return Example(line, " ".join(ex.words), ex.good, ex.bad, positions, extra, ex.source)
 
 
 # -- Hugging Face datasets -------------------------------------------------------------
