@@ -914,6 +914,127 @@ def _env_var(name, value):
             os.environ[name] = before
 
 
+def _item_model(x):
+    return x * x.sum().item()  # a Python number read from the input
+
+
+@graceful(
+    "api.item-in-forward-reused",
+    lambda r, env: close(r.at(0, sbp.Real()), autograd(_item_model, (2 * env.x,), torch.sum)),
+)
+def _(env):
+    """a forward that reads .item(), reused on another input: the number follows it"""
+    bp = sbp.Backprop(_item_model, torch.sum)
+    bp(env.x)
+    return bp(2 * env.x)
+
+
+@clear("api.python-branch-on-values", r"data-dependent")
+def _(env):
+    """Python control flow on a tensor's value"""
+    return sbp.backprop(lambda x: x.sum() if x.sum() > 0 else -x.sum(), (env.x,))
+
+
+@clear("api.output-raises", r"ZeroDivisionError")
+def _(env):
+    return _bp(env, output=lambda y: 1 / 0)
+
+
+@clear("api.model-returns-none", r"NoneType")
+def _(env):
+    return sbp.backprop(lambda x: None, (env.x,), output=lambda y: y)
+
+
+@graceful("api.zero-dim-input", lambda r, env: close(r.at(0, sbp.Real()), torch.tensor(6.0)))
+def _(env):
+    return sbp.backprop(lambda x: x * x, (torch.tensor(3.0),))
+
+
+@graceful(
+    "api.frozen-parameters",
+    lambda r, env: close(r.at(0, sbp.Real()), autograd(env.net(), (env.x,), out01)),
+)
+def _(env):
+    """parameters with requires_grad=False (a frozen model)"""
+    return _bp(env, model=env.net().requires_grad_(False))
+
+
+@graceful(
+    "api.under-no-grad",
+    lambda r, env: close(r.at(0, sbp.Real()), autograd(env.net(), (env.x,), out01)),
+)
+def _(env):
+    """called inside torch.no_grad()"""
+    with torch.no_grad():
+        return _bp(env)
+
+
+@graceful(
+    "api.under-inference-mode",
+    lambda r, env: close(r.at(0, sbp.Real()), autograd(env.net(), (env.x,), out01)),
+)
+def _(env):
+    """called inside torch.inference_mode()"""
+    net = env.net()
+    with torch.inference_mode():
+        return _bp(env, model=net)
+
+
+@clear("api.model-made-under-inference-mode", r"Inference tensors")
+def _(env):
+    """a model built (or loaded) under torch.inference_mode(): its weights are inference
+    tensors, which autograd's tracing cannot use"""
+    with torch.inference_mode():
+        net = env.net()
+    return _bp(env, model=net)
+
+
+@graceful("api.default-dtype-float64", lambda r, env: close(r.at(0, sbp.Real()), 2 * torch.ones(3)))
+def _(env):
+    """torch's default dtype set to float64 by the caller"""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return sbp.backprop(lambda x: (x * x).sum(), (torch.ones(3),))
+    finally:
+        torch.set_default_dtype(before)
+
+
+@graceful(
+    "api.keep-a-bare-int",
+    lambda r, env: close(r.at(0, sbp.Real()), autograd(env.net(), (env.x,), out01)),
+)
+def _(env):
+    """keep=0 (one place, not in a tuple)"""
+    return sbp.Backprop(env.net(), out01, keep=0)(env.x)
+
+
+@clear(
+    "api.memory-setting-a-word", r"^(?!the pass ran out of memory).*SEMIRING_BACKPROP_MEMORY='abc'"
+)
+def _(env):
+    """SEMIRING_BACKPROP_MEMORY=abc: a bad setting, not a lack of memory"""
+    with _env_var("SEMIRING_BACKPROP_MEMORY", "abc"):
+        return _bp(env)
+
+
+@clear("api.memory-setting-negative", r"SEMIRING_BACKPROP_MEMORY='-5'")
+def _(env):
+    with _env_var("SEMIRING_BACKPROP_MEMORY", "-5"):
+        return _bp(env)
+
+
+@clear("api.threads-setting-a-word", r"SEMIRING_BACKPROP_THREADS='abc'")
+def _(env):
+    with _env_var("SEMIRING_BACKPROP_THREADS", "abc"):
+        return sbp.threads()(lambda: None)()
+
+
+@clear("api.threads-negative", r"threads\(n\)=-1")
+def _(env):
+    return sbp.threads(-1)(lambda: None)()
+
+
 # -- a reused Backprop after the model changed -------------------------------------------
 
 
@@ -1255,6 +1376,60 @@ def _(env):
 )
 def _(env):
     return _net(env).top_path((0, (0, 2)), sign="-")
+
+
+def _oracle(env, place=0):
+    res = _net(env)
+    return oracles.build(res).readouts(res.node(place))
+
+
+@graceful(
+    "result.top-path-negative-index",
+    lambda p, env: close(p.value, _oracle(env)["hi"][0, -1]),
+)
+def _(env):
+    return _net(env).top_path((0, (0, -1)))
+
+
+@graceful(
+    "result.top-path-a-slice",
+    lambda p, env: close(p.value, _oracle(env)["hi"][0].max()),
+)
+def _(env):
+    """a set of sources (a slice): the path starts at the best of them"""
+    return _net(env).top_path((0, (0, slice(None))))
+
+
+@graceful(
+    "result.top-path-from-a-module",
+    lambda p, env: close(p.value, _oracle(env, "fc1")["hi"][0, 1]),
+)
+def _(env):
+    return _net(env).top_path(("fc1", (0, 1)))
+
+
+@clear("result.top-path-index-a-word", r"index \('a',\)")
+def _(env):
+    return _net(env).top_path((0, "a"))
+
+
+@clear("result.at-a-tuple", r"\(0, 1\)")
+def _(env):
+    return _net(env).at((0, 1), sbp.Real())
+
+
+@clear("result.aggregate-dim-twice", r"twice")
+def _(env):
+    return _net(env).aggregate(0, sbp.Real(), dims=(1, -1))
+
+
+@graceful(
+    "result.aggregate-no-dims",
+    lambda v, env: close(v, autograd(env.net(), (env.x,), out01)),
+)
+def _(env):
+    """dims=(): the ⊕ over no dimension is the value itself"""
+    return _net(env).aggregate(0, sbp.Real(), dims=())
 
 
 @clear("result.top-path-index-out-of-range", r"(index|out of range|size|bounds).*(9|4)")

@@ -420,7 +420,10 @@ def _stamp(model):
         stamp.append((id(m), type(m), m.training, *map(tuple, _hooks(m))))
         for t in (*m._parameters.values(), *m._buffers.values()):
             if t is not None:
-                stamp.append((id(t), t.data_ptr(), t._version))
+                # inference tensors (made under torch.inference_mode) have no version
+                # counter; the sampled elements (_samples) still see writes to them
+                version = None if t.is_inference() else t._version
+                stamp.append((id(t), t.data_ptr(), version))
         stamp.append(_plain(m.__dict__, seen))
     return tuple(stamp)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import rules
-from .errors import OutOfMemoryError
+from .errors import InputError, OutOfMemoryError
 
 #: refuse only past this share of the free memory (the estimate is a lower bound)
 SHARE = 1.0
@@ -85,11 +85,15 @@ def available(device: torch.device) -> int | None:
     own = os.environ.get("SEMIRING_BACKPROP_MEMORY", "").strip()
     if own:
         try:
-            return int(float(own))
-        except ValueError:
-            raise OutOfMemoryError(
-                f"SEMIRING_BACKPROP_MEMORY={own!r}: expected a number of bytes"
-            ) from None
+            budget = int(float(own))
+        except (ValueError, OverflowError):  # a word, or inf / nan
+            budget = -1
+        if budget < 0:  # a setting, not memory: an InputError (not taken for an allocation)
+            raise InputError(
+                f"SEMIRING_BACKPROP_MEMORY={own!r}: expected a number of bytes, 0 or more "
+                "(e.g. 4e9), or unset it to use the free memory the system reports"
+            )
+        return budget
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

@@ -248,6 +248,8 @@ def _dims(dims, node, where) -> tuple[int, ...]:
                 f"int from {-rank if rank else 0} to {rank - 1 if rank else 0} (e.g. dims=(-1,) "
                 "for the hidden units)"
             )
+    if len({d % rank for d in given} if rank else set(given)) < len(given):
+        raise InputError(f"dims={dims!r} names a dimension twice; name each once")
     return given
 
 
