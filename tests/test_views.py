@@ -147,6 +147,26 @@ def test_gradient_strip_equals_autograd_summed_over_units(views_ex):
     assert_self_contained(page)
 
 
+def test_gradient_strip_warns_where_the_sums_cancel(views_ex):
+    """After a LayerNorm the sum of a token's gradients over its units is 0 (the norm's
+    output does not change when its input shifts by a constant): autograd shows it here,
+    and the strip says so instead of colouring rounding noise as if it were signal."""
+    ex = views_ex
+    model, tok = ex.result_model, ex.result_tokenizer
+    enc = tok(TEXT, return_tensors="pt")
+    emb = model.get_input_embeddings()(enc["input_ids"]).detach().requires_grad_()
+    out = model(inputs_embeds=emb, attention_mask=enc["attention_mask"])
+    lp = out.logits[0, ex.position].log_softmax(-1)
+    are, is_ = tok.convert_tokens_to_ids(["are", "is"])
+    (g,) = torch.autograd.grad(lp[are] - lp[is_], emb)
+    assert (g[0].sum(-1).abs() <= 1e-9 * g[0].abs().sum(-1)).all()  # they cancel
+    page = ex.result.view("gradient", tokens=[ex.tokens]).html()
+    assert 'class="warn"' in page and "cancel" in page
+    assert "cancel" in str(ex.result.view("gradient", tokens=[ex.tokens]))
+    inner = ex.result.view("gradient", source="bert.encoder.layer.0.intermediate.dense")
+    assert 'class="warn"' not in inner.html()  # sums that do not cancel: no warning
+
+
 def _reddish(c):
     r, b = int(c[1:3], 16), int(c[5:7], 16)
     return r > b

@@ -20,6 +20,8 @@ CSS = """
 .sbp .card dt{float:left;clear:left;width:110px;color:#666}
 .sbp .card dd{margin:0 0 2px 118px;overflow-wrap:anywhere}
 .sbp .card dd.text{max-height:6.5em;overflow-y:auto}
+.sbp .warn{font-size:12.5px;margin:2px 0 6px;padding:3px 8px;border-left:3px solid #E69F00;
+ background:#FFF8E6}
 .sbp .strip{display:flex;flex-wrap:wrap;gap:3px;margin:4px 0 6px}
 .sbp .tok{display:inline-flex;flex-direction:column;align-items:center;padding:2px 5px;
  border-radius:4px;border:1px solid rgba(0,0,0,.08);min-width:18px}
@@ -111,6 +113,8 @@ def strips(tv, title: str | None = None) -> str:
     scale = Scale([v for row in tv.values for v in row], signed=tv.signed or None)
     out = [f"<h3>{esc(title or tv.quantity.replace('_', ' '))}</h3>"]
     out.append(f'<div class="note">{esc(tv.description)}; read at {esc(tv.source)}</div>')
+    if tv.warning:
+        out.append(f'<div class="warn">{esc(tv.warning)}</div>')
     for i, (vals, toks) in enumerate(zip(tv.values, tv.tokens)):
         if len(tv.values) > 1:
             out.append(f'<div class="note">example {i}</div>')

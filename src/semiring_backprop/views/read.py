@@ -35,6 +35,7 @@ class TokenValues:
     tokens: list  #: examples x positions of str
     source: str = ""
     marks: dict = field(default_factory=dict)  #: (example, position) -> why it is marked
+    warning: str = ""  #: what the reader must know before reading the colours
 
 
 def _find(res, kind):
@@ -91,9 +92,11 @@ def token_values(res, quantity: str, source=None, tokens=None) -> TokenValues:
         raise InputError(f"quantity must be one of {', '.join(QUANTITIES)}; got {quantity!r}")
     source = default_source(res) if source is None else source
     missing = None
+    warning = ""
     if quantity == "gradient":
         (sr,) = _need(res, quantity, Real)
         v = res.aggregate(source, sr)
+        warning = _cancels(res.at(source, sr), v)
     elif quantity == "top_path":
         sr = _find(res, MaxProduct) or _find(res, MaxAbs)
         if sr is None:
@@ -121,7 +124,23 @@ def token_values(res, quantity: str, source=None, tokens=None) -> TokenValues:
     else:
         labels = per_example(tokens, n, t)
     desc, signed = QUANTITIES[quantity]
-    return TokenValues(quantity, desc, signed, values, labels, str(source))
+    return TokenValues(quantity, desc, signed, values, labels, str(source), warning=warning)
+
+
+def _cancels(g: torch.Tensor, total: torch.Tensor) -> str:
+    """A warning where each token's sum of gradients over its units is rounding noise
+    next to the sum of their sizes (a LayerNorm after the point makes it 0)."""
+    mass = g.abs().sum(-1)
+    eps = torch.finfo(g.dtype).eps if g.is_floating_point() else 0.0
+    noise = total.abs() <= 64 * eps * g.shape[-1] * mass
+    if not bool(noise.all()) or not bool((mass > 0).any()):
+        return ""
+    return (
+        "these sums cancel: for every token, |Σ gradient| is at the rounding level of "
+        f"Σ |gradient| (up to {float(mass.max()):.3g}), as where a LayerNorm follows; "
+        "the colours show rounding noise, not attribution. Read the gradient per unit "
+        "(Result.at), or the top path and entropy strips."
+    )
 
 
 def _examples_by_positions(v: torch.Tensor, source) -> list[list]:

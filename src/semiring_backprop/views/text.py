@@ -38,6 +38,8 @@ def strips(tv, color: bool = False, title: str | None = None) -> str:
     """Tokens with their values, wrapped to the terminal's width."""
     scale = Scale([v for row in tv.values for v in row], signed=tv.signed or None)
     lines = [f"{title or tv.quantity.replace('_', ' ')} ({tv.description}; at {tv.source})"]
+    if tv.warning:
+        lines.append(f"  note: {tv.warning}")
     width = _width()
     for i, (vals, toks) in enumerate(zip(tv.values, tv.tokens)):
         if len(tv.values) > 1:
