@@ -13,6 +13,7 @@ import contextlib
 import functools
 import html
 import html.parser
+import inspect
 import io
 import math
 import re
@@ -419,6 +420,32 @@ def test_heatmap_shows_heads_where_the_table_has_them(views_ex):
     plain = views.branches(table.drop(columns="head")).html()
     strip = lambda s: re.sub(r"; query head \d: [^;\n<]*", "", s)  # noqa: E731
     assert strip(page) == plain  # the shares are the branch rows', heads only on hover
+
+
+@pytest.mark.parametrize("semiring", ["MaxProduct(neuron)", "Real", "TopK(3)"])
+def test_per_head_table_gives_the_branch_shares(views_ex, semiring):
+    """A per-head table (query/key/value rows per head, no whole-branch row) shows the
+    shares of the branch table: the ⊕ of a branch's heads is the branch (for TopK, the
+    value of largest |value|), and its heads are named on hover."""
+    ex = views_ex
+    res = ex.result
+    if "per_head" not in inspect.signature(res.layer_table).parameters:
+        pytest.skip("this version has no per-head tables")
+    heads = res.layer_table(per_head=True, tokens=[ex.tokens], by="role")
+    assert "head" in heads.columns
+    rows, _, _ = views.shares(heads, semiring)
+    plain = ex.layers[ex.layers["semiring"] == semiring].copy()
+    total = plain.assign(w=plain["value"].abs().where(plain["path"], 0.0))
+    total["t"] = total.groupby(["layer", "sublayer", "token"])["w"].transform("sum")
+    merged = rows.merge(total, on=["layer", "sublayer", "token", "branch"])
+    assert len(merged) == len(plain)
+    live = merged[merged["path_y"]]  # (no path: the semiring's zero, -inf for MaxProduct)
+    assert (merged["path_x"] == merged["path_y"]).all()
+    assert ((live["value_x"] - live["value_y"]).abs() <= 1e-9 * live["t"] + 1e-300).all()
+    want = (merged["w"] / merged["t"]).where(merged["t"] > 0)
+    assert ((merged["share"] - want).abs().fillna(0) <= 1e-9).all()
+    page = views.branches(heads, semiring=semiring).html()
+    assert "query head 0: " in page and "value head 1: " in page
 
 
 def test_real_heatmap_says_values_can_cancel(views_ex):

@@ -376,6 +376,12 @@ def _fold_heads(rows, name):
     agg = "sum" if name == "Real" else "max"
     if name.startswith(_LOG):
         agg = lambda s: float(torch.logsumexp(torch.tensor(list(s), dtype=torch.float64), 0))
-    out = rows.groupby(keys, as_index=False).agg(value=("value", agg), path=("path", "any"))
-    out["winner"] = False
+    elif name.startswith("TopK"):  # the signed value of the heaviest path: largest |value|
+        agg = lambda s: float(s.loc[s.abs().idxmax()])
+    have = {"value": ("value", agg), "path": ("path", "any")}
+    if "winner" in rows.columns:
+        have["winner"] = ("winner", "any")
+    out = rows.groupby(keys, as_index=False).agg(**have)
+    if "winner" not in out.columns:
+        out["winner"] = False
     return out
