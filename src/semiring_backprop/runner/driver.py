@@ -328,9 +328,10 @@ def _drop_uncommitted(out: Path, records: Records) -> None:
                 f.unlink()
 
 
-def load_results(out) -> dict:
+def load_results(out, columns: dict | None = None) -> dict:
     """The committed tables of a run directory: ``{"examples", "tokens", "branches"}``
-    as pandas DataFrames (shards in commit order)."""
+    as pandas DataFrames (shards in commit order); ``columns``: ``{table: [names]}``
+    reads only those columns of a table."""
     import pandas as pd
 
     out = Path(out)
@@ -340,6 +341,7 @@ def load_results(out) -> dict:
     names = [r["shard"] for r in records.rows if r.get("shard")]
     tables = {}
     for table in TABLES:
-        frames = [pd.read_parquet(out / table / f"{n}.parquet") for n in names]
+        cols = (columns or {}).get(table)
+        frames = [pd.read_parquet(out / table / f"{n}.parquet", columns=cols) for n in names]
         tables[table] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return tables

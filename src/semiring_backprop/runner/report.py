@@ -16,7 +16,8 @@ def summarize(out: Path, settings, chosen, malformed, records, n_new: int, elaps
               figures: bool = True) -> dict:  # fmt: skip
     from .driver import load_results
 
-    tables = load_results(out)
+    needed = ["semiring", "layer", "sublayer", "branch", "value", "winner", "path"]
+    tables = load_results(out, columns={"branches": needed})  # the largest: what is read
     wanted = {ex.id for ex in chosen}
     skipped: dict = {}
     for r in records.rows:
