@@ -338,6 +338,29 @@ def test_path_branch_is_the_winning_branch_of_its_token(token):
     assert shown[0] == first
 
 
+@pytest.mark.parametrize("token", range(5))
+def test_path_head_is_the_winning_head_of_its_token(token):
+    """The top path from a token at a fan-out point is the heaviest of all its paths, so
+    its branch and head are those of the largest row of the per-head branch table (a
+    pass restricted to each head's columns)."""
+    res = _tel_result()
+    if "per_head" not in inspect.signature(res.branches).parameters:
+        pytest.skip("this version has no per-head tables")
+    table = res.branches(0, sbp.MaxProduct(), per_head=True)
+    rows = table[table["token"] == token]
+    best = rows.loc[rows["value"].idxmax()]
+    path = res.top_path((0, (0, token)))
+    runs = views.read.path_runs(path, roles=views.entry_roles(res),
+                                heads=views.head_columns(res))  # fmt: skip
+    first = next(r for r in runs if r.role)
+    assert first.role == best["role"]
+    if best["role"] in ("query", "key", "value"):
+        assert first.heads == (int(best["head"]),)
+        assert f"(head {int(best['head'])})" in str(views.path(path, res=res))
+    else:
+        assert first.heads == ()
+
+
 def test_path_text_and_repr_are_short(views_ex):
     ex = views_ex
     path = ex.path

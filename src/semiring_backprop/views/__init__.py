@@ -26,6 +26,7 @@ from .read import (
     TokenValues,
     available,
     entry_roles,
+    head_columns,
     path_runs,
     shares,
     token_values,
@@ -115,13 +116,20 @@ def _strip(tv: TokenValues, title: str | None = None) -> View:
     return View(_html.strips(tv, title), lambda color: _text.strips(tv, color, title), tv.quantity)
 
 
+def _known(res) -> dict:
+    """What the result tells about paths: branch entries and head columns."""
+    return {} if res is None else {"roles": entry_roles(res), "heads": head_columns(res)}
+
+
 def path(p, title: str = "top gradient path", res=None) -> View:
     """A path as a chain from its source to the output: per module, the layer, the
     branch (skip / query / key / value / mlp), the head where the path names one, the
     product of the edge weights and the running product; each row opens to its steps.
     With ``res`` (the result the path was read from) the branches are those
-    ``Result.branches`` finds (fused projections too); else they come from module names."""
-    runs = path_runs(p, roles=None if res is None else entry_roles(res))
+    ``Result.branches`` finds (fused projections too) and a query / key / value branch
+    names its head where the model gives the head count; else branches come from module
+    names."""
+    runs = path_runs(p, **_known(res))
     return View(_html.path_block(p, runs, title), lambda color: _text.path(p, runs, color), title)
 
 
@@ -131,8 +139,8 @@ def paths(ps, title: str = "top paths", res=None) -> View:
     ps = list(ps)
     if not ps:
         raise InputError("no paths to show: give the list Result.top_paths(...) returned")
-    roles = None if res is None else entry_roles(res)
-    runs_of = lambda p: path_runs(p, roles=roles)  # noqa: E731
+    known = _known(res)
+    runs_of = lambda p: path_runs(p, **known)  # noqa: E731
     return View(
         _html.path_list(ps, runs_of, title),
         lambda color: _text.paths(ps, runs_of, color),

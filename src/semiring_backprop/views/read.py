@@ -164,6 +164,42 @@ _MARK = "semiring_backprop.mark.default"
 _CONTRACTIONS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum", "convolution")
 
 
+def head_columns(res) -> dict[tuple[str, str], tuple[tuple, int]]:
+    """For each query / key / value projection of every attention block, by (graph node
+    name, role): the output columns of its part and the columns per head, where the
+    attention module or the model's config gives the number of heads (as per-head
+    branch tables find it); a path through column ``j`` is in head
+    ``cols.index(j) // per_head``."""
+    from ..analysis import branches as b
+
+    counts_of = getattr(b, "_head_counts", None)
+    if counts_of is None:  # a version without per-head tables: no heads to name
+        return {}
+    r = b._Roles(res)
+    out: dict = {}
+    for block in b.blocks(res):
+        point = block.points.get("attention")
+        if point is None:
+            continue
+        qkv = [e for e in b.entries(res, point)[1] if e.role in ("query", "key", "value")]
+        groups: dict = {}
+        for e in qkv:
+            proj = getattr(e, "proj", None) or b._first_contraction(r, e.op)
+            if proj is not None:
+                cols = getattr(e, "cols", ()) or tuple(range(res.values[proj].shape[-1]))
+                groups[proj, e.role] = tuple(cols)
+        if not groups:
+            continue
+        widths = {role: len(cols) for (_, role), cols in groups.items()}
+        try:
+            counts = counts_of(res.graph, qkv[0].consumer, widths, None)
+        except InputError:  # the head count is not known: the path names no head here
+            continue
+        for (proj, role), cols in groups.items():
+            out[proj.name, role] = (cols, len(cols) // counts[role])
+    return out
+
+
 @dataclass
 class Run:
     """Consecutive steps of a path inside one module."""
@@ -240,21 +276,26 @@ def _layer(module: str | None) -> int | None:
     return int(tail) if tail.isdigit() else None
 
 
-def path_runs(path, marks: bool = False, roles: dict | None = None) -> list[Run]:
+def path_runs(path, marks: bool = False, roles: dict | None = None,
+              heads: dict | None = None) -> list[Run]:  # fmt: skip
     """The runs of a path with the branch each is on. ``roles`` (:func:`entry_roles`):
     the path takes a branch where it passes that branch's first op. Without them, from
     module names: it leaves the residual stream through a projection named query / key
     / value / mlp (a fused one: ``qkv``), and an add reached with no contraction since
     the last one is the skip branch. A branch lasts until the residual add that ends
-    it. Runs made only of module-boundary marks are left out unless ``marks=True``
-    (the first and the last run always stay)."""
+    it. ``heads`` (:func:`head_columns`): the head of a query / key / value branch, from
+    the column the path takes at the projection's output. Runs made only of
+    module-boundary marks are left out unless ``marks=True`` (the first and the last
+    run always stay)."""
     runs: list[Run] = []
     for i, s in enumerate(path.steps):
         if runs and runs[-1].module == s.module:
             runs[-1].steps.append(s)
         else:
             runs.append(Run(s.module, [s], i))
-    branch, contracted, prev = "", False, None
+    branch, contracted, prev, head, column = "", False, None, None, None
+    heads = heads or {}
+    projections = {n for n, _ in heads}
     for r in runs:
         named = _name_role(r.module or "") if roles is None else ""
         if named:
@@ -269,12 +310,21 @@ def path_runs(path, marks: bool = False, roles: dict | None = None) -> list[Run]
                     continue
             if s.op.removeprefix("aten.").split(".")[0] in _CONTRACTIONS:
                 contracted = True
+            if s.index and s.node in projections:
+                column = (s.node, s.index[-1])  # the head is known once the branch is
+            if column and head is None and (column[0], branch) in heads:
+                cols, size = heads[column[0], branch]
+                if column[1] in cols:
+                    head = cols.index(column[1]) // size
+            if head is not None:
+                r.heads = (head,)
             if _is_residual(s):
                 role = role if contracted or roles is not None else "skip"
-                branch, contracted = "", False
+                branch, contracted, head, column = "", False, None, None
         r.role = role
         r.layer = _layer(r.module)
-        r.heads = tuple(sorted({h for s in r.steps if (h := getattr(s, "head", None)) is not None}))
+        own = {h for s in r.steps if (h := getattr(s, "head", None)) is not None}
+        r.heads = tuple(sorted(own)) or r.heads
     if marks:
         return runs
     kept, pending = [], []
