@@ -2286,7 +2286,21 @@ _explain_case(
 )
 _explain_case("tokenizer-without-mask", "fast_nomask", names=r"no mask token")
 _explain_case("target-not-in-vocab", "bert", target="zebra", names=r"'zebra' is not in")
-_explain_case("foil-several-tokens", "bert", foil="dogs", names=r"'dogs' is not one token")
+_explain_case(
+    "foil-pieces-too-long",
+    "bert",
+    foil="dogs",
+    text=" ".join(["the"] * 13) + " [MASK]",
+    names=r"17 tokens long.*at most 16",
+)
+_explain_case(
+    "label-not-a-label", "classifier", "--task", "classification", target="happy",
+    names=r"'happy' is not one of the model's 2 labels \(0: LABEL_0, 1: LABEL_1\)",
+)  # fmt: skip
+_explain_case(
+    "similarity-no-pooling", "bert", "--task", "similarity", "--text-pair", "a cat",
+    text="a dog", names=r"--pooling",
+)  # fmt: skip
 _explain_case("target-equals-foil", "bert", target="is", foil="is", names=r"same token")
 _explain_case("target-empty", "bert", target="", names=r"''")
 _explain_case(

@@ -604,13 +604,12 @@ LONG_TEXT = " ".join(["the"] * 7 + ["[MASK]"] + ["the"] * 7)  # 15 words + [CLS]
     [
         (MASKED_TEXT, "zebra", "is", "'zebra' is not in the model's vocabulary"),
         (MASKED_TEXT, "are", "zebra", "'zebra' is not in the model's vocabulary"),
-        (MASKED_TEXT, "dogs", "is", "'dogs' is not one token"),
         ("the keys to the cabinet are on the table", "are", "is", "has no [MASK]"),
         ("the keys [MASK] the cabinet [MASK] on the table", "are", "is", "has 2 [MASK]"),
         (LONG_TEXT, "are", "is", "17 tokens long; the model takes at most 16"),
         (MASKED_TEXT, "are", "are", "are the same token"),
     ],
-    ids=["target-oov", "foil-oov", "multi-token", "no-mask", "two-masks", "too-long", "same"],
+    ids=["target-oov", "foil-oov", "no-mask", "two-masks", "too-long", "same"],
 )
 def test_cli_input_errors(bert_dir, text, target, foil, message, capsys):
     rc = cli.main(_explain_argv(bert_dir, text, target, foil))
@@ -619,12 +618,6 @@ def test_cli_input_errors(bert_dir, text, target, foil, message, capsys):
     assert err.startswith("error:"), err
     assert message in err
     assert "Traceback" not in err and out == ""
-
-
-def test_cli_multi_token_names_the_pieces(bert_dir, capsys):
-    assert cli.main(_explain_argv(bert_dir, MASKED_TEXT, "are", "dogs")) == 2
-    err = capsys.readouterr().err
-    assert "['dog', '##s']" in err and "single-token" in err
 
 
 def test_cli_empty_causal_text(gpt2_dir, capsys):

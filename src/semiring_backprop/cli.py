@@ -51,18 +51,46 @@ def main(argv=None) -> int:
 
 def _explain_parser(sub):
     from .explain import SEMIRINGS
+    from .targets import POOLING, TASKS
 
     e = sub.add_parser(
         "explain",
-        help="explain log p(target) - log p(foil) of a Hugging Face masked or causal LM",
-        description="One semiring pass over a masked or causal LM: per-layer branches "
+        help="explain a Hugging Face model's word choice, label, or text similarity",
+        description="One semiring pass over a Hugging Face model: per-layer branches "
         "(skip/query/key/value/mlp) per token, the top gradient path and per-token path "
-        "entropy of log p(target) - log p(foil) at the [MASK] (or next) position.",
+        "entropy of the explained scalar (--task): lm, log p(target) - log p(foil) at the "
+        "[MASK] (or next) position; classification, a label's logit (or the margin to "
+        "--foil); token, a label's logit at --position; similarity, the cosine similarity "
+        "of the pooled embeddings of --text and --text-pair.",
     )
     e.add_argument("model", help="Hugging Face hub id or local directory")
+    e.add_argument("--task", choices=TASKS, default="lm", help="what is explained (default: lm)")
     e.add_argument("--text", required=True, help="the input; a masked LM needs one mask token")
-    e.add_argument("--target", required=True, help="the word whose log-probability is added")
-    e.add_argument("--foil", required=True, help="the word whose log-probability is subtracted")
+    e.add_argument("--text-pair", help="the second text: of a sentence pair, or for similarity")
+    e.add_argument(
+        "--target",
+        "--label",
+        dest="target",
+        help="lm: the word whose log-probability is explained (several tokens: the sum of "
+        "their log-probabilities); classification, token: the label, a name or an index "
+        "(default: the predicted label)",
+    )
+    e.add_argument(
+        "--foil", help="the word (lm) or label whose log-probability (logit) is subtracted"
+    )
+    e.add_argument("--position", type=int, help="token task: the token index explained")
+    e.add_argument(
+        "--score",
+        choices=["logit", "logprob"],
+        default="logit",
+        help="classification, token: a label's logit or its log-probability",
+    )
+    e.add_argument(
+        "--pooling",
+        choices=POOLING,
+        help="similarity: pooling over tokens (default: the checkpoint's 1_Pooling/config.json)",
+    )
+    e.add_argument("--dim", type=int, help="similarity: explain this embedding dimension")
     e.add_argument(
         "--semiring",
         nargs="+",
@@ -101,6 +129,12 @@ def _explain(args) -> int:
             args.text,
             args.target,
             args.foil,
+            task=args.task,
+            text_pair=args.text_pair,
+            position=args.position,
+            pooling=args.pooling,
+            score=args.score,
+            dim=args.dim,
             semirings=args.semiring,
             granularity=args.granularity,
             kind=args.kind,

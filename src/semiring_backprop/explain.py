@@ -1,7 +1,9 @@
-"""Explain a Hugging Face language model's choice between two words.
+"""Explain a Hugging Face model's choice: a word, a label, or the similarity of two texts.
 
-The explained scalar is ``log p(target) - log p(foil)`` at the masked position (masked
-LM) or at the next position (causal LM), as in the paper's subject-verb agreement study.
+The explained scalar (``task``, :mod:`semiring_backprop.targets`) is by default
+``log p(target) - log p(foil)`` at the masked position (masked LM) or at the next
+position (causal LM), as in the paper's subject-verb agreement study; or a class label's
+logit, a token label's logit, or the cosine similarity of two texts' pooled embeddings.
 One pass computes the chosen semirings; the result holds per-layer branch tables,
 per-token entropy and the top gradient path, and writes them as JSON, CSV and PNG.
 
@@ -115,7 +117,7 @@ def _refuse_fresh_weights(model_id, kind, config, model, info) -> None:
     names = ", ".join(fresh[:8]) + (f" and {len(fresh) - 8} more" if len(fresh) > 8 else "")
     saved = " / ".join(config.architectures or []) or "a checkpoint"
     wanted = type(model).__name__
-    head = {"masked": "masked-LM", "causal": "causal-LM"}[kind]
+    head = {"masked": "masked-LM", "causal": "causal-LM"}.get(kind, kind)
     raise LoadError(
         f"{model_id!r} holds {saved}, which lacks the weights {names}: loaded as {wanted}, "
         "they would be initialized at random and every score would be noise (another on "
@@ -248,27 +250,47 @@ class Explanation:
     text: str
     target: str
     foil: str
-    tokens: list
-    position: int
-    score: float  #: log p(target) - log p(foil)
+    tokens: list  #: the (first) text's tokens
+    position: int | None  #: the explained position (None: a whole text)
+    score: float  #: the explained scalar (lm: log p(target) - log p(foil))
     result: object = field(repr=False)
     layers: object = field(repr=False, default=None)  #: layer_table DataFrame
     entropy: object = field(repr=False, default=None)  #: per-token entropy DataFrame
     path: object = field(repr=False, default=None)  #: top gradient Path
     source: str = ""  #: module whose output the tokens' values are read at
+    task: str = "lm"  #: lm, classification, similarity or token (targets.TASKS)
+    text_pair: str | None = None  #: the second text (a sentence pair, or similarity)
+    what: str = ""  #: the explained scalar in words
+    examples: list | None = None  #: tokens of each example of the batch explained
+    paths: list | None = None  #: the top gradient path from each example's tokens
+
+    def _said(self) -> str:
+        if self.what:
+            return self.what
+        return (
+            f"log p({self.target}) - log p({self.foil}) at position {self.position} "
+            f"({self.tokens[self.position]!r})"
+        )
 
     def report(self) -> str:
+        rows = self.examples or [self.tokens]
         lines = [
-            f"model: {self.model_id} ({self.kind} LM)",
-            f"tokens: {' '.join(self.tokens)}",
-            f"explained: log p({self.target}) - log p({self.foil}) at position "
-            f"{self.position} ({self.tokens[self.position]!r}) = {self.score:.4f}",
+            f"model: {self.model_id} ({self.kind} LM)"
+            if self.task == "lm"
+            else f"model: {self.model_id} ({self.task})",
+            *(
+                [f"tokens: {' '.join(self.tokens)}"]
+                if len(rows) == 1
+                else [f"tokens of example {e}: {' '.join(r)}" for e, r in enumerate(rows)]
+            ),
+            f"explained: {self._said()} = {self.score:.4f}",
         ]
         if self.layers is not None and len(self.layers):
             lines += ["", _branch_text(self.layers)]
-        if self.path is not None:
-            lines += ["", f"top gradient path (from {self.source}):"]
-            lines += ["  " + ln for ln in str(self.path).splitlines()]
+        for e, path in enumerate(self.paths or ([self.path] if self.path is not None else [])):
+            which = f", example {e}" if len(rows) > 1 else ""
+            lines += ["", f"top gradient path (from {self.source}{which}):"]
+            lines += ["  " + ln for ln in str(path).splitlines()]
         if self.entropy is not None:
             lines += ["", "per-token path entropy (nats; normalized = H / log #paths):"]
             lines += ["  " + ln for ln in self.entropy.to_string(index=False).splitlines()]
@@ -297,10 +319,15 @@ class Explanation:
             "tokens": self.tokens,
             "position": self.position,
             "score": self.score,
+            "task": self.task,
+            "text_pair": self.text_pair,
+            "explained": self._said(),
+            "examples": self.examples or [self.tokens],
             "source": self.source,
             "layers": None if self.layers is None else self.layers.to_dict("records"),
             "entropy": None if self.entropy is None else self.entropy.to_dict("records"),
             "top_path": None if self.path is None else self.path.to_dict(),
+            "top_paths": [p.to_dict() for p in self.paths or ([self.path] if self.path else [])],
         }
 
     def write(self, out, format: str = "png") -> list[str]:
@@ -332,23 +359,36 @@ class Explanation:
         files = []
 
         def save(fig, name, semiring):
-            said = f"log p({self.target}) − log p({self.foil}) = {self.score:.4g}"
+            said = f"{self._said().replace(' - ', ' − ')} = {self.score:.4g}"
             plots.caption(fig, f'"{self.text}"\n{said}; {semiring}; {self.model_id}')
             files.append(str(plots.save(fig, out / f"{name}.{format}")))
 
-        if self.layers is not None and len(self.layers):
-            max_rows = self.layers[self.layers.semiring.str.startswith("MaxProduct")]
-            table = max_rows if len(max_rows) else self.layers
-            sr = table.semiring.iloc[0]
-            for sub in sorted(set(table.sublayer)):
-                save(plots.branch_bars(table, sublayer=sub, semiring=sr), f"branches_{sub}", sr)
-            save(plots.token_heatmap(table, semiring=sr), "token_heatmap", sr)
-        if self.entropy is not None:
-            fig = plots.token_bars(self.entropy, value="entropy", title="path entropy per token")
-            save(fig, "entropy", "Entropy")
-        if self.path is not None:
-            save(plots.path_diagram(self.path), "top_path", self.path.semiring)
+        n = len(self.examples or [self.tokens])
+        for e in range(n):  # a batch (two texts): the figures of each example
+            end = f"_{e}" if n > 1 else ""
+            layers, entropy = _one_example(self.layers, e), _one_example(self.entropy, e)
+            path = (self.paths or [self.path])[e] if self.path is not None else None
+            if layers is not None and len(layers):
+                max_rows = layers[layers.semiring.str.startswith("MaxProduct")]
+                table = max_rows if len(max_rows) else layers
+                sr = table.semiring.iloc[0]
+                for sub in sorted(set(table.sublayer)):
+                    fig = plots.branch_bars(table, sublayer=sub, semiring=sr)
+                    save(fig, f"branches_{sub}{end}", sr)
+                save(plots.token_heatmap(table, semiring=sr), f"token_heatmap{end}", sr)
+            if entropy is not None:
+                fig = plots.token_bars(entropy, value="entropy", title="path entropy per token")
+                save(fig, f"entropy{end}", "Entropy")
+            if path is not None:
+                save(plots.path_diagram(path), f"top_path{end}", path.semiring)
         return files
+
+
+def _one_example(table, e: int):
+    """The rows of example ``e`` of a batch's table (the table itself for one example)."""
+    if table is None or "example" not in table.columns:
+        return table
+    return table[table.example == e].drop(columns="example").reset_index(drop=True)
 
 
 def _clean(x):
@@ -370,11 +410,12 @@ def _branch_text(layers) -> str:
         f"branches per layer ({sr}, ⊕ over each token's hidden units; winner: the branch "
         "holding the token's best value)"
     ]
+    keys = ["token", "token_text"]
+    if "example" in table.columns:  # a batch: one row per example and token
+        keys = ["example", *keys]
     for (layer, sub), part in table.groupby(["layer", "sublayer"], sort=True):
-        wide = part.pivot_table(
-            index=["token", "token_text"], columns="branch", values="value", aggfunc=_oplus(sr)
-        )
-        win = part[part.winner].set_index(["token", "token_text"])["branch"]
+        wide = part.pivot_table(index=keys, columns="branch", values="value", aggfunc=_oplus(sr))
+        win = part[part.winner].set_index(keys)["branch"]
         wide["winner"] = win.reindex(wide.index).fillna("")
         wide = wide.reset_index().drop(columns="token").rename(columns={"token_text": "token"})
         wide = wide.replace([-math.inf, math.inf], math.nan)  # the semiring zero: no path
@@ -399,8 +440,8 @@ def _oplus(name: str):
 def explain(
     model,
     text: str,
-    target: str,
-    foil: str,
+    target: str | None = None,
+    foil: str | None = None,
     *,
     tokenizer=None,
     semirings=("max", "entropy"),
@@ -409,41 +450,95 @@ def explain(
     dtype=torch.float32,
     device="cpu",
     model_id: str | None = None,
+    task: str = "lm",
+    text_pair: str | None = None,
+    position: int | None = None,
+    pooling=None,
+    score: str = "logit",
+    dim: int | None = None,
 ) -> Explanation:
-    """Explain ``log p(target) - log p(foil)``; ``model`` is a hub id, a local directory,
-    or a loaded model (then pass ``tokenizer`` too)."""
+    """Explain one scalar of a Hugging Face model; ``model`` is a hub id, a local
+    directory, or a loaded model (then pass ``tokenizer`` too). ``task`` picks the
+    scalar (:mod:`semiring_backprop.targets`):
+
+    * ``"lm"``: ``log p(target) - log p(foil)`` at the mask (masked LM) or the next
+      position (causal LM); a word of several tokens counts as the sum of its pieces'
+      log-probabilities (consecutive masks; teacher-forced next tokens). No ``foil``:
+      ``log p(target)``.
+    * ``"classification"``: the logit (``score="logprob"``: log-probability) of the
+      label ``target`` (a name from ``config.id2label`` or an index; default: the
+      predicted label), or the margin to the label ``foil``; ``text_pair``: the second
+      text of a sentence pair.
+    * ``"token"``: the same for a token classifier at token ``position``.
+    * ``"similarity"``: the cosine similarity of the pooled embeddings of ``text`` and
+      ``text_pair``, pooling read from a sentence-transformers checkpoint
+      (``modules.json``) or given (``pooling="mean"``, ``"cls"``, ``"max"``,
+      ``"lasttoken"``); ``dim=N``: dimension N of ``text``'s embedding instead.
+
+    >>> explain("bert-base-uncased", "the keys to the cabinet [MASK] here", "are", "is")
+    >>> explain(DIR, "a fine film", "positive", task="classification")
+    >>> explain(DIR, "a cat sat", text_pair="a dog sat", task="similarity")
+    """
+    from . import targets
+
+    if task not in targets.TASKS:
+        raise InputError(f"task {task!r}: choose one of {', '.join(targets.TASKS)}")
     if isinstance(model, str | FilePath):
         model_id = str(model)
         check_device(device)
-        model, tokenizer, kind = load(model_id, kind, dtype, device)
+        if task == "lm":
+            model, tokenizer, kind = load(model_id, kind, dtype, device)
+        else:
+            model, tokenizer = targets.load_task(model_id, task, dtype, device)
     elif tokenizer is None:
         raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")
     else:
-        kind = kind or _kind(model.config, tokenizer, type(model).__name__)
+        if task == "lm":
+            kind = kind or _kind(model.config, tokenizer, type(model).__name__)
+        _check_head(model, task)
         model = model.eval()
     model_id = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
     srs = semirings_for(semirings, granularity)
-    t_id, f_id = word_id(tokenizer, target, kind), word_id(tokenizer, foil, kind)
-    if t_id == f_id:
-        raise InputError(f"target {target!r} and foil {foil!r} are the same token")
-    inputs, pos = encode(tokenizer, model, text, kind)
-
-    def score(out):
-        logp = out.logits[0, pos].log_softmax(-1)
-        return logp[t_id] - logp[f_id]
-
-    res = backprop(model, kwargs=inputs, output=score, semirings=srs)
-    tokens = tokenizer.convert_ids_to_tokens(inputs["input_ids"][0].tolist())
+    prep = targets.prepare(task, model, tokenizer, text, target, foil, kind=kind,
+                           text_pair=text_pair, position=position, pooling=pooling,
+                           score=score, dim=dim, model_id=model_id)  # fmt: skip
+    res = backprop(model, kwargs=prep.inputs, output=prep.target, semirings=srs)
     value = float(res.values[res.graph.output_node])
-    ex = Explanation(model_id, kind, text, target, foil, tokens, pos, value, res)
+    rows = prep.examples
+    ex = Explanation(
+        model_id, kind if task == "lm" else task, text, prep.target_name, prep.foil_name,
+        rows[0], prep.position, value, res, task=task, text_pair=text_pair, what=prep.what,
+        examples=rows,
+    )  # fmt: skip
     ex.source = _embedding_path(model)
-    ex.layers = res.layer_table(tokens=tokens, by="role")
+    ex.layers = res.layer_table(tokens=rows if len(rows) > 1 else rows[0], by="role")
     maxes = [s for s in srs if isinstance(s, MaxProduct)]
     if maxes:
-        ex.path = res.top_path(ex.source, maxes[0])
+        sources = [(ex.source, (e,)) for e in range(len(rows))] if len(rows) > 1 else [ex.source]
+        ex.paths = [res.top_path(where, maxes[0]) for where in sources]
+        ex.path = ex.paths[0]
     if Entropy() in srs:
-        ex.entropy = _entropy_table(res, ex.source, tokens)
+        if len(rows) == 1:
+            ex.entropy = _entropy_table(res, ex.source, rows[0])
+        else:
+            import pandas as pd
+
+            frames = [_entropy_table(res, ex.source, r, e) for e, r in enumerate(rows)]
+            ex.entropy = pd.concat(
+                [f.assign(example=e) for e, f in enumerate(frames)], ignore_index=True
+            )[["example", *frames[0].columns]]
     return ex
+
+
+def _check_head(model, task: str) -> None:
+    """A loaded model whose output is not what ``task`` reads is refused."""
+    want = {"classification": "ForSequenceClassification", "token": "ForTokenClassification"}
+    if task in want and want[task] not in type(model).__name__:
+        raise InputError(
+            f"the {task} task reads a {want[task][3:]} model's logits; "
+            f"{type(model).__name__} is not one: load it with "
+            f"AutoModel{want[task]}.from_pretrained"
+        )
 
 
 def _embedding_path(model) -> str:
@@ -451,11 +546,11 @@ def _embedding_path(model) -> str:
     return next(n for n, m in model.named_modules() if m is emb)
 
 
-def _entropy_table(res, source, tokens):
+def _entropy_table(res, source, tokens, example: int = 0):
     import pandas as pd
 
-    h = res.aggregate(source, Entropy()).entropy[0]
-    log_n = res.aggregate(source, PathCount()).log_count[0]
+    h = res.aggregate(source, Entropy()).entropy[example]
+    log_n = res.aggregate(source, PathCount()).log_count[example]
     norm = torch.where(log_n > 0, h / log_n, torch.zeros_like(h))
     return pd.DataFrame(
         {
