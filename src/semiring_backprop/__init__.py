@@ -7,6 +7,7 @@
 >>> res.at(0, sbp.MaxProduct()).hi  # the most positive path product
 """
 
+from . import views
 from ._threads import threads
 from .analysis import Path, Step
 from .api import Backprop, backprop, clear_traces
@@ -71,6 +72,7 @@ __all__ = [
     "supported_ops",
     "threads",
     "trace",
+    "views",
 ]
 
 __version__ = "0.1.0"
