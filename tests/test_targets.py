@@ -23,7 +23,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
-pytest.importorskip("pandas")
+pd = pytest.importorskip("pandas")
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
@@ -149,9 +149,11 @@ def _tok(d):
 
 @pytest.fixture(scope="module")
 def cls_run(dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cls_out")
     argv = ["explain", dirs.cls, "--task", "classification", "--text", TEXT_A, "--text-pair",
-            TEXT_B, "--label", "positive", "--foil", "0", "--semiring", "max", "real"]  # fmt: skip
-    return run_cli(argv, tmp_path_factory.mktemp("cls_out"))
+            TEXT_B, "--label", "positive", "--foil", "0", "--semiring", "max", "real",
+            "--html", str(out / "report.html")]  # fmt: skip
+    return run_cli(argv, out)
 
 
 def test_classification_pair_score_and_gradient(cls_run, dirs):
@@ -171,6 +173,8 @@ def test_classification_pair_score_and_gradient(cls_run, dirs):
     torch.testing.assert_close(ex.result.at(EMB, Real()), grad, rtol=1e-4, atol=1e-6)
     assert ex.path.value == pytest.approx(float(ex.result.at(EMB, MaxProduct()).hi.max()))
     assert (cls_run.dir / "top_path.csv").exists()
+    page = (cls_run.dir / "report.html").read_text()
+    assert "logit(positive) − logit(negative)" in page and TEXT_B in page
 
 
 # -- token classification ------------------------------------------------------------
@@ -210,9 +214,10 @@ def _pooled(model, tok, text, pooling="mean", normalize=True):
 
 @pytest.fixture(scope="module")
 def sim_run(dirs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim_out")
     argv = ["explain", dirs.st, "--task", "similarity", "--text", TEXT_A, "--text-pair",
-            TEXT_B, "--semiring", "max", "real"]  # fmt: skip
-    return run_cli(argv, tmp_path_factory.mktemp("sim_out"))
+            TEXT_B, "--semiring", "max", "real", "--html", str(out / "report.html")]  # fmt: skip
+    return run_cli(argv, out)
 
 
 def test_similarity_score_from_the_checkpoints_pooling(sim_run, dirs):
@@ -252,6 +257,10 @@ def test_similarity_gradient_and_both_texts_reported(sim_run, dirs):
         assert path.value == pytest.approx(float(hi[e].max()), rel=1e-6)
     assert "tokens of example 1:" in sim_run.out
     assert (sim_run.dir / "top_path_1.png").exists()
+    back = pd.read_csv(sim_run.dir / "top_path_1.csv")
+    assert back.running.iloc[-1] == pytest.approx(ex.paths[1].value, rel=1e-5)
+    page = (sim_run.dir / "report.html").read_text()
+    assert "cos(text, text pair)" in page and "example 1" in page and "cabinet" in page
 
 
 def test_similarity_max_pooling_as_output(dirs):

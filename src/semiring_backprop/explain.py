@@ -350,6 +350,10 @@ class Explanation:
         if self.path is not None:
             self.path.to_frame().to_csv(out / "top_path.csv", index=False)
             written.append(str(out / "top_path.csv"))
+        for e, path in enumerate(self.paths or []):  # a batch: each example's own, too
+            if len(self.paths) > 1:
+                path.to_frame().to_csv(out / f"top_path_{e}.csv", index=False)
+                written.append(str(out / f"top_path_{e}.csv"))
         written += self._figures(out, format)
         return written
 

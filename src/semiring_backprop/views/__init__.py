@@ -180,6 +180,9 @@ def explanation(ex, quantity: str | None = None) -> View:
     """The report of :func:`semiring_backprop.explain.explain`: what was explained,
     per-token strips, the top path, the branch heatmap."""
     res = ex.result
+    task = getattr(ex, "task", "lm")
+    if task != "lm" or ex.foil is None:  # another target (semiring_backprop.targets)
+        return _other_target(ex, quantity, task)
     top = (
         f"<h2>log p({_html.esc(ex.target)}) − log p({_html.esc(ex.foil)}): what the "
         f"{_html.esc(ex.kind)} LM's choice flows from</h2><dl class=card>"
@@ -197,10 +200,43 @@ def explanation(ex, quantity: str | None = None) -> View:
         f"position {ex.position} ({ex.tokens[ex.position]}) = {_html.fmt(ex.score)}",
     ]
     parts = [View(top, lambda color: "\n".join(lines), "explanation")]
+    rows = getattr(ex, "examples", None) or [ex.tokens]
     marks = {(0, ex.position): "the explained position"}
-    parts.append(_token_view(res, quantity, ex.source, [ex.tokens], marks))
-    if ex.path is not None:
-        parts.append(path(ex.path, f"top gradient path from {ex.source}", res))
+    parts.append(_token_view(res, quantity, ex.source, rows, marks))
+    return _explanation_rest(ex, parts, rows)
+
+
+def _other_target(ex, quantity, task) -> View:
+    """The report of a class label, token label, similarity or one-word LM target."""
+    res = ex.result
+    rows = getattr(ex, "examples", None) or [ex.tokens]
+    said = ex._said().replace(" - ", " − ")
+    whose = "LM" if task == "lm" else f"{task} model"
+    pair = "" if ex.text_pair is None else (
+        f'<dt>text pair</dt><dd class="text">{_html.esc(ex.text_pair)}</dd>'
+    )  # fmt: skip
+    top = (
+        f"<h2>{_html.esc(said)}: what the {_html.esc(whose)}'s output flows from</h2>"
+        f'<dl class=card><dt>text</dt><dd class="text">{_html.esc(ex.text)}</dd>{pair}'
+        f"<dt>model</dt><dd>{_html.esc(ex.model_id)} ({_html.esc(task)})</dd>"
+        f"<dt>explained</dt><dd>{_html.esc(said)} = <b>{_html.fmt(ex.score)}</b></dd>"
+        f"<dt>semirings</dt><dd>{_html.esc(', '.join(s.name for s in res.semirings))}</dd>"
+        f"<dt>tokens from</dt><dd>{_html.esc(ex.source)}</dd></dl>"
+    )
+    lines = [ex.text, *([] if ex.text_pair is None else [ex.text_pair]),
+             f"model {ex.model_id} ({task}); {ex._said()} = {_html.fmt(ex.score)}"]  # fmt: skip
+    parts = [View(top, lambda color: "\n".join(lines), "explanation")]
+    marks = {} if ex.position is None else {(0, ex.position): "the explained position"}
+    parts.append(_token_view(res, quantity, ex.source, rows, marks))
+    return _explanation_rest(ex, parts, rows)
+
+
+def _explanation_rest(ex, parts, rows) -> View:
+    res = ex.result
+    paths = getattr(ex, "paths", None) or ([ex.path] if ex.path is not None else [])
+    for e, p in enumerate(paths):
+        which = f" (example {e}: {' '.join(rows[e])})" if len(paths) > 1 else ""
+        parts.append(path(p, f"top gradient path from {ex.source}{which}", res))
     layers = ex.layers
     if layers is not None and len(layers) and any(map(_has_shares, layers["semiring"].unique())):
         parts.append(branches(layers))
