@@ -1,8 +1,10 @@
 """A notebook that uses the views (tests/notebooks/views.ipynb), executed by nbclient in a
-fresh Python kernel: its outputs hold the views' HTML, with the tokens and the path."""
+fresh Python kernel: its outputs hold the views' HTML, with the tokens and the path, and a
+figure of ``plots`` as a PNG (no ``%matplotlib inline`` needed)."""
 
 from __future__ import annotations
 
+import base64
 import pathlib
 
 import pytest
@@ -10,6 +12,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
+pytest.importorskip("matplotlib")
 
 NOTEBOOK = pathlib.Path(__file__).parent / "notebooks" / "views.ipynb"
 TOKENS = ["[CLS]", "the", "keys", "to", "the", "cabinet", "[MASK]", "[SEP]"]
@@ -29,7 +32,7 @@ def test_notebook_outputs_hold_the_views(tmp_path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     errors = [o for c in code for o in c.outputs if o.get("output_type") == "error"]
     assert not errors, errors
-    strips, path, heatmap, top3, printed = code[1:6]
+    strips, path, heatmap, top3, printed, figure = code[1:7]
     for cell in (strips, path, heatmap, top3):
         page = _html(cell)
         assert page.startswith("<style>") and '<div class="sbp">' in page, cell.source
@@ -44,4 +47,7 @@ def test_notebook_outputs_hold_the_views(tmp_path):
     assert _html(top3).count("<li>") == 3
     text = "".join(o.get("text", "") for o in printed.outputs)
     assert text.startswith("MaxProduct(neuron) top path, product") and "\n" in text
+    # a figure shows as a PNG without %matplotlib inline
+    (png,) = [o["data"]["image/png"] for o in figure.outputs if "image/png" in o.get("data", {})]
+    assert base64.b64decode(png)[:8] == b"\x89PNG\r\n\x1a\n"
     assert " skip " in text or " query " in text or " value " in text or " key " in text

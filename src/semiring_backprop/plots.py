@@ -37,14 +37,16 @@ COLORS = {
 
 def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:
     try:
-        from matplotlib.figure import Figure
+        import matplotlib.figure  # noqa: F401
+
+        from ._figure import ReportFigure
     except ImportError:
         raise InputError(
             'plots need matplotlib, an optional extra: pip install "semiring-backprop[plots]"'
         ) from None
     if ax is not None:
         return ax.figure, ax
-    fig = Figure(figsize=figsize, layout="constrained")
+    fig = ReportFigure(figsize=figsize, layout="constrained")
     return fig, fig.add_subplot()
 
 
