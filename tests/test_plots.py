@@ -122,7 +122,13 @@ def test_token_heatmap_shape_labels_and_colors():
     assert [t.get_text() for t in ax.get_xticklabels()] == TEXTS
     att = table[table.sublayer == "attention"]
     assert data[1, 2] == pytest.approx(att[(att.layer == 1) & (att.token == 2)].value.max())
-    assert ax.images[0].get_cmap().name == "viridis"  # every max is positive here
+    # a MaxProduct value is signed: diverging colours centred at 0, though every max
+    # is positive here
+    assert ax.images[0].get_cmap().name == "RdBu_r"
+    lo, hi = ax.images[0].get_clim()
+    assert -lo == hi == pytest.approx(float(data.max()))
+    unsigned = table.assign(semiring="MaxAbs", value=table["value"].abs())
+    assert plots.token_heatmap(unsigned).axes[0].images[0].get_cmap().name == "viridis"
 
 
 def test_token_heatmap_one_branch():
@@ -138,6 +144,7 @@ def test_token_heatmap_one_branch():
     with pytest.raises(InputError, match="branch='mlp'"):
         plots.token_heatmap(table, branch="mlp")
     table["value"] = table["value"].abs()
+    table["semiring"] = "MaxAbs"  # |path product|: unsigned, a sequential map
     fig = plots.token_heatmap(table, title="abs")
     assert fig.axes[0].images[0].get_cmap().name == "viridis"
     assert fig.axes[0].get_title() == "abs"

@@ -145,7 +145,8 @@ def token_heatmap(
     title: str | None = None,
 ) -> Figure:
     """Layers (rows) × tokens (columns), colored by ``value``: one branch's value, or for
-    ``branch=None`` the max over branches. Diverging colors centered at 0 for mixed signs.
+    ``branch=None`` the max over branches. Diverging colors centered at 0 for signed
+    quantities (Real, MaxProduct, TopK values, or any table with both signs).
 
     >>> fig = token_heatmap(table, branch="skip")
     """
@@ -163,8 +164,10 @@ def token_heatmap(
     data = np.ma.masked_invalid(grid.to_numpy(dtype=float))
     fig, ax = _new_axes(ax, (max(4.0, 0.4 * grid.shape[1] + 2.5), max(2.5, 0.3 * len(grid) + 1.5)))
     lo, hi = (float(data.min()), float(data.max())) if data.count() else (0.0, 0.0)
-    if lo < 0 < hi:
-        m = max(-lo, hi)
+    names = set(map(str, rows["semiring"])) if "semiring" in rows.columns else set()
+    signed = any(n.startswith(_SIGNED) for n in names)  # values of either sign, in general
+    if lo < 0 < hi or signed:  # diverging (colour-blind safe), centred at zero
+        m = max(-lo, hi, 0.0) or 1.0
         image = ax.imshow(data, aspect="auto", cmap="RdBu_r", vmin=-m, vmax=m)
     else:
         image = ax.imshow(data, aspect="auto", cmap="viridis")
@@ -176,6 +179,10 @@ def token_heatmap(
     ax.figure.colorbar(image, ax=ax, label=f"{value} ({what})")
     ax.set_title(title or f"{sublayer}: {what}")
     return fig
+
+
+#: semirings whose readouts are signed (a gradient, a path product)
+_SIGNED = ("Real", "MaxProduct", "TopK")
 
 
 def token_bars(
