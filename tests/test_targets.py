@@ -419,3 +419,33 @@ def test_label_index():
         label_index(cfg, 3)
     with pytest.raises(InputError, match="score"):
         ClassLabel(0, score="prob")
+
+
+# -- trace reuse ------------------------------------------------------------------------
+
+
+def test_backprop_reuses_a_trace_for_an_equal_target_only():
+    """``backprop`` keys a target object by its value: an equal one reuses the trace, a
+    different one (another label, another embedding dimension) is traced anew and is
+    right (against autograd)."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3)).eval()
+    x = torch.randn(1, 4)
+    first = backprop(net, (x,), output=ClassLabel(1, foil=2), semirings=[Real()])
+    again = backprop(net, (x,), output=ClassLabel(1, foil=2), semirings=[Real()])
+    other = backprop(net, (x,), output=ClassLabel(0), semirings=[Real()])
+    assert again.graph is first.graph and other.graph is not first.graph
+    xg = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(net(xg)[0, 0], xg)
+    torch.testing.assert_close(other.at(0, Real()), grad)
+
+    def hidden(x):  # a stand-in encoder: (batch, tokens, hidden)
+        return net(x).unsqueeze(0)
+
+    mask = torch.ones(1, 1)
+    a = backprop(hidden, (x,), output=EmbeddingDim(mask, 0), semirings=[Real()])
+    b = backprop(hidden, (x,), output=EmbeddingDim(mask, 2), semirings=[Real()])
+    assert b.graph is not a.graph
+    with torch.no_grad():
+        want = float(net(x)[0, 2])
+    assert float(b.values[b.graph.output_node]) == pytest.approx(want)

@@ -346,6 +346,8 @@ def _function_key(fn, depth=0):
                 _value_key(fn.keywords, depth))  # fmt: skip
     if isinstance(fn, types.BuiltinFunctionType | torch._ops.OpOverloadPacket):
         return ("builtin", fn)
+    if callable(getattr(type(fn), "_trace_key", None)):  # a target object, by its value
+        return ("object", type(fn), fn._trace_key())
     if not isinstance(fn, types.FunctionType):
         raise _Unkeyed  # a callable object or a bound method: its state is not known
     code = fn.__code__

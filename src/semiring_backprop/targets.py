@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
@@ -103,6 +103,15 @@ class TokenLabel:
         return _label_score(_field(out, "logits")[self.example, self.position], self)
 
 
+def _fields(self) -> tuple:
+    """What decides a target's scalar: its fields (``backprop`` reuses a trace made
+    for an equal target)."""
+    return astuple(self)
+
+
+WordChoice._trace_key = ClassLabel._trace_key = TokenLabel._trace_key = _fields
+
+
 def _check_score(score):
     if score not in SCORES:
         raise InputError(f"score={score!r}: choose one of {', '.join(SCORES)}")
@@ -153,6 +162,9 @@ class _Pooled:
 
     def _key(self):
         return (type(self).__name__, self.pooling, self.normalize, self.spans)
+
+    def _trace_key(self):  # backprop reuses a trace made for an equal target
+        return self._key()
 
     def __eq__(self, other):
         return isinstance(other, _Pooled) and self._key() == other._key()
