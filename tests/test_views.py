@@ -522,6 +522,9 @@ def test_to_html_writes_one_self_contained_file(views_ex, tmp_path):
         assert frag.startswith("<style>") and '<div class="sbp">' in frag
     with pytest.raises(InputError, match="is a directory"):
         ex.to_html(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(InputError, match="cannot write .*file/report.html"):
+        ex.to_html(tmp_path / "file" / "report.html")  # a file where a folder should be
 
 
 def test_cli_html(views_run):

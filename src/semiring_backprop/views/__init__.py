@@ -56,12 +56,19 @@ class View:
         file = os.fspath(file)
         if os.path.isdir(file):
             raise InputError(f"{file!r} is a directory; give a file name such as report.html")
+        page = self.html()
         parent = os.path.dirname(file)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
         tmp = FilePath(file + ".part")
-        tmp.write_text(self.html(), encoding="utf-8")
-        os.replace(tmp, file)
+        try:
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            tmp.write_text(page, encoding="utf-8")  # whole or not at all
+            os.replace(tmp, file)
+        except OSError as e:
+            raise InputError(
+                f"cannot write {file!r}: {e.strerror or e}; give a file in a folder you can "
+                "write to"
+            ) from None
         return file
 
     def text(self, color: bool = False) -> str:
