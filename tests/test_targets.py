@@ -449,3 +449,12 @@ def test_backprop_reuses_a_trace_for_an_equal_target_only():
     with torch.no_grad():
         want = float(net(x)[0, 2])
     assert float(b.values[b.graph.output_node]) == pytest.approx(want)
+
+
+def test_an_option_of_another_task_is_refused(dirs, capsys):
+    err = _error(["explain", dirs.cls, "--task", "classification", "--text", TEXT_A,
+                  "--pooling", "mean"], capsys)  # fmt: skip
+    assert "--pooling does not apply to the classification task" in err
+    err = _error(["explain", dirs.mlm, "--text", MASKED, "--target", "dogs",
+                  "--text-pair", TEXT_B], capsys)  # fmt: skip
+    assert "--text-pair does not apply to the lm task" in err

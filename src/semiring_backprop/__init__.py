@@ -37,10 +37,13 @@ from .semirings import (
     Semiring,
     TopK,
 )
+from .targets import ClassLabel, EmbeddingDim, Similarity, TokenLabel, WordChoice
 from .tracing import Graph, trace
 
 __all__ = [
     "Backprop",
+    "ClassLabel",
+    "EmbeddingDim",
     "Entropy",
     "ForwardError",
     "Graph",
@@ -59,11 +62,14 @@ __all__ = [
     "Result",
     "Semiring",
     "SemiringBackpropError",
+    "Similarity",
     "Step",
+    "TokenLabel",
     "TopK",
     "TracingError",
     "TrainingModeError",
     "UnsupportedOpError",
+    "WordChoice",
     "backprop",
     "clear_traces",
     "load_results",

@@ -467,15 +467,30 @@ def prepare(task, model, tokenizer, text, target=None, foil=None, *, kind=None,
     """Inputs and target object for ``task`` (see :data:`TASKS`)."""
     if task not in TASKS:
         raise InputError(f"task {task!r}: choose one of {', '.join(TASKS)}")
+    given = {"--text-pair": text_pair, "--target/--label": target, "--foil": foil,
+             "--position": position, "--pooling": pooling, "--dim": dim,
+             "--score": None if score == "logit" else score}  # fmt: skip
+    for option, value in given.items():
+        if value is not None and option not in _OPTIONS[task]:
+            raise InputError(
+                f"{option} does not apply to the {task} task (it reads "
+                f"{', '.join(_OPTIONS[task])}); drop it, or pick the task it belongs to"
+            )
     if not isinstance(text, str) or not text.strip():
         raise InputError(f"the text {text!r} gives no tokens: give a text to explain")
     if task == "lm":
-        if text_pair is not None:
-            raise InputError("the lm task explains one text: drop --text-pair")
         return _prepare_lm(model, tokenizer, text, target, foil, kind)
     if task == "similarity":
         return _prepare_similarity(model, tokenizer, text, text_pair, pooling, dim, model_id)
     return _prepare_labels(task, model, tokenizer, text, text_pair, target, foil, position, score)
+
+
+_OPTIONS = {
+    "lm": ("--target/--label", "--foil"),
+    "classification": ("--text-pair", "--target/--label", "--foil", "--score"),
+    "token": ("--text-pair", "--target/--label", "--foil", "--position", "--score"),
+    "similarity": ("--text-pair", "--pooling", "--dim"),
+}
 
 
 def _prepare_labels(task, model, tokenizer, text, pair, label, foil, position, score):
