@@ -2317,6 +2317,8 @@ _explain_case("text-too-long", "bert", text=" ".join(["the"] * 30) + " [MASK]", 
 _explain_case("device-cuda", "bert", "--device", "cuda", names=r"no CUDA device")
 _explain_case("device-bogus", "bert", "--device", "gpu0", names=r"'gpu0' is not a device")
 _explain_case("device-cuda-index", "bert", "--device", "cuda:7", names=r"cuda:7")
+_explain_case("device-meta", "bert", "--device", "meta", names=r"'meta' holds shapes only")
+_explain_case("out-empty", "bert", "--out", "", names=r"--out: an empty name")
 _explain_case("bad-semiring", "bert", "--semiring", "bogus", names=r"invalid choice: 'bogus'")
 _explain_case("bad-granularity", "bert", "--granularity", "word", names=r"invalid choice: 'word'")
 _explain_case("bad-dtype", "bert", "--dtype", "float16", names=r"invalid choice: 'float16'")
@@ -2609,6 +2611,25 @@ def _(env):
 def _(env):
     out = env.tmp("cli-demo") / "held"
     return Cli(["demo", "--out", str(out)], hold=out)
+
+
+@cli("demo-out-empty", names=r"--out: an empty name")
+def _(env):
+    """--out "" (an unset shell variable): not the current directory"""
+    return Cli(["demo", "--out", ""])
+
+
+@cli("experiment-out-empty", names=r"--out: an empty name")
+def _(env):
+    return Cli(["experiment", "sva", "--quick", "--out", ""])
+
+
+@cli("sva-data-a-directory", names=r"cli-sva-dir'.*extension")
+def _(env):
+    """--set data= names a directory"""
+    out = env.tmp("cli-sva") / "dir-data"
+    return Cli(["experiment", "sva", "--quick", "--out", str(out), "--set",
+                f"data={env.tmp('cli-sva-dir')}"])  # fmt: skip
 
 
 @cli("demo-extra-argument", names=r"unrecognized arguments: --quick")

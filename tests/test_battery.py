@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-import battery
+pytest.importorskip("transformers")  # model directories and the command line
+pytest.importorskip("pandas")  # branch tables
+pytest.importorskip("tqdm")
+
+import battery  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 

@@ -102,7 +102,7 @@ def _explain_parser(sub):
     e.add_argument("--kind", choices=["masked", "causal"], help="default: from the config")
     e.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     e.add_argument("--device", default="cpu")
-    e.add_argument("--out", help="directory for JSON, CSV and figure files")
+    e.add_argument("--out", type=_directory, help="directory for JSON, CSV and figure files")
     e.add_argument(
         "--format", choices=["png", "svg", "pdf"], default="png", help="figure format (--out)"
     )
@@ -176,6 +176,14 @@ def _check_html_file(file) -> None:
         raise InputError(f"--html {file}: cannot write under {parent}; give another file")
 
 
+def _directory(text: str) -> str:
+    """An --out value: an empty one (an unset shell variable) would write into the
+    current directory, or nowhere."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty name; give a directory, e.g. --out runs/x")
+    return text
+
+
 def _writable(out) -> None:
     """``--out`` as a directory this process can write into (made if missing)."""
     import os
@@ -206,7 +214,7 @@ def _experiment_parsers(sub):
     )
     x.add_argument("name", choices=list(EXPERIMENTS))
     x.add_argument("--quick", action="store_true", help="reduced size, minutes on a CPU")
-    x.add_argument("--out", help="output directory (default: runs/NAME[-quick])")
+    x.add_argument("--out", type=_directory, help="output directory (default: runs/NAME[-quick])")
     x.add_argument(
         "--set",
         nargs="+",
@@ -218,7 +226,9 @@ def _experiment_parsers(sub):
         "demo",
         help="first-token-repeated --quick: train, explain, print the branch table",
     )
-    d.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    d.add_argument(
+        "--out", type=_directory, default="runs/demo", help="output directory (default: runs/demo)"
+    )
 
 
 def _experiment(args) -> int:

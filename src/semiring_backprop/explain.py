@@ -198,6 +198,11 @@ def check_device(device) -> torch.device:
             )
     if d.type == "mps" and not torch.backends.mps.is_available():
         raise InputError(f"device {device!r}: MPS is not available here; use --device cpu")
+    if d.type == "meta":
+        raise InputError(
+            f"device {device!r} holds shapes only, no values: nothing can be explained on it; "
+            "use --device cpu or cuda"
+        )
     return d
 
 
