@@ -2297,10 +2297,6 @@ _explain_case(
     "label-not-a-label", "classifier", "--task", "classification", target="happy",
     names=r"'happy' is not one of the model's 2 labels \(0: LABEL_0, 1: LABEL_1\)",
 )  # fmt: skip
-_explain_case(
-    "similarity-no-pooling", "bert", "--task", "similarity", "--text-pair", "a cat",
-    text="a dog", names=r"--pooling",
-)  # fmt: skip
 _explain_case("target-equals-foil", "bert", target="is", foil="is", names=r"same token")
 _explain_case("target-empty", "bert", target="", names=r"''")
 _explain_case(
@@ -2323,6 +2319,19 @@ _explain_case("bad-semiring", "bert", "--semiring", "bogus", names=r"invalid cho
 _explain_case("bad-granularity", "bert", "--granularity", "word", names=r"invalid choice: 'word'")
 _explain_case("bad-dtype", "bert", "--dtype", "float16", names=r"invalid choice: 'float16'")
 _explain_case("bad-kind", "bert", "--kind", "seq2seq", names=r"invalid choice: 'seq2seq'")
+
+
+@cli("explain-similarity-no-pooling", names=r"says nothing about pooling.*give it, --pooling")
+def _(env):
+    """a masked LM's directory has no sentence-transformers pooling files"""
+    argv = ["explain", str(_dir(env, "bert")), "--task", "similarity", "--text", "a dog",
+            "--text-pair", "a cat"]  # fmt: skip
+    return Cli(argv)
+
+
+@cli("explain-option-of-another-task", names=r"--pooling does not apply to the lm task")
+def _(env):
+    return Cli(explain_argv(_dir(env, "bert"), TEXT, "are", "is", "--pooling", "mean"))
 
 
 @cli("explain-missing-text", names=r"--text")
