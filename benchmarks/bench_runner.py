@@ -8,6 +8,7 @@ as a user's run does; each prints its own examples/s, and the ratio is measured 
 
     python benchmarks/bench_runner.py --n 1000
     python benchmarks/bench_runner.py --n 40 --workers 2
+    python benchmarks/bench_runner.py --n 100 --serial-threads 1 --skip-ray
 
 Before the timed runs, an untimed run of two sentences compiles the fused kernels into
 torch.compile's on-disk cache, which every later process on the machine reads.
@@ -59,6 +60,13 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--skip-serial", action="store_true")
+    p.add_argument("--skip-ray", action="store_true")
+    p.add_argument(
+        "--serial-threads",
+        type=int,
+        default=0,
+        help="torch threads of the one-process run (default 0: torch's count)",
+    )
     args = p.parse_args(argv)
     from semiring_backprop.runner import run
 
@@ -76,12 +84,15 @@ def main(argv=None) -> None:
         warm = data_file(root / "warm.jsonl", words, 2, seed=1)
         run(model, warm, root / "warm", figures=False, progress=False)
         rates = {}
-        runs = [("one process", 0)] if not args.skip_serial else []
-        runs.append((f"--workers {args.workers} (Ray)", args.workers))
+        threads = args.serial_threads or torch.get_num_threads()
+        runs = [] if args.skip_serial else [(f"one process, {threads} threads", 0)]
+        if not args.skip_ray:
+            runs.append((f"--workers {args.workers} (Ray)", args.workers))
         for label, workers in runs:
             start = time.perf_counter()
             r = run(model, data, root / f"out{workers}", batch_size=args.batch_size,
-                    workers=workers, figures=False, progress=False)  # fmt: skip
+                    workers=workers, threads=0 if workers else args.serial_threads,
+                    figures=False, progress=False)  # fmt: skip
             seconds = time.perf_counter() - start
             rates[workers] = args.n / seconds
             assert r["explained"] == args.n, r["summary"]["skip_reasons"]

@@ -74,7 +74,10 @@ def ray_batches(groups, source, workers: int, address: str | None = None):
     actors = []
     try:
         cpus = int(ray.available_resources().get("CPU", workers))
-        share = max(1, cpus // workers)
+        # an actor runs on one node: its share is at most the largest node's CPUs
+        node = max((n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")),
+                   default=cpus)  # fmt: skip
+        share = max(1, min(cpus // workers, int(node)))
         if cpus < workers:
             raise InputError(
                 f"workers={workers}, but the Ray cluster has {cpus} free CPUs: use at most "
