@@ -122,6 +122,9 @@ def test_summary_counts_and_malformed_lines(serial, data_file):
     assert list(s["skip_reasons"].values()) == [1] and "dogs" in next(iter(s["skip_reasons"]))
     assert "6 of 7 examples explained (1 skipped, 3 malformed rows)" in stdout
     assert set(tables["examples"]["example_id"]) == EXPLAINED
+    assert s["files"] == ["summary.json", "branches.png", "winners.png"]
+    for name in s["files"][1:]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_score_is_the_models_log_prob_difference(serial, bert_dir):
