@@ -186,7 +186,7 @@ def head_columns(res) -> dict[tuple[str, str], tuple[tuple, int]]:
         for e in qkv:
             proj = getattr(e, "proj", None) or b._first_contraction(r, e.op)
             if proj is not None:
-                cols = getattr(e, "cols", ()) or tuple(range(res.values[proj].shape[-1]))
+                cols = getattr(e, "cols", ()) or tuple(range(_width(res, proj)))
                 groups[proj, e.role] = tuple(cols)
         if not groups:
             continue
@@ -198,6 +198,15 @@ def head_columns(res) -> dict[tuple[str, str], tuple[tuple, int]]:
         for (proj, role), cols in groups.items():
             out[proj.name, role] = (cols, len(cols) // counts[role])
     return out
+
+
+def _width(res, node) -> int:
+    """The last dimension of ``node``'s output, from the trace (reading ``res.values``
+    may run a segment of the forward again, where the pass kept checkpoints only)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return int(val.shape[-1])
+    return int(res.values[node].shape[-1])
 
 
 @dataclass
