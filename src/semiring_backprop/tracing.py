@@ -320,12 +320,16 @@ def trace(
                     f"{type(model).__name__} cannot be traced with it: {first[:200]}. Give at "
                     "least one example of at least one position"
                 ) from None
+        eager = _eager_failure(model, output, args, kwargs)
         raise TracingError(
             f"could not trace {getattr(model, '__class__', type(model)).__name__} with "
             f"torch.export: {type(e).__name__}: {first[:500]}\n"
-            "Things to try: load a Hugging Face model with attn_implementation='eager'; "
-            "remove data-dependent Python control flow; or pass a plain function of "
-            f"tensors as the model.{_experts_hint(model)}"
+            + (
+                eager
+                or "Things to try: load a Hugging Face model with attn_implementation='eager'; "
+                "remove data-dependent Python control flow; or pass a plain function of "
+                f"tensors as the model.{_experts_hint(model)}"
+            )
         ) from e
     finally:
         for h in handles:
@@ -489,6 +493,36 @@ def _too_long(model, args, kwargs, learned_only: bool = False) -> str | None:
                 "it, or explain it in windows of at most that length"
             )
     return None
+
+
+def _eager_failure(model, output, args, kwargs) -> str | None:
+    """Where the call fails when run without tracing (on copies of the inputs): the
+    model's forward or the output function; None where both run (the failure is
+    torch.export's own)."""
+    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+    try:
+        with torch.no_grad():
+            y = model(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001  (whatever the model raises, it is the model)
+        return (
+            f"The model fails without tracing too ({_first_line(e)}): check the inputs (their "
+            "shapes, dtypes, devices and names) against what its forward takes."
+        )
+    try:
+        with torch.no_grad():
+            output(y)
+    except Exception as e:  # noqa: BLE001
+        return (
+            f"The model runs, but output(model(...)) fails on its output without tracing too "
+            f"({_first_line(e)}): check the output function against what the model returns "
+            "(its type, fields and sizes)."
+        )
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
 
 
 def _experts_hint(model) -> str:
