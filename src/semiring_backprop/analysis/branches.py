@@ -579,7 +579,10 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim, per_head=False):
     if aggregate == "oplus":
         agg = [sr.sum(val, (hidden_dim,)) for val in values]
         stacked = torch.stack([sr.scalar(a) for a in agg])  # (branches, *tokens)
-        win = stacked.argmax(0)
+        # the winner is the branch ⊕ selects (TopK's headline is signed; it selects on |value|)
+        win = (
+            torch.stack([sr.rank(a) for a in agg]).argmax(0) if sr.selective else stacked.argmax(0)
+        )
         has = torch.stack([a[0] != zero for a in agg])  # a path leaves through it
         has = has.reshape(*stacked.shape, -1).any(-1)
         live = has.any(0)
