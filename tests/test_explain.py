@@ -750,3 +750,12 @@ def test_masked_lm_checkpoint_loads_every_weight(bert_dir):
         source = name if name in saved else tied.get(name)
         assert source in saved, f"{name} is not in the checkpoint"
         torch.testing.assert_close(value, saved[source], rtol=0, atol=0)
+
+
+def test_a_masked_lm_is_not_run_as_a_causal_one(bert_dir):
+    """--kind causal on a BertForMaskedLM checkpoint would load BertLMHeadModel and read
+    the bidirectional model left to right: refused, saying what to do."""
+    with pytest.raises(InputError, match="masked LM .*BertForMaskedLM.*Leave --kind out"):
+        explain_mod.load(bert_dir, kind="causal")
+    r = run_cli(_explain_argv(bert_dir, "the cat [MASK] here", "sat", "is", "--kind", "causal"))
+    assert r.rc == 2 and r.err.startswith("error:") and "masked LM" in r.err

@@ -80,6 +80,13 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
+    archs = " ".join(config.architectures or [])
+    if kind == "causal" and "MaskedLM" in archs and not getattr(config, "is_decoder", False):
+        raise InputError(
+            f"{model_id!r} is a masked LM ({archs}): kind='causal' would run it left to right "
+            "with its bidirectional weights, a model it never was. Leave --kind out (it is read "
+            "from the config) and put a mask token in the text, or use a causal LM"
+        )
     kind = kind or _kind(config, tokenizer)
     cls = {
         "masked": transformers.AutoModelForMaskedLM,
