@@ -94,9 +94,17 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
     }.get(kind)
     if cls is None:
         raise InputError(f"kind must be 'masked' or 'causal', got {kind!r}")
+    model, info = from_pretrained(cls, model_id, model_id, dtype)
+    _refuse_fresh_weights(model_id, kind, config, model, info)
+    return model.to(device).eval(), tokenizer, kind
+
+
+def from_pretrained(cls, where: str, model_id: str, dtype):
+    """``cls.from_pretrained(where)`` with its loading info; a file that cannot be read is a
+    :class:`LoadError` naming ``model_id`` (never code from the directory: no prompt)."""
     try:
-        model, info = cls.from_pretrained(
-            model_id, dtype=dtype, output_loading_info=True, trust_remote_code=False
+        return cls.from_pretrained(
+            where, dtype=dtype, output_loading_info=True, trust_remote_code=False
         )
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
@@ -108,8 +116,6 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
             "off or not a safetensors file. Save the model again with "
             "model.save_pretrained(DIR), or download it again"
         ) from None
-    _refuse_fresh_weights(model_id, kind, config, model, info)
-    return model.to(device).eval(), tokenizer, kind
 
 
 def _refuse_fresh_weights(model_id, kind, config, model, info) -> None:

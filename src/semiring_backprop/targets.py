@@ -374,7 +374,7 @@ def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu"):
     ``similarity``) from a hub id or a local directory. A checkpoint without the task's
     head (a bare encoder asked to classify) is a :class:`LoadError`: transformers would
     initialize the head at random."""
-    from .explain import _load_hint, _refuse_fresh_weights
+    from .explain import _load_hint, _refuse_fresh_weights, from_pretrained
 
     try:
         import transformers
@@ -404,18 +404,9 @@ def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu"):
     try:
         config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=False)
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=False)
-        model, info = cls.from_pretrained(
-            where, dtype=dtype, output_loading_info=True, trust_remote_code=False
-        )
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
-    except Exception as e:
-        if type(e).__name__ != "SafetensorError":
-            raise
-        raise LoadError(
-            f"could not load {model_id!r}: its weights file cannot be read ({e}). Save the "
-            "model again with model.save_pretrained(DIR), or download it again"
-        ) from None
+    model, info = from_pretrained(cls, where, model_id, dtype)
     if task == "similarity":  # the pooler's output is not what a sentence embedding pools
         info = {**info, "missing_keys": [k for k in info.get("missing_keys") or ()
                                          if "pooler" not in k.split(".")]}  # fmt: skip
