@@ -33,6 +33,9 @@ class Item:
     target: int
     foil: int
     words: list  #: per token, the index of its whitespace word (-1: a special token)
+    #: further masks of a word in pieces, ``(position, target, foil)`` each: the score is
+    #: the sum over all masks (the first is ``position``, ``target``, ``foil``)
+    masks: tuple = ()
 
 
 def prepare(ex: Example, tokenizer, config, kind: str) -> Item | str:
@@ -86,8 +89,10 @@ def _word_of_tokens(tokenizer, text: str, n: int) -> list:
 
 
 class Score(torch.nn.Module):
-    """``log p(target) - log p(foil)`` at ``position``, per example of a batch; the
-    positions and token ids are tensor inputs, so one trace serves every batch."""
+    """``log p(target) - log p(foil)`` at ``position``, per example of a batch, summed
+    over the example's masks (``position``, ``target``, ``foil``: ``(batch, masks)``);
+    the positions and token ids are tensor inputs, so one trace serves every batch with
+    as many masks."""
 
     def __init__(self, model):
         super().__init__()
@@ -95,16 +100,22 @@ class Score(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, position, target, foil):
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-        at = position[:, None, None].expand(-1, 1, logits.shape[-1])
-        logp = logits.gather(1, at)[:, 0].log_softmax(-1)
-        return logp.gather(1, target[:, None])[:, 0] - logp.gather(1, foil[:, None])[:, 0]
+        at = position[:, :, None].expand(-1, -1, logits.shape[-1])
+        logp = logits.gather(1, at).log_softmax(-1)  # (batch, masks, vocab)
+        diff = logp.gather(2, target[:, :, None]) - logp.gather(2, foil[:, :, None])
+        return diff[:, :, 0].sum(1)
 
 
 def inputs(items: list[Item], device) -> dict:
     ids = torch.tensor([it.ids for it in items], dtype=torch.long, device=device)
-    col = lambda name: torch.tensor([getattr(it, name) for it in items], device=device)
+    col = lambda k: torch.tensor([[m[k] for m in _masks(it)] for it in items], device=device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "position": col("position"), "target": col("target"), "foil": col("foil")}  # fmt: skip
+            "position": col(0), "target": col(1), "foil": col(2)}  # fmt: skip
+
+
+def _masks(item: Item) -> list:
+    """``(position, target, foil)`` of every mask of ``item``, the first one first."""
+    return [(item.position, item.target, item.foil), *item.masks]
 
 
 class Explainer:
@@ -217,6 +228,7 @@ def _example_row(it: Item, score: float) -> dict:
     row = {"example_id": ex.id, "source": ex.source, "text": ex.text, "target": ex.target,
            "foil": ex.foil, "tokens": len(it.ids), "position": it.position,
            "target_id": it.target, "foil_id": it.foil, "score": score,
+           "masks": json.dumps([list(m) for m in _masks(it)]),
            "positions": json.dumps({k: list(v) for k, v in ex.positions.items()})}  # fmt: skip
     for k, v in ex.extra.items():
         row[k if k not in row else f"extra_{k}"] = v

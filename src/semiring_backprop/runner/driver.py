@@ -229,11 +229,12 @@ def _tokenizer(model_id: str, kind):
 
 
 def batches(items: list[Item], size: int) -> list[list[Item]]:
-    """Items of equal token length together (no padding: the examples of a batch do not
-    interact), in the order of their first example, at most ``size`` each."""
+    """Items of equal token length and number of masks together (no padding: the
+    examples of a batch do not interact), in the order of their first example, at most
+    ``size`` each."""
     by_length: dict = {}
     for it in items:
-        by_length.setdefault(len(it.ids), []).append(it)
+        by_length.setdefault((len(it.ids), len(it.masks)), []).append(it)
     out = []
     for group in by_length.values():
         out += [group[i : i + size] for i in range(0, len(group), size)]
