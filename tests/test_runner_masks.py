@@ -91,3 +91,36 @@ def test_several_masks_score_and_gradient_equal_the_models(bert):
             assert torch.allclose(torch.tensor(mine["real"].to_numpy()), grad, atol=1e-10)
             assert (mine["entropy"] <= mine["log_paths"] + 1e-9).all()
             assert (mine["entropy"] >= -1e-9).all()
+
+
+def test_run_with_a_prepare_of_its_own_writes_resumes_and_skips(bert, tmp_path):
+    """``run(prepare=...)``: the hook's items (two masks) are explained, written to the
+    shards and committed; its reasons skip; a rerun explains nothing again; a hook that
+    returns neither an item nor a reason is a clear error."""
+    from semiring_backprop.errors import InputError
+    from semiring_backprop.runner import load_results, run
+
+    model, tok = bert
+    texts = {"1": f"the dog {MASK} on the table", "2": f"a cat {MASK} on a table",
+             "3": f"the keys {MASK} here"}  # fmt: skip
+    calls = []
+
+    def hook(ex, tokenizer, config, kind):
+        calls.append(ex.id)
+        return "no verb here" if ex.id == "3" else _two_masks(tokenizer, ex.id, ex.text)
+
+    examples = [{"id": k, "text": t, "target": "has", "foil": "have"} for k, t in texts.items()]
+    kw = dict(out=tmp_path, tokenizer=tok, semirings=("real",), dtype="float64",
+              progress=False, figures=False, prepare=hook)  # fmt: skip
+    r = run(model, examples=examples, **kw)
+    assert r["explained"] == 2 and r["skipped"] == 1
+    e = load_results(tmp_path)["examples"].set_index("example_id")
+    for k in ("1", "2"):
+        item = _two_masks(tok, k, texts[k])
+        assert e.loc[k, "score"] == pytest.approx(_direct(model, item)[0], rel=1e-9, abs=1e-12)
+        assert json.loads(e.loc[k, "masks"]) == [[item.position, item.target, item.foil],
+                                                  list(item.masks[0])]  # fmt: skip
+    calls.clear()
+    assert run(model, examples=examples, **kw)["explained"] == 2 and calls == []
+    with pytest.raises(InputError, match=r"prepare= gave a dict for example '1'.*runner\.Item"):
+        run(model, examples=examples, **{**kw, "out": tmp_path / "b", "prepare": lambda *a: {}})

@@ -78,7 +78,7 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         columns: dict | None = None, split: str | None = None, top_path: bool = False,
         batch_size: int = 8, limit: int | None = None, workers: int = 0,
         address: str | None = None, threads: int = 0, figures: bool = True,
-        progress: bool = True) -> dict:  # fmt: skip
+        progress: bool = True, prepare=prepare) -> dict:  # fmt: skip
     """Explain ``log p(target) - log p(foil)`` for every example of ``data`` (a file, a
     saved Hugging Face data set, a data set name) or of ``examples`` (an iterable of
     :class:`Example` or dicts with ``text``, ``target``, ``foil`` and more columns,
@@ -90,6 +90,11 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
     ``summary.json`` and figures. ``workers``: that many Ray actors (each one model,
     one trace, a fair share of the cores); ``address`` joins a running Ray cluster.
     ``threads``: torch threads of a one-process run (0: the caller's count).
+    ``prepare``: how an example becomes an :class:`Item` or the reason it is skipped
+    (``prepare(example, tokenizer, model_config, kind) -> Item | str``; default
+    :func:`~semiring_backprop.runner.prepare`): how an experiment tokenizes its own way
+    or scores a word in pieces (:attr:`Item.masks`). It runs in this process; its items
+    go to the workers.
 
     >>> r = run("bert-base-uncased", "blimp/regular_plural_subject_verb_agreement_1.jsonl",
     ...         "runs/blimp", semirings=("max", "entropy"))
@@ -151,7 +156,8 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         todo = [ex for ex in chosen if ex.id not in done]
         if todo:
             source = _Source(model, tokenizer, settings, device)
-            n_new = _explain(todo, source, records, out, settings, address, progress)
+            n_new = _explain(todo, source, records, out, settings, address, progress,
+                             prepare)  # fmt: skip
         else:
             n_new = 0
         elapsed = time.perf_counter() - started
@@ -241,7 +247,8 @@ def batches(items: list[Item], size: int) -> list[list[Item]]:
     return out
 
 
-def _explain(todo, source: _Source, records, out: Path, settings, address, progress) -> int:
+def _explain(todo, source: _Source, records, out: Path, settings, address, progress,
+             prepare=prepare) -> int:  # fmt: skip
     from tqdm.auto import tqdm
 
     items, skipped = [], {}
@@ -250,8 +257,13 @@ def _explain(todo, source: _Source, records, out: Path, settings, address, progr
         if isinstance(got, str):
             log.warning("%s: skipped: %s", ex.source, got)
             skipped[ex.id] = got
-        else:
+        elif isinstance(got, Item):
             items.append(got)
+        else:
+            raise InputError(
+                f"prepare= gave a {type(got).__name__} for example {ex.id!r} ({ex.source}): "
+                "it must return a runner.Item, or the reason the example is skipped (a str)"
+            )
     if skipped:
         records.add({"shard": None, "ids": [], "skipped": skipped})
     groups = batches(items, settings.batch_size)
