@@ -23,7 +23,7 @@ import torch
 from ..errors import ForwardError, InputError, NonFiniteError
 from ..experiments.common import Records, atomic_write, lock, same_settings
 from .compute import Explainer, Item, prepare
-from .readers import Example, Malformed, iter_examples, read_examples
+from .readers import iter_examples, read_examples, split_rows
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
     if data is not None:
         every, malformed = read_examples(data, format, columns, split)
     else:
-        every, malformed = _split(iter_examples(examples))
+        every, malformed = split_rows(iter_examples(examples))
     for m in malformed:
         log.warning("%s: skipped: %s", m.source, m.reason)
     if not every:
@@ -171,19 +171,6 @@ def _where(name) -> str:
     run); a hub or data set name as given."""
     p = Path(str(name)).expanduser()
     return str(p.resolve()) if p.exists() else str(name)
-
-
-def _split(rows) -> tuple[list[Example], list[Malformed]]:
-    examples, bad, seen = [], [], {}
-    for row in rows:
-        if isinstance(row, Malformed):
-            bad.append(row)
-        elif row.id in seen:
-            bad.append(Malformed(row.source, f"id {row.id!r} again (first at {seen[row.id]})"))
-        else:
-            seen[row.id] = row.source
-            examples.append(row)
-    return examples, bad
 
 
 class _Source:

@@ -75,6 +75,11 @@ def read_examples(data, format: str = "auto", columns: dict | None = None,
         "linzen": lambda: _agreement(data, read_linzen),
         "datasets": lambda: _datasets(data, split, cols, extra),
     }[fmt]()
+    return split_rows(rows)
+
+
+def split_rows(rows) -> tuple[list[Example], list[Malformed]]:
+    """Examples and malformed rows apart; an id seen before is a malformed row."""
     examples, bad, seen = [], [], {}
     for row in rows:
         if isinstance(row, Malformed):
