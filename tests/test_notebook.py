@@ -32,7 +32,7 @@ def test_notebook_outputs_hold_the_views(tmp_path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     errors = [o for c in code for o in c.outputs if o.get("output_type") == "error"]
     assert not errors, errors
-    strips, path, heatmap, top3, printed, figure = code[1:7]
+    strips, path, heatmap, top3, printed, figure, table = code[1:8]
     for cell in (strips, path, heatmap, top3):
         page = _html(cell)
         assert page.startswith("<style>") and '<div class="sbp">' in page, cell.source
@@ -45,6 +45,10 @@ def test_notebook_outputs_hold_the_views(tmp_path):
     assert "top gradient path" in _html(path) and "running product" in _html(path)
     assert all(f">{t}</text>" in _html(heatmap) for t in TOKENS)
     assert _html(top3).count("<li>") == 3
+    # a layer table ending a cell: the heatmap of shares above the DataFrame's rows
+    page = _html(table)
+    assert all(f">{t}</text>" in page for t in TOKENS) and "<svg" in page
+    assert page.index("<svg") < page.index('class="dataframe"')
     text = "".join(o.get("text", "") for o in printed.outputs)
     assert text.startswith("MaxProduct(neuron) top path, product") and "\n" in text
     # a figure shows as a PNG without %matplotlib inline

@@ -541,3 +541,29 @@ def test_cli_html(views_run):
         rc = cli.main(run.argv[:-1] + [str(run.dir)])
     assert rc == 2 and err.getvalue().startswith("error: ") and err.getvalue().count("\n") == 1
     assert out.getvalue() == ""
+
+
+def test_branch_tables_show_their_heatmap_and_stay_dataframes(batch):
+    import pandas as pd
+
+    _, _, res = batch
+    table = res.layer_table(tokens=BATCH_TOKENS)
+    assert isinstance(table, pd.DataFrame)
+    page = table._repr_html_()
+    assert page.index("<svg") < page.index('class="dataframe"')
+    for toks in BATCH_TOKENS:
+        assert all(f">{t}</text>" in page for t in toks)
+    assert table.view().html() == views.branches(table).html()
+    # what pandas derives from it is a plain DataFrame (its rows may not make a heatmap)
+    part = table[table["semiring"] == "Real"]
+    assert type(part) is pd.DataFrame and "<svg" not in part._repr_html_()
+    # a table with no semiring whose branches compete shows why, then its rows
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    two = sbp.backprop(layer, args=(torch.randn(1, 4, 8),), output=lambda y: y[0, 1, 0],
+                       semirings=[sbp.Entropy(), sbp.MaxProduct()])  # fmt: skip
+    only = two.layer_table(semirings=[sbp.Entropy()])
+    assert "no heatmap: branch shares need" in only._repr_html_()
+    # one fan-out point's table (no layers) shows its rows
+    one = two.branches(0, sbp.MaxProduct())
+    assert type(one).__name__ == "BranchTable" and "<svg" not in one._repr_html_()

@@ -151,8 +151,10 @@ class Result:
 
         self._require_all("branches")
         _check_roles(roles)
-        return branches.branches(self, where, semiring, aggregate, roles, by=by,
-                                 per_head=per_head, heads=heads)  # fmt: skip
+        from .views.table import branch_table
+
+        return branch_table(branches.branches(self, where, semiring, aggregate, roles, by=by,
+                                              per_head=per_head, heads=heads))  # fmt: skip
 
     def layer_table(self, semirings=None, aggregate: str = "oplus", tokens=None, roles=None,
                     sublayers=("attention", "mlp"), by: str = "consumer",
@@ -171,8 +173,10 @@ class Result:
                 f"sublayers={sublayers!r}: give some of {SUBLAYERS_SHOWN} as a tuple, e.g. "
                 "sublayers=('attention',)"
             )
-        return branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers, by,
-                                    per_head, heads)  # fmt: skip
+        from .views.table import branch_table
+
+        return branch_table(branches.layer_table(self, semirings, aggregate, tokens, roles,
+                                                 sublayers, by, per_head, heads))  # fmt: skip
 
     def _why_missing(self, where, node) -> str:
         val = node.meta.get("val")

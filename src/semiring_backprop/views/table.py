@@ -1,0 +1,46 @@
+"""Branch tables that show themselves: a DataFrame whose notebook rendering leads with the
+layer x token heatmap of branch shares (``views.branches``), then the rows.
+
+Only the table as returned renders this way; anything pandas derives from it (a filter, a
+groupby, a copy) is a plain DataFrame, whose rows may no longer make a heatmap.
+"""
+
+from __future__ import annotations
+
+import html
+
+import pandas as pd
+
+from ..errors import SemiringBackpropError
+
+
+class BranchTable(pd.DataFrame):
+    """A tidy branch table (``Result.layer_table``, ``Result.branches``): a DataFrame in
+    every way; in a notebook, the heatmap of branch shares above the rows, where the table
+    has layers and a semiring whose branches compete. ``.view()`` gives that heatmap as a
+    :class:`~semiring_backprop.views.View` (``.to_html(file)`` writes it)."""
+
+    @property
+    def _constructor(self):
+        return pd.DataFrame
+
+    def view(self, semiring=None):
+        """The heatmap of branch shares (see ``semiring_backprop.views.branches``)."""
+        from . import branches
+
+        return branches(pd.DataFrame(self), semiring)
+
+    def _repr_html_(self) -> str:
+        rows = pd.DataFrame(self)._repr_html_()
+        if "layer" not in self.columns:  # Result.branches: one fan-out point, no layers
+            return rows
+        try:
+            heat = self.view()._repr_html_()
+        except SemiringBackpropError as e:  # e.g. only Entropy rows: say why, show rows
+            heat = f"<div><i>no heatmap: {html.escape(str(e))}</i></div>"
+        return heat + rows
+
+
+def branch_table(frame: pd.DataFrame) -> BranchTable:
+    """``frame`` as a :class:`BranchTable` (same rows, columns and index)."""
+    return BranchTable(frame)
