@@ -4,8 +4,9 @@
 explains a batch of prepared examples of one length in one pass (the examples of a
 batch do not interact: each has its own row of the batch, and its own score is seeded)
 and returns three tidy tables: ``examples`` (one row per example: score, top path),
-``tokens`` (per example and token: each semiring's readout at the word embeddings) and
-``branches`` (per example, token, layer and branch: :meth:`Result.layer_table`).
+``tokens`` (per example and token: each semiring's readout at the word embeddings, and
+the entropies' means over the hidden units) and ``branches`` (per example, token, layer,
+branch and aggregation over the hidden units: :meth:`Result.layer_table`).
 """
 
 from __future__ import annotations
@@ -122,10 +123,11 @@ class Explainer:
     """One model, one :class:`~semiring_backprop.Backprop` (one trace for all lengths)."""
 
     def __init__(self, model, tokenizer, semirings: list, top_path: bool = False,
-                 pairs: bool = True):  # fmt: skip
+                 pairs: bool = True, aggregation=("oplus",)):  # fmt: skip
         from ..api import Backprop
 
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.aggregation = tuple(aggregation)
         self.wrapper = Score(self.model).eval()
         self.semirings, self.top_path, self.pairs = list(semirings), top_path, pairs
         self.bp = Backprop(self.wrapper, output=lambda y: y, semirings=self.semirings,
@@ -165,6 +167,7 @@ class Explainer:
         if "entropy" in cols and "log_paths" in cols:
             h, n = cols["entropy"], cols["log_paths"]
             cols["normalized_entropy"] = torch.where(n > 0, h / n, torch.zeros_like(h))
+            cols.update(unit_means(res, self.source))
         rows = []
         for b, it in enumerate(items):
             text = self.tokenizer.convert_ids_to_tokens(it.ids)
@@ -177,7 +180,15 @@ class Explainer:
         return pd.DataFrame(rows)
 
     def _branches(self, res, items):
-        table = res.layer_table(by="role")
+        import pandas as pd
+
+        frames = []
+        for agg in self.aggregation:
+            srs = [s for s in self.semirings if agg == "oplus" or getattr(s, "selective", False)]
+            frame = res.layer_table(semirings=srs, aggregate=agg, by="role")
+            frame.insert(frame.columns.get_loc("value"), "aggregation", agg)
+            frames.append(frame)
+        table = pd.concat(frames, ignore_index=True)
         if "example" not in table.columns:  # a batch of one
             table.insert(0, "example", 0)
         table = table[table["example"] < len(items)].reset_index(drop=True)
@@ -212,6 +223,18 @@ def readouts(res, source: str, sr) -> dict:
     if isinstance(sr, TopK):
         return {f"topk_{i + 1}": r.values[..., i] for i in range(sr.k)}
     raise InputError(f"no per-token readout for {sr}")
+
+
+def unit_means(res, source: str) -> dict:
+    """Per token (``(batch, tokens)``), the means over the hidden units at ``source`` of
+    the path entropy of each unit, of its ``log #paths`` and of their ratio (0 where a
+    unit has one path): the paper's per-element entropies, where the ``entropy`` column
+    is the entropy of all of the token's paths together (⊕ over the units)."""
+    h = res.at(source, Entropy()).entropy.double()
+    n = res.at(source, PathCount()).log_count.double()
+    norm = torch.where(n > 0, h / n, torch.zeros_like(h))
+    return {"entropy_unit_mean": h.mean(-1).cpu(), "log_paths_unit_mean": n.mean(-1).cpu(),
+            "normalized_entropy_unit_mean": norm.mean(-1).cpu()}  # fmt: skip
 
 
 def _groups(item: Item) -> dict:

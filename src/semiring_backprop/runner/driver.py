@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 TABLES = ("examples", "tokens", "branches")
 DEFAULT_SEMIRINGS = ("max", "entropy", "real")
+#: how a branch's value is read over the hidden units (:meth:`Result.layer_table`)
+AGGREGATIONS = ("oplus", "bucket_sum")
 #: settings that choose how (or how much) is computed, not what: a rerun may change them
 FREE = ("limit", "batch_size", "workers", "threads")
 
@@ -47,6 +49,7 @@ class Settings:
     kind: str | None = None
     dtype: str = "float32"
     top_path: bool = False
+    aggregation: tuple = ("oplus",)
     limit: int | None = None
     batch_size: int = 8
     workers: int = 0
@@ -68,15 +71,27 @@ class Settings:
                 raise InputError(f"{name} must be a whole number >= {low}, got {v!r}")
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
             raise InputError(f"limit must be a positive whole number or None, got {self.limit!r}")
-        if self.top_path and not {"max", "maxabs", "topk"} & set(self.semirings):
+        selective = {"max", "maxabs", "topk"} & set(self.semirings)
+        if self.top_path and not selective:
             raise InputError("top_path needs a semiring with back-pointers: add 'max'")
+        bad = [a for a in self.aggregation if a not in AGGREGATIONS]
+        if bad or not self.aggregation or len(set(self.aggregation)) < len(self.aggregation):
+            raise InputError(
+                f"aggregation must be some of {', '.join(AGGREGATIONS)} (each once), got "
+                f"{self.aggregation!r}"
+            )
+        if "bucket_sum" in self.aggregation and not selective:
+            raise InputError(
+                "aggregation 'bucket_sum' assigns each hidden unit to the branch its ⊕ "
+                "selects: add a selective semiring ('max', 'maxabs' or 'topk')"
+            )
 
 
 def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         tokenizer=None, semirings=DEFAULT_SEMIRINGS, granularity: str = "neuron",
         kind: str | None = None, dtype: str = "float32", device="cpu", format: str = "auto",
         columns: dict | None = None, split: str | None = None, top_path: bool = False,
-        batch_size: int = 8, limit: int | None = None, workers: int = 0,
+        aggregation=("oplus",), batch_size: int = 8, limit: int | None = None, workers: int = 0,
         address: str | None = None, threads: int = 0, figures: bool = True,
         progress: bool = True, prepare=prepare) -> dict:  # fmt: skip
     """Explain ``log p(target) - log p(foil)`` for every example of ``data`` (a file, a
@@ -90,6 +105,9 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
     ``summary.json`` and figures. ``workers``: that many Ray actors (each one model,
     one trace, a fair share of the cores); ``address`` joins a running Ray cluster.
     ``threads``: torch threads of a one-process run (0: the caller's count).
+    ``aggregation``: how the ``branches`` table reads a branch over the hidden units,
+    ``"oplus"`` (the semiring's ⊕) and/or ``"bucket_sum"`` (each unit counted for the
+    branch ⊕ selects there; selective semirings only): its ``aggregation`` column.
     ``prepare``: how an example becomes an :class:`Item` or the reason it is skipped
     (``prepare(example, tokenizer, model_config, kind) -> Item | str``; default
     :func:`~semiring_backprop.runner.prepare`): how an experiment tokenizes its own way
@@ -110,7 +128,8 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         model=_where(model_id), data=None if data is None else _where(data), format=format,
         columns=tuple(sorted((columns or {}).items())), split=split,
         semirings=tuple(semirings), granularity=granularity, kind=kind, dtype=dtype,
-        top_path=top_path, limit=limit, batch_size=batch_size, workers=workers,
+        top_path=top_path, aggregation=_names(aggregation), limit=limit,
+        batch_size=batch_size, workers=workers,
         threads=threads,
     )  # fmt: skip
     settings.check()
@@ -166,6 +185,11 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         return summarize(out, settings, chosen, malformed, records, n_new, elapsed, figures)
 
 
+def _names(value) -> tuple:
+    """A name or names as a tuple (``"oplus"`` is ``("oplus",)``, not five letters)."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def _where(name) -> str:
     """A local path as an absolute one (a rerun from another directory is the same
     run); a hub or data set name as given."""
@@ -202,7 +226,8 @@ class _Source:
 
         srs = semirings_for(self.settings.semirings, self.settings.granularity)
         return Explainer(self.model, self.tokenizer, srs, self.settings.top_path,
-                         pairs=self.settings.batch_size > 1)  # fmt: skip
+                         pairs=self.settings.batch_size > 1,
+                         aggregation=self.settings.aggregation)  # fmt: skip
 
 
 def _tokenizer(model_id: str, kind):

@@ -16,7 +16,7 @@ def summarize(out: Path, settings, chosen, malformed, records, n_new: int, elaps
               figures: bool = True) -> dict:  # fmt: skip
     from .driver import load_results
 
-    needed = ["semiring", "layer", "sublayer", "branch", "value", "winner", "path"]
+    needed = ["semiring", "aggregation", "layer", "sublayer", "branch", "value", "winner", "path"]
     tables = load_results(out, columns={"branches": needed})  # the largest: what is read
     wanted = {ex.id for ex in chosen}
     skipped: dict = {}
@@ -77,13 +77,22 @@ def _token_means(tokens) -> dict:
 
 def branch_means(branches):
     """Per semiring, layer, sublayer and branch: the mean value over examples and tokens
-    where a path leaves through the branch, and the share of tokens it wins."""
+    where a path leaves through the branch, and the share of tokens it wins. The
+    ``semiring`` column names the aggregation where it is not ⊕ ("MaxProduct, bucket_sum")."""
+    branches = branches.assign(semiring=_labels(branches))
     live = branches[branches["path"]]
     live = live[live["value"].map(math.isfinite)]
     keys = ["semiring", "layer", "sublayer", "branch"]
     mean = live.groupby(keys, sort=True)["value"].agg(value="mean", n="count")
     share = branches.groupby(keys, sort=True)["winner"].mean().rename("winner_share")
     return mean.join(share, how="outer").reset_index()
+
+
+def _labels(branches):
+    if "aggregation" not in branches.columns:
+        return branches["semiring"]
+    other = branches["aggregation"] != "oplus"
+    return branches["semiring"].where(~other, branches["semiring"] + ", " + branches["aggregation"])
 
 
 def _branch_means(branches) -> dict:

@@ -34,7 +34,8 @@ class Worker:
         model, tokenizer, _ = load(model_id, settings.kind, getattr(torch, settings.dtype), device)
         srs = semirings_for(settings.semirings, settings.granularity)
         self.explainer = Explainer(model, tokenizer, srs, settings.top_path,
-                                  pairs=settings.batch_size > 1)  # fmt: skip
+                                   pairs=settings.batch_size > 1,
+                                   aggregation=settings.aggregation)  # fmt: skip
 
     def explain(self, job):
         """``job``: (batch number, items); the tables carry the number back."""
