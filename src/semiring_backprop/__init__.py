@@ -1,10 +1,16 @@
 """Semiring backpropagation on unmodified PyTorch models.
 
->>> import semiring_backprop as sbp
->>> res = sbp.backprop(model, args=(x,), output=lambda y: y[0, 1],
-...                    semirings=[sbp.Real(), sbp.MaxProduct(), sbp.Entropy()])
->>> res.at(0, sbp.Real())          # the gradient
->>> res.at(0, sbp.MaxProduct()).hi  # the most positive path product
+Examples:
+    One pass computes several semirings; ``mlp`` is a small ``nn.Module`` and ``x`` its
+    input (``docs/api.md`` makes both):
+
+    >>> import semiring_backprop as sbp
+    >>> res = sbp.backprop(mlp, args=(x,), output=lambda y: y[0, 1],
+    ...                    semirings=[sbp.Real(), sbp.MaxProduct(), sbp.Entropy()])
+    >>> res.at(0, sbp.Real())            # the gradient
+    tensor([[ 0.0269, -0.0301,  0.0204, -0.0475]], dtype=torch.float64)
+    >>> res.at(0, sbp.MaxProduct()).hi   # the most positive path product
+    tensor([[0.0343, 0.0232, 0.0451, 0.0403]], dtype=torch.float64)
 """
 
 from . import views

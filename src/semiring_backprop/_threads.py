@@ -35,8 +35,14 @@ def threads(n: int | None = None) -> Iterator[int]:
     right count for the library's tiny models); ``0`` leaves torch's count as it is.
     Yields the count in effect.
 
-    >>> with sbp.threads(2):
-    ...     res = sbp.backprop(model, (x,), output=lambda y: y.sum())
+    Examples:
+        >>> before = torch.get_num_threads()
+        >>> with sbp.threads(1) as n:
+        ...     r = sbp.backprop(mlp, (x,), output=lambda y: y.sum())
+        ...     print(n, torch.get_num_threads())
+        1 1
+        >>> torch.get_num_threads() == before
+        True
     """
     n = _setting() if n is None else _count(n, "threads(n)")
     before = torch.get_num_threads()

@@ -35,7 +35,8 @@ def backprop(
 
     Args:
         model: an ``nn.Module`` (in eval mode) or a plain callable of tensors.
-        args, kwargs: example inputs, exactly as the model takes them.
+        args: example positional inputs, exactly as the model takes them.
+        kwargs: example keyword inputs, exactly as the model takes them.
         output: picks the scalar to explain from the model's output.
         semirings: computed together in one pass.
         whole: composite ops to keep whole (``"softmax"``, ``"log_softmax"``,
@@ -45,7 +46,7 @@ def backprop(
             everything else is freed during the pass. ``None`` (default): every
             node's value can be read (paths and branch tables read many): the pass
             holds checkpoints and computes the rest again when asked
-            (:mod:`semiring_backprop.checkpoints`).
+            (``semiring_backprop.checkpoints``).
         allow_training: explain a model in training mode as it is (random edges).
         per_example: allow a 1-D output of per-example scalars (examples must not
             interact); all are seeded at once.
@@ -62,10 +63,27 @@ def backprop(
     every call. The model is traced again when its parameters or buffers are replaced
     or modified in place, its modules are replaced, its hooks or train/eval mode change,
     or a plain attribute of a module (a norm's ``eps``, a scale) changes.
-    :func:`clear_traces` drops every kept trace.
+    [clear_traces][semiring_backprop.clear_traces] drops every kept trace.
 
-    >>> res = backprop(mlp, (x,), output=lambda y: y[0, 1], semirings=[Real(), Entropy()])
-    >>> res.at(0, Real())  # == torch.autograd.grad(mlp(x)[0, 1], x)
+    Examples:
+        The gradient (``Real``) is torch.autograd's:
+
+        >>> r = sbp.backprop(mlp, (x,), output=lambda y: y[0, 1],
+        ...                  semirings=[sbp.Real(), sbp.Entropy()])
+        >>> xg = x.clone().requires_grad_()
+        >>> grad, = torch.autograd.grad(mlp(xg)[0, 1], xg)
+        >>> torch.allclose(r.at(0, sbp.Real()), grad)
+        True
+        >>> r.at(0, sbp.Entropy()).entropy   # how spread the gradient flow is, per input
+        tensor([[0.5284, 1.0928, 0.7564, 0.9620]], dtype=torch.float64)
+
+        A Hugging Face model takes its inputs as keywords; ``output`` picks the scalar
+        (here a [WordChoice][semiring_backprop.WordChoice], ``log p(are) - log p(is)``):
+
+        >>> r = sbp.backprop(model, kwargs=dict(enc), output=are_is,
+        ...                  semirings=[sbp.MaxProduct()])
+        >>> r.aggregate("bert.embeddings.word_embeddings", sbp.MaxProduct()).hi.shape
+        torch.Size([1, 11])
     """
     options = {"whole": tuple(whole), "allow_training": allow_training, "per_example": per_example}
     traces = _kept_traces(model, output, options) if reuse else None
@@ -76,7 +94,11 @@ def backprop(
 
 
 def clear_traces() -> None:
-    """Forget every trace :func:`backprop` keeps for reuse."""
+    """Forget every trace [backprop][semiring_backprop.backprop] keeps for reuse.
+
+    Examples:
+        >>> sbp.clear_traces()   # the next backprop call traces the model again
+    """
     _KEPT.clear()
 
 
@@ -98,13 +120,13 @@ class Backprop:
     itself, which computes with the parameters' memory; the weights prepared from them
     (``weight_cache``) are checked by 64 evenly spaced elements of every parameter and
     buffer and made again if one differs: a write to a whole tensor or a large part of
-    it is seen, a write to a few elements may not be. Call :meth:`refresh` after such
+    it is seen, a write to a few elements may not be. Call ``refresh`` after such
     a write.
 
-    ``keep`` (places, as for :meth:`Result.at`, with ``*`` wildcards) keeps only those
-    values and frees the rest during the pass, for memory; paths and branch tables
-    need every value (``keep=None``, the default: checkpoints, from which what they
-    read is computed again, one segment of the graph at a time).
+    ``keep`` (places, as for [Result.at][semiring_backprop.Result.at], with ``*``
+    wildcards) keeps only those values and frees the rest during the pass, for memory;
+    paths and branch tables need every value (``keep=None``, the default: checkpoints,
+    from which what they read is computed again, one segment of the graph at a time).
 
     ``weight_cache`` (bytes, default 1 GiB; 0 turns it off): what contractions derive
     from a weight alone (``log |w|`` for ``Entropy`` and ``MaxAbs``, a transposed copy for
@@ -112,12 +134,21 @@ class Backprop:
     the values are the same either way.
 
     On its first call, on glibc, malloc is set to reuse freed host memory instead of
-    returning it to the system (:mod:`semiring_backprop.allocator`: faster by a third
+    returning it to the system (``semiring_backprop.allocator``: faster by a third
     on a CPU, no value changes); ``SEMIRING_BACKPROP_TUNE_MALLOC=0`` leaves it alone.
 
-    >>> bp = Backprop(model, output=lambda out: out.logits[0, -1, 5], semirings=[Real()])
-    >>> for ids in batches:
-    ...     res = bp(kwargs={"input_ids": ids})
+    Examples:
+        One trace serves sentences of other lengths:
+
+        >>> bp = sbp.Backprop(model, output=are_is, semirings=[sbp.Real()])
+        >>> for text in ["the keys to the cabinet [MASK] on the table",
+        ...              "the dog is on the [MASK]"]:
+        ...     r = bp(kwargs=dict(tok(text, return_tensors="pt")))
+        ...     print(r.at("bert.embeddings.word_embeddings", sbp.Real()).shape)
+        torch.Size([1, 11, 16])
+        torch.Size([1, 8, 16])
+        >>> bp.traces
+        1
     """
 
     def __init__(
