@@ -246,6 +246,8 @@ def page_environment(workdir):
     try:
         yield
     finally:
+        if "matplotlib.pyplot" in sys.modules:  # figures a page left open
+            sys.modules["matplotlib.pyplot"].close("all")
         torch.set_num_threads(threads)
         sys.path.remove(str(workdir))
         os.chdir(cwd)

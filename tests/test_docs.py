@@ -76,6 +76,15 @@ def test_every_page_is_in_the_nav():
     assert not missing, f"pages not in mkdocs.yml's nav (add them there): {missing}"
 
 
+def test_the_readmes_local_links_exist():
+    """The README is not part of the site (mkdocs checks the pages' links, not its)."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [t.split("#")[0] for t in targets if "://" not in t and not t.startswith("#")]
+    missing = [t for t in local if t and not (ROOT / t).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"
+
+
 # -- skips: only the README's set-up commands, and .ci/run runs those --------------------
 
 
