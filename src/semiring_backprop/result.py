@@ -12,12 +12,23 @@ from .semirings.base import Semiring, overflowed
 
 
 class Result:
-    """What one reverse pass computed.
+    """What one reverse pass computed: every semiring's value at every node, looked up
+    by a place: an input (its position in ``args`` or its keyword), a module path (its
+    output; ``"module:input"``: its input) or a graph node's name.
 
-    >>> res.at(0, Real())                               # gradient w.r.t. args[0]
-    >>> res.at("encoder.layer.0.attention", Entropy())  # at that module's output
-    >>> res.at("encoder.layer.0.attention:input", MaxProduct())
-    >>> res.aggregate("embeddings", MaxProduct(), dims=(-1,))  # ⊕ over hidden units
+    Examples:
+        ``res`` explains ``log p(are) - log p(is)`` at the mask of a tiny BERT:
+
+        >>> res
+        Result(183 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount)
+        >>> res.at("bert.embeddings.word_embeddings", sbp.Real()).shape  # the gradient
+        torch.Size([1, 11, 16])
+        >>> ent = res.at("bert.encoder.layer.0.attention:input", sbp.Entropy())
+        >>> ent.entropy.shape                      # path entropy at the block's input
+        torch.Size([1, 11, 16])
+        >>> best = res.aggregate("bert.embeddings.word_embeddings", sbp.MaxProduct())
+        >>> tokens[0][best.hi.argmax()]            # the token whose best path is heaviest
+        '[MASK]'
     """
 
     def __init__(self, graph, values: dict, store: dict, semirings: list, kept=None):
@@ -38,11 +49,24 @@ class Result:
 
     # -- lookup -----------------------------------------------------------------
     def node(self, where) -> torch.fx.Node:
-        """The graph node for an input position/keyword, a module path or a node name."""
+        """The graph node for an input position/keyword, a module path or a node name.
+
+        Examples:
+            >>> res.node("input_ids").name
+            'kwargs_input_ids'
+            >>> res.node("bert.embeddings.word_embeddings").meta["val"].shape
+            torch.Size([1, 11, 16])
+        """
         return find_node(self.graph, where)
 
     def value(self, where, semiring: Semiring):
-        """The raw semiring value (tuple of fields) at ``where``."""
+        """The raw semiring value (tuple of fields) at ``where``.
+
+        Examples:
+            >>> hi, lo = res.value("bert.embeddings.word_embeddings", sbp.MaxProduct())[:2]
+            >>> bool((lo <= hi).all())
+            True
+        """
         node = self.node(where)
         if not isinstance(semiring, Semiring):
             raise InputError(
@@ -76,12 +100,28 @@ class Result:
         return value
 
     def at(self, where, semiring: Semiring):
-        """The readout of ``semiring`` at ``where`` (see each semiring's readout)."""
+        """The readout of ``semiring`` at ``where`` (see each semiring's readout).
+
+        Examples:
+            >>> res.at("bert.embeddings.word_embeddings", sbp.MaxProduct()).hi.shape
+            torch.Size([1, 11, 16])
+        """
         value = self.value(where, semiring)  # (checks ``semiring`` first)
         return semiring.finalize(value)
 
     def aggregate(self, where, semiring: Semiring, dims=(-1,)):
-        """⊕ of the values over ``dims`` (the paper's aggregated derivative, Eq. 3)."""
+        """⊕ of the values over ``dims`` (the paper's aggregated derivative, Eq. 3).
+
+        Examples:
+            The best path product per token (⊕ of MaxProduct over the hidden units):
+
+            >>> top = res.aggregate("bert.embeddings.word_embeddings", sbp.MaxProduct())
+            >>> top.hi.shape
+            torch.Size([1, 11])
+            >>> per_unit = res.at("bert.embeddings.word_embeddings", sbp.MaxProduct()).hi
+            >>> torch.equal(top.hi, per_unit.amax(-1))
+            True
+        """
         v = self.value(where, semiring)
         return semiring.finalize(semiring.sum(v, _dims(dims, self.node(where), where)))
 
@@ -96,7 +136,8 @@ class Result:
 
     # -- analysis -----------------------------------------------------------------
     def top_path(self, source, semiring: Semiring | None = None, sign: str = "+"):
-        """The heaviest path from ``source`` to the output, as a :class:`Path`.
+        """The heaviest path from ``source`` to the output, as a
+        [Path][semiring_backprop.Path].
 
         ``source`` is a place (``"encoder.layer.0.attention:input"``, an input position)
         or ``(place, index)``; an index prefix (``(0, 3)``: all hidden units of token 3)
@@ -104,8 +145,17 @@ class Result:
         ``MaxProduct()`` (default; ``sign="-"`` gives the most negative path), a
         ``MaxProduct("tensor")`` (a sequence of ops), ``MaxAbs()`` or ``TopK(k)``.
 
-        >>> path = res.top_path(("bert.embeddings", (0, 3)))
-        >>> path.value == res.aggregate("bert.embeddings", MaxProduct()).hi[0, 3]
+        Examples:
+            The best path from token 2 (any of its hidden units):
+
+            >>> path = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
+            >>> path
+            <Path MaxProduct(neuron) +: 96 steps, product 0.000115082>
+            >>> top = res.aggregate("bert.embeddings.word_embeddings", sbp.MaxProduct())
+            >>> path.value == top.hi[0, 2].item()
+            True
+            >>> res.top_path(("bert.embeddings.word_embeddings", (0, 2)), sign="-").value < 0
+            True
         """
         from .analysis import paths
 
@@ -113,7 +163,13 @@ class Result:
         return paths.top_path(self, source, semiring, sign)
 
     def top_paths(self, source, k: int, semiring: Semiring | None = None) -> list:
-        """The ``k`` heaviest distinct paths by |product| from ``source`` (needs ``TopK``)."""
+        """The ``k`` heaviest distinct paths by |product| from ``source`` (needs ``TopK``).
+
+        Examples:
+            >>> res.top_paths("bert.embeddings.word_embeddings", 2)
+            [<Path TopK(2) -: 70 steps, product -0.675802>,
+             <Path TopK(2) +: 70 steps, product 0.574383>]
+        """
         from .analysis import paths
 
         self._require_all("top_paths")
@@ -145,7 +201,18 @@ class Result:
         from the attention module or the model's config; ``heads=`` gives it (an int:
         query heads; ``{"query": 8, "key": 2, "value": 2}``).
 
-        >>> res.branches("transformer.h.0:input", MaxProduct(), per_head=True)
+        Examples:
+            >>> t = res.branches("bert.encoder.layer.0:input", sbp.MaxProduct())
+            >>> print(t[t.token == 6][["consumer", "role", "value", "winner"]].to_string())
+                                                 consumer   role         value  winner
+            24      bert.encoder.layer.0.attention.output   skip  1.955721e-02    True
+            25  bert.encoder.layer.0.attention.self.query  query  2.344730e-08   False
+            26    bert.encoder.layer.0.attention.self.key    key  1.024582e-08   False
+            27  bert.encoder.layer.0.attention.self.value  value  3.545691e-06   False
+            >>> heads = res.branches("bert.encoder.layer.0:input", sbp.MaxProduct(),
+            ...                      per_head=True)
+            >>> sorted(int(h) for h in heads["head"].dropna().unique())
+            [0, 1]
         """
         from .analysis import branches
 
@@ -163,7 +230,17 @@ class Result:
         ``consumer``, ``value``, ``winner``, ``path``, ``semiring``) for every attention block:
         branches at the block's input (skip/query/key/value) and at the input of its MLP
         sublayer (skip/mlp). ``tokens``: the token strings, for ``token_text``.
-        ``per_head``, ``heads``: a ``head`` column, as in :meth:`branches`."""
+        ``per_head``, ``heads``: a ``head`` column, as in
+        [branches][semiring_backprop.Result.branches].
+
+        Examples:
+            >>> t = res.layer_table(semirings=[sbp.MaxProduct()], tokens=tokens)
+            >>> t = t[(t.token == 6) & t.winner]     # the branch that wins at the mask
+            >>> print(t[["layer", "sublayer", "token_text", "branch", "value"]].to_string())
+                layer   sublayer token_text branch     value
+            24      0  attention     [MASK]   skip  0.019557
+            56      0        mlp     [MASK]   skip  0.019564
+        """
         from .analysis import branches
 
         self._require_all("layer_table")
@@ -200,7 +277,14 @@ class Result:
         """Token strips coloured by a per-token quantity (``"gradient"``, ``"top_path"``,
         ``"entropy"``, ``"normalized_entropy"``; None: all this result has), at
         ``source`` (default: the float input or the word embeddings); ``tokens`` one
-        list of strings per example. See :mod:`semiring_backprop.views`."""
+        list of strings per example. See [views][semiring_backprop.views].
+
+        Examples:
+            >>> print(res.view("top_path", tokens=tokens))
+            Result: 183 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
+            <BLANKLINE>
+            top path ...
+        """
         from . import views
 
         return views.result(self, quantity, source=source, tokens=tokens)
@@ -212,7 +296,13 @@ class Result:
             return f"<pre>{_html_escape(repr(self))}\n(no token view: {_html_escape(e)})</pre>"
 
     def to_html(self, file, quantity: str | None = None, *, source=None, tokens=None) -> str:
-        """Write :meth:`view` to one self-contained HTML file; returns its path."""
+        """Write [view][semiring_backprop.Result.view] to one self-contained HTML file;
+        returns its path.
+
+        Examples:
+            >>> res.to_html("api-result.html", tokens=tokens)
+            'api-result.html'
+        """
         return self.view(quantity, source=source, tokens=tokens).to_html(file)
 
 

@@ -40,7 +40,18 @@ _MARK_NAME = "semiring_backprop.mark.default"
 @dataclass(frozen=True)
 class Step:
     """One node on a path. ``edge_weight`` is the edge into this node (None at the source);
-    ``running`` the product of edge weights from the source up to here."""
+    ``running`` the product of edge weights from the source up to here.
+
+    Examples:
+        >>> path = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
+        >>> path.source
+        Step(node='mark', module='bert.embeddings.word_embeddings',
+             op='semiring_backprop.mark.default', index=(0, 2, 6), edge_weight=None,
+             running=1.0, slot=None)
+        >>> import math
+        >>> math.isclose(path.steps[-1].running, path.value)   # the product so far
+        True
+    """
 
     node: str  #: graph node name
     module: str | None  #: owning module path (None for ops outside any submodule)
@@ -55,10 +66,17 @@ class Step:
 class Path:
     """A path through the gradient graph, from a source element to the explained output.
 
-    >>> path = res.top_path(("encoder.layer.0.attention:input", (0, 3)))
-    >>> print(path)            # compact: one line per module the path passes through
-    >>> path.to_frame()        # one row per step
-    >>> path.value             # its product == the MaxProduct readout at the source
+    Examples:
+        >>> path = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
+        >>> print(path)            # one line per module the path passes through
+        MaxProduct(neuron) top path, product 0.0001151, 96 steps, from
+        bert.embeddings.word_embeddings[0,2,6]:
+        steps layer branch   edge prod    running  module
+        ...
+        >>> path.to_frame().columns.tolist()   # one row per step
+        ['step', 'node', 'module', 'op', 'index', 'slot', 'edge_weight', 'running']
+        >>> path.modules[:3]
+        ['bert.embeddings.word_embeddings', 'bert.embeddings', 'bert.embeddings.LayerNorm']
     """
 
     steps: tuple[Step, ...]
@@ -82,6 +100,16 @@ class Path:
         return [m for m, _ in _runs(self.steps)]
 
     def to_frame(self):
+        """One row per step (a pandas DataFrame).
+
+        Examples:
+            >>> path = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
+            >>> print(path.to_frame()[["step", "op", "edge_weight", "running"]].head(3))
+               step                              op  edge_weight  running
+            0     0  semiring_backprop.mark.default          NaN      1.0
+            1     1                 aten.add.Tensor          1.0      1.0
+            2     2                 aten.add.Tensor          1.0      1.0
+        """
         import pandas as pd
 
         rows = [asdict(s) for s in self.steps]
@@ -94,6 +122,7 @@ class Path:
         return frame
 
     def to_dict(self) -> dict:
+        """The path as plain data (what ``to_json`` writes); non-finite floats as strings."""
         return {
             "semiring": self.semiring,
             "sign": self.sign,
@@ -110,6 +139,13 @@ class Path:
         }
 
     def to_json(self, file=None, **kwargs) -> str:
+        """The path as JSON text, also written to ``file`` when one is given.
+
+        Examples:
+            >>> path = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
+            >>> path.to_json("api-path.json")[:48]
+            '{"semiring": "MaxProduct(neuron)", "sign": "+", '
+        """
         text = json.dumps(self.to_dict(), **kwargs)
         if file is not None:
             with open(file, "w") as f:
@@ -118,7 +154,14 @@ class Path:
 
     def compact(self, strip: str | None = None, marks: bool = False) -> str:
         """One line: the runs of steps inside one module, joined by arrows. Runs made only
-        of module-boundary marks (identity steps) are left out unless ``marks=True``."""
+        of module-boundary marks (identity steps) are left out unless ``marks=True``.
+
+        Examples:
+            >>> path = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
+            >>> print(path.compact(strip="bert."))
+            embeddings.word_embeddings[0,2,6] → embeddings[0,2,6] (2 ops) → ...
+            → output[6,10] (8 ops)   (product 0.0001151)
+        """
         parts = []
         runs = _runs(self.steps)
         for i, (module, steps) in enumerate(runs):
@@ -147,8 +190,13 @@ class Path:
         return f"<Path {self.semiring} {self.sign}: {n} steps, product {v:.6g}>"
 
     def view(self, title: str = "top gradient path", res=None):
-        """The path as a chain (:func:`semiring_backprop.views.path`; ``res``: the result
-        it was read from, for the branches as ``Result.branches`` finds them)."""
+        """The path as a chain ([views.path][semiring_backprop.views.path]; ``res``: the
+        result it was read from, for the branches as ``Result.branches`` finds them).
+
+        Examples:
+            >>> res.top_path("bert.embeddings.word_embeddings").view(res=res)
+            <View 'top gradient path': ... characters of HTML>
+        """
         from .. import views
 
         return views.path(self, title, res)
@@ -157,7 +205,12 @@ class Path:
         return self.view()._repr_html_()
 
     def to_html(self, file) -> str:
-        """Write the chain to one self-contained HTML file; returns its path."""
+        """Write the chain to one self-contained HTML file; returns its path.
+
+        Examples:
+            >>> res.top_path("bert.embeddings.word_embeddings").to_html("api-path.html")
+            'api-path.html'
+        """
         return self.view().to_html(file)
 
 
