@@ -27,7 +27,7 @@ pytest.importorskip("matplotlib")
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import experiments  # noqa: E402
 from semiring_backprop.data import first_feature  # noqa: E402
-from semiring_backprop.experiments import entropy_sanity, sva, sva_inputs  # noqa: E402
+from semiring_backprop.experiments import entropy_sanity, sva, sva_inputs, sva_report  # noqa: E402
 
 TINY_BERT = dict(bert_hidden=16, bert_layers=1, bert_heads=2, bert_intermediate=32)
 
@@ -191,26 +191,59 @@ def _group_mean(table, semiring, layer, sublayer, branch, tokens, dead):
     return sum(vals) / len(vals) if vals else None
 
 
+def _example(run_dir, example_id: str) -> dict:
+    """What the runner wrote of one example: its row of the examples table, its token
+    strings, its token groups and the positions of its masks."""
+    from semiring_backprop.runner import load_results
+
+    tables = load_results(run_dir / "runner")
+    row = tables["examples"].set_index("example_id").loc[example_id].to_dict()
+    toks = tables["tokens"]
+    toks = toks[toks["example_id"] == example_id].sort_values("token")
+    names = toks["group"].fillna("").str.split(",")
+    row["token_texts"] = toks["token_text"].tolist()
+    row["subject_tokens"] = toks.loc[names.map(lambda n: "subject" in n), "token"].tolist()
+    row["attractor_tokens"] = toks.loc[names.map(lambda n: "attractors" in n), "token"].tolist()
+    row["mask_positions"] = [m[0] for m in json.loads(row["masks"])]
+    return row
+
+
 def test_sva_branch_values_equal_a_direct_layer_table(synthetic_run):
+    from semiring_backprop.runner import load_results
+
     out, _ = synthetic_run
-    row = _lines(out / "examples.jsonl")[1]
+    row = _example(out, "2")  # the second line of the data
     line = json.loads((out / "synthetic.jsonl").read_text().splitlines()[1])
     vocab = _vocab(out / "model")
+    row["input_ids"] = [vocab.index(t) for t in row["token_texts"]]
     assert line["attractors"]  # all three token groups are checked
     # one token per word here: word i is token i + 1 (after [CLS])
     assert row["subject_tokens"] == [line["subject"] + 1]
     assert row["attractor_tokens"] == [a + 1 for a in line["attractors"]]
-    assert row["good"] == vocab.index(line["one_prefix_word_good"])
+    assert row["token_texts"] == ["[CLS]", *line["sentence_good"].split()[: row["position"] - 1],
+                                  "[MASK]", *line["sentence_good"].split()[row["position"]:],
+                                  "[SEP]"]  # fmt: skip
+    assert row["target_id"] == vocab.index(line["one_prefix_word_good"])
+    assert row["token_texts"][row["position"]] == "[MASK]"
     top = sbp.MaxProduct()
-    res, score = _direct(out / "model", row["input_ids"], row["position"], row["good"],
-                         row["bad"], [top, sbp.Entropy()])  # fmt: skip
+    res, score = _direct(out / "model", row["input_ids"], row["position"], row["target_id"],
+                         row["foil_id"], [top, sbp.Entropy(), sbp.PathCount()])  # fmt: skip
     assert row["score"] == pytest.approx(score, abs=1e-5)
+    # the embeddings' entropy in entropy.csv: a mean over tokens and hidden units
+    place = "bert.embeddings.word_embeddings"
+    h = res.at(place, sbp.Entropy()).entropy.double()
+    entropy = pd.read_csv(out / "entropy.csv").set_index("example")
+    assert entropy.loc[2, "entropy"] == pytest.approx(float(h.mean()), rel=1e-5)
     groups = {"subject": row["subject_tokens"], "attractor": row["attractor_tokens"],
               "all": list(range(len(row["input_ids"])))}  # fmt: skip
-    recorded = {tuple(v[:6]): v[6] for v in row["values"]}
+    tables = load_results(out / "runner")
+    values = sva_report.group_values(tables["branches"], tables["tokens"])
+    values = values[values["example_id"] == "2"]
+    recorded = {(r.semiring, r.aggregation, r.layer, r.sublayer, r.branch, r.token_group):
+                r.value for r in values.itertuples()}  # fmt: skip
     checked = 0
     for agg in ("oplus", "bucket_sum"):
-        table = res.layer_table(aggregate=agg, by="role")
+        table = res.layer_table(semirings=[top, sbp.Entropy()], aggregate=agg, by="role")
         mp = table[table.semiring == top.name]
         dead = {(r.layer, r.sublayer, r.branch, r.token)
                 for r in mp.itertuples() if r.value == -math.inf}  # fmt: skip
@@ -223,32 +256,45 @@ def test_sva_branch_values_equal_a_direct_layer_table(synthetic_run):
                                        dead if agg == "oplus" else set())  # fmt: skip
                 got = recorded[(sr, agg, layer, sub, branch, group)]
                 if expected is None:
-                    assert got is None
+                    assert math.isnan(got)
                 else:
                     assert got == pytest.approx(expected, rel=1e-4, abs=1e-12)
                 checked += 1
     assert checked == len(recorded) > 0
 
 
+def _values(out):
+    from semiring_backprop.runner import load_results
+
+    tables = load_results(out / "runner")
+    return sva_report.group_values(tables["branches"], tables["tokens"])
+
+
 def test_sva_branches_csv_is_the_mean_of_the_records(synthetic_run):
     out, _ = synthetic_run
-    rows = _lines(out / "examples.jsonl")
+    values = _values(out)
     branches = pd.read_csv(out / "branches.csv")
     assert branches.loc[branches["n"] == 0, "value"].isna().all()  # never a path: no value
     live = branches[branches["n"] > 0]
     assert len(live) > 0
+    keys = ["semiring", "aggregation", "layer", "sublayer", "branch", "token_group"]
     for r in live.sample(8, random_state=0).itertuples():
-        key = [r.semiring, r.aggregation, r.layer, r.sublayer, r.branch, r.token_group]
-        vals = [v[6] for row in rows for v in row["values"] if v[:6] == key and v[6] is not None]
+        mine = values[(values[keys] == [getattr(r, k) for k in keys]).all(axis=1)]
+        vals = mine["value"].dropna().tolist()
         assert r.n == len(vals)
         assert r.value == pytest.approx(np.mean(vals))
 
 
 def test_sva_spearman_equals_scipy_on_the_csv(synthetic_run):
+    from semiring_backprop.runner import load_results
+
     out, result = synthetic_run
     entropy = pd.read_csv(out / "entropy.csv")
-    embeddings = {r["key"]: r["entropy"] for r in _lines(out / "examples.jsonl")}
-    assert entropy["entropy"].tolist() == [embeddings[k] for k in entropy["example"]]
+    tokens = load_results(out / "runner")["tokens"]
+    per_example = tokens.groupby("example_id")["entropy_unit_mean"].mean()
+    assert entropy["entropy"].tolist() == pytest.approx(
+        [per_example[str(k)] for k in entropy["example"]], rel=1e-12
+    )
     found = 0
     for label, stats in result["summary"]["attractors"].items():
         part = entropy[entropy["length_bin"] == label]
@@ -316,12 +362,14 @@ def test_sva_on_a_blimp_file_maps_words_to_pieces_and_skips(word_piece_model, tm
     assert summary["skipped"] == 1 and summary["explained"] == 2 and "note" not in summary
     (reason,) = summary["skip_reasons"]
     assert "'run'" in reason and "vocabulary" in reason
-    rows = _lines(out / "examples.jsonl")
-    assert rows[1]["skipped"] == reason
+    from semiring_backprop.runner import skipped_examples
+
+    assert skipped_examples(out / "runner") == {"2": reason}
     # [CLS] the dog ##s near the key [MASK] here [SEP]
-    assert rows[0]["subject_tokens"] == [2, 3] and rows[0]["attractor_tokens"] == [6]
-    assert rows[0]["position"] == 7 and rows[2]["subject_tokens"] == [2]
-    assert pd.read_csv(out / "entropy.csv")["example"].tolist() == [0, 2]
+    first, third = _example(out, "1"), _example(out, "3")
+    assert first["subject_tokens"] == [2, 3] and first["attractor_tokens"] == [6]
+    assert first["position"] == 7 and third["subject_tokens"] == [2]
+    assert pd.read_csv(out / "entropy.csv")["example"].tolist() == [1, 3]
 
 
 def test_sva_refuses_a_file_without_examples_and_a_run_that_explains_none(
@@ -334,7 +382,8 @@ def test_sva_refuses_a_file_without_examples_and_a_run_that_explains_none(
                         progress=False)  # fmt: skip
     none = tmp_path / "none.jsonl"  # every verb is out of the vocabulary: each is skipped
     none.write_text(_blimp("the dog near the cabinets", "run", "runs", "here", 1, [4]) + "\n")
-    with pytest.raises(sbp.InputError, match=r"none of the 1 examples .*'run'.*examples.jsonl"):
+    why = r"none of the 1 examples .*'run'.*runner/summary.json"
+    with pytest.raises(sbp.InputError, match=why):
         experiments.run("sva", tmp_path / "b", model=str(word_piece_model), data=str(none),
                         aggregation=("oplus",), progress=False)  # fmt: skip
 
@@ -474,8 +523,9 @@ def test_sva_multi_token_score_equals_the_model_forward(multi_runs, word_piece_m
                                                         good, bad):  # fmt: skip
     _, runs = multi_runs
     out, _ = runs[True]
-    row = next(r for r in _lines(out / "examples.jsonl") if r["key"] == key)
     vocab = _vocab(word_piece_model)
+    row = _example(out, str(key + 1))  # the data's line number
+    row["input_ids"] = [vocab.index(t) for t in row["token_texts"]]
     k = len(good)
     # [CLS] the dog near the cabinets [MASK] x k here [SEP], worked out by hand
     tokens = ["[CLS]", "the", "dog", "near", "the", "cabinets", *["[MASK]"] * k, "here", "[SEP]"]
@@ -489,7 +539,7 @@ def test_sva_multi_token_score_equals_the_model_forward(multi_runs, word_piece_m
                    for j, (g, b) in enumerate(zip(good, bad)))  # fmt: skip
     assert row["score"] == pytest.approx(expected, abs=1e-5)
     differ = [6 + j for j, (g, b) in enumerate(zip(good, bad)) if g != b]
-    assert row["positions"] == differ
+    assert row["mask_positions"] == differ
     # the explained function is that sum over the differing pieces: the embedding entropy
     # of a direct pass on the plain model with constant indices
     model = transformers.BertForMaskedLM.from_pretrained(word_piece_model).eval()
@@ -504,7 +554,8 @@ def test_sva_multi_token_score_equals_the_model_forward(multi_runs, word_piece_m
     res = sbp.backprop(model, kwargs={"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                        output=score, semirings=[sbp.Entropy()])  # fmt: skip
     h = res.at("bert.embeddings.word_embeddings", sbp.Entropy()).entropy.double()
-    assert row["entropy"] == pytest.approx(float(h.mean()), rel=1e-5)
+    entropy = pd.read_csv(out / "entropy.csv").set_index("example")
+    assert entropy.loc[key + 1, "entropy"] == pytest.approx(float(h.mean()), rel=1e-5)
 
 
 def test_sva_refuses_to_mix_settings(synthetic_run):

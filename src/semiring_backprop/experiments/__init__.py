@@ -49,9 +49,10 @@ def config(name: str, quick: bool = False, **options):
     return cfg
 
 
-#: fields whose numbers may be 0 (seeds, bin edges); any other count or size must be at
-#: least 1 and any other float above 0; fractions lie in (0, 1] and min_accuracy in [0, 1]
-_MAY_BE_ZERO = {"seed", "seeds", "length_bins"}
+#: fields whose numbers may be 0 (seeds, bin edges; workers and threads, where 0 means one
+#: process and the default count); any other count or size must be at least 1 and any
+#: other float above 0; fractions lie in (0, 1] and min_accuracy in [0, 1]
+_MAY_BE_ZERO = {"seed", "seeds", "length_bins", "workers", "threads"}
 _FRACTIONS = {"mdl_fractions"}
 _HEADS = (("hidden", "heads"), ("bert_hidden", "bert_heads"))
 

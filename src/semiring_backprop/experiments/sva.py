@@ -26,40 +26,38 @@ sum of their log-probabilities (each piece at its own mask, all of them masked),
 both verbs when they split into the same number of pieces; pieces the two share at one
 place cancel exactly and are left out of the explained function.
 
+The examples are explained by the data-set runner (:mod:`semiring_backprop.runner`):
+its Parquet shards in ``out/runner`` (read them with
+:func:`~semiring_backprop.runner.load_results`: one row per example x token x layer x
+branch), written as they are computed, so a run that stops resumes where it stopped;
+``workers`` runs Ray actors (``pip install "semiring-backprop[ray]"``), with the same
+numbers. The tables, summary and figures are read from those shards
+(:mod:`~semiring_backprop.experiments.sva_report`).
+
 With ``data=None`` a small synthetic set ("the N1 of the N2 ***mask*** ...", positions
 given) is written to the output directory; with ``model=None`` the model is a random
-small BERT over the data's words: a smoke run, whose numbers mean nothing.
+small BERT over the data's words, saved in ``out/model``: a smoke run, whose numbers
+mean nothing.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
-from ..api import Backprop
 from ..errors import InputError
-from ..semirings import Entropy, MaxProduct, PathCount
-from .common import Records, same_settings, spearman, write_csv, write_json
-from .entropy_sanity import (
-    MaskedScore,
-    embedding_entropy,
-    embedding_place,
-    language_model,
-    lm_threads,
-)
-from .sva_inputs import MaskedSumScore, prepare
+from . import sva_inputs, sva_report
+from .common import same_settings, write_csv, write_json
+from .entropy_sanity import lm_threads, quiet, random_masked_lm
+from .sva_report import attractor_figure, branch_figure
 
-GROUPS = ("subject", "attractor", "all")
-BRANCHES = ("skip", "query", "key", "value", "mlp")
 AGGREGATIONS = ("oplus", "bucket_sum")
-RANDOM_NOTE = (
-    "model=None: a random, untrained BERT. These numbers check that the pipeline runs; "
-    "they say nothing about agreement. Give model= (a masked LM id or directory)."
-)
+#: settings that choose how (or how much) is computed or reported, not what: a rerun
+#: into the same directory may change them
+FREE = ("limit", "length_bins", "workers", "batch_size", "threads")
 
 
 @dataclass(frozen=True)
@@ -78,6 +76,9 @@ class Config:
     bert_intermediate: int = 128
     nlp: str = "en_core_web_sm"  #: spaCy pipeline (name or directory) that finds subjects
     multi_token: bool = False  #: score verbs of several tokens (sum over consecutive masks)
+    workers: int = 0  #: Ray actors (the ``ray`` extra); 0: this process
+    batch_size: int = 8  #: examples of one token length explained together
+    threads: int = 0  #: torch threads; 0: one for the random BERT, the caller's for a model
 
     @classmethod
     def quick(cls) -> Config:
@@ -94,6 +95,10 @@ class Config:
             raise InputError(f"length_bins must be increasing edges, got {self.length_bins}")
         if self.limit is not None and self.limit < 1:
             raise InputError(f"limit must be positive or None, got {self.limit}")
+        for name, low in (("workers", 0), ("batch_size", 1), ("threads", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise InputError(f"{name} must be a whole number >= {low}, got {v!r}")
         if not self.nlp.strip():
             raise InputError(
                 "nlp must name a spaCy pipeline (e.g. en_core_web_sm) or its directory"
@@ -174,14 +179,24 @@ def vocabulary(examples) -> list[str]:
 
 
 def run(out, config: Config | None = None, progress: bool = True) -> dict:
-    """Explain every example; write ``branches.csv``, ``entropy.csv``, ``summary.json``
-    and the figures ``branches.png`` and ``attractors.png``."""
+    """Explain every example with the data-set runner (its results in ``out/runner``:
+    Parquet shards, resumable); write ``branches.csv``, ``entropy.csv``,
+    ``summary.json`` and the figures ``branches.png`` and ``attractors.png``.
+
+    >>> run("runs/sva", Config(model="bert-base-uncased", data="agreement.tsv", workers=2))
+    """
     from ..data import locate, read_agreement
+    from ..runner import load_results
+    from ..runner import run as explain_data
 
     config = config or Config()
     config.check()
+    if config.workers:
+        from ..runner.workers import require_ray
+
+        require_ray()  # before reading or parsing anything
     out = Path(out)
-    same_settings(out, config, free=("limit", "length_bins"))
+    same_settings(out, config, free=FREE)
     if config.data is None:
         data = synthetic_agreement(out / "synthetic.jsonl", config.synthetic, config.seed)
     else:
@@ -193,21 +208,96 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
             "BLiMP JSON-lines or Linzen/Goldberg TSV file with at least one example"
         )
     # an InputError if positions are needed and spaCy or its pipeline is missing
-    examples = locate(every[: config.limit], nlp=config.nlp, progress=progress)
-    rows = explain(examples, every, out, config, progress)
-    done = [r for r in rows if "skipped" not in r]
-    if rows and not done:
-        reasons = sorted({r["skipped"] for r in rows})
+    located = locate(every[: config.limit], nlp=config.nlp, progress=progress)
+    model = _model(config, out, every, progress)
+    examples, ready, skips = _prepare(located, model, config)
+    with lm_threads(config), quiet(progress):
+        explain_data(
+            model, out=out / "runner", examples=examples, semirings=("max", "entropy"),
+            granularity=config.granularity, kind="masked", aggregation=config.aggregation,
+            batch_size=config.batch_size, workers=config.workers, threads=config.threads,
+            figures=False, progress=progress, prepare=lambda ex, *_: ready[ex.id],
+        )  # fmt: skip
+    order = {ex.id: k for k, ex in enumerate(examples)}
+    tables = {name: (t[t["example_id"].isin(order)] if len(t) else t)
+              for name, t in load_results(out / "runner").items()}  # fmt: skip
+    skips = _skips(out / "runner", order, skips)
+    if not len(tables["examples"]):
+        reasons = sorted({why for why, _ in skips.values()})
         raise InputError(
-            f"{data}: none of the {len(rows)} examples could be explained; each was "
+            f"{data}: none of the {len(examples)} examples could be explained; each was "
             f"skipped ({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''}). "
-            f"The reasons are in {out / 'examples.jsonl'}"
+            f"The reasons are in {out / 'runner' / 'summary.json'}"
         )
-    branches = _branches(done)
-    entropy = _entropy(done, config.length_bins)
+    return _report(out, tables, order, skips, config, every.skipped, data)
+
+
+def _model(config: Config, out: Path, every, progress: bool) -> str:
+    """The masked LM's id or directory: ``config.model``, or the random small BERT over
+    the data's words, saved in ``out/model`` (the runner and its workers load it from
+    there)."""
+    if config.model is not None:
+        return config.model
+    with quiet(progress):
+        random_masked_lm(
+            out / "model", vocabulary(every), hidden=config.bert_hidden,
+            layers=config.bert_layers, heads=config.bert_heads,
+            intermediate=config.bert_intermediate, seed=config.seed,
+        )  # fmt: skip
+    return str((out / "model").resolve())
+
+
+def _prepare(located, model: str, config: Config):
+    """``(examples, ready, skips)``: the runner's examples (the subject and attractors as
+    positions, the attractor count, length and verb pieces as columns), per id the
+    runner's item or the reason it is skipped, and per skipped id ``(reason, kind)``."""
+    from ..runner import from_agreement
+    from ..runner.driver import load_tokenizer
+
+    with quiet(False):
+        tokenizer, model_config, kind = load_tokenizer(model)
+    if kind != "masked" or tokenizer.mask_token is None:
+        raise InputError(
+            f"{model!r} is a {kind} LM; this experiment explains the prediction at "
+            "[MASK]: give a masked LM (BERT, RoBERTa, ...)"
+        )
+    max_length = getattr(model_config, "max_position_embeddings", None)
+    examples, ready, skips = [], {}, {}
+    for ex in located:
+        base = from_agreement(ex)
+        got = sva_inputs.prepare(ex, tokenizer, max_length, config.multi_token)
+        count = ex.attractors if ex.attractors is not None else len(ex.attractor_positions or ())
+        extra = {**base.extra, "attractors": count, "length": len(ex.words),
+                 "verb_tokens": got.get("verb_tokens", 0)}  # fmt: skip
+        runner_ex = replace(base, extra=extra)
+        examples.append(runner_ex)
+        if "skipped" in got:
+            ready[base.id] = got["skipped"]
+            skips[base.id] = (got["skipped"], got["kind"])
+        else:
+            ready[base.id] = sva_inputs.item(runner_ex, got)
+    return examples, ready, skips
+
+
+def _skips(run_dir: Path, order: dict, prepared: dict) -> dict:
+    """``(reason, kind)`` per skipped example of this data: the kind :func:`_prepare`
+    gave, or ``failed`` where the runner skipped it (a forward pass that failed)."""
+    from ..runner import skipped_examples
+
+    return {i: (why, prepared[i][1] if i in prepared else "failed")
+            for i, why in skipped_examples(run_dir).items() if i in order}  # fmt: skip
+
+
+def _report(out: Path, tables: dict, order: dict, skips: dict, config: Config, malformed,
+            data) -> dict:  # fmt: skip
+    values = sva_report.group_values(tables["branches"], tables["tokens"])
+    branches = sva_report.branches_table(values)
+    entropy = sva_report.entropy_table(tables["examples"], tables["tokens"], order,
+                                       config.length_bins)  # fmt: skip
     write_csv(branches, out / "branches.csv")
     write_csv(entropy, out / "entropy.csv")
-    summary = _summary(branches, entropy, rows, config, every.skipped)
+    multi = int((tables["examples"]["verb_tokens"] > 1).sum())
+    summary = sva_report.summary(branches, entropy, skips, multi, config, malformed)
     write_json(out / "summary.json", summary)
     files = [str(out / f) for f in ("branches.csv", "entropy.csv", "summary.json")]
     try:
@@ -215,219 +305,5 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
         files.append(attractor_figure(entropy, summary, out / "attractors.png"))
     except ImportError:  # matplotlib is the optional ``plots`` extra
         pass
-    return {"summary": summary, "files": files, "explained": len(done),
-            "skipped": len(rows) - len(done), "data": str(data)}  # fmt: skip
-
-
-def explain(examples, every, out: Path, config: Config, progress: bool = True) -> list[dict]:
-    """One record per example (explained, or skipped with the reason), written as it is
-    computed; a rerun resumes."""
-    from tqdm.auto import tqdm
-
-    records = Records(out / "examples.jsonl")
-    todo = [(i, ex) for i, ex in enumerate(examples) if not records.has(i)]
-    with lm_threads(config):
-        if todo:
-            model, tok = language_model(config, out, vocabulary(every), progress)
-            top = MaxProduct(config.granularity)
-            semirings = [top, Entropy(), PathCount()]
-            wrapper = MaskedScore(model).eval()
-            place = embedding_place(wrapper)
-            bp = Backprop(wrapper, output=lambda y: y, semirings=semirings)
-            # a verb of several tokens: its own score function (traced on first use)
-            bp_sum = Backprop(MaskedSumScore(model).eval(), output=lambda y: y,
-                              semirings=semirings)  # fmt: skip
-            max_length = getattr(model.config, "max_position_embeddings", None)
-        for i, ex in tqdm(todo, desc="examples", disable=not progress, leave=False):
-            head = {"key": i, "source": ex.source, "length": len(ex.words)}
-            item = prepare(ex, tok, max_length, config.multi_token)
-            if "skipped" in item:
-                records.add({**head, "skipped": item["skipped"], "kind": item["kind"]})
-                continue
-            res = (bp if len(item["good"]) == 1 else bp_sum)(kwargs=item["inputs"])
-            tokens = tok.convert_ids_to_tokens(item["ids"])
-            values = []
-            for agg in config.aggregation:
-                table = res.layer_table(semirings=[top, Entropy()], aggregate=agg, tokens=tokens,
-                                        by="role")  # fmt: skip
-                values += group_values(table, item["groups"], agg)
-            records.add({**head, "attractors": item["attractors"], "tokens": len(item["ids"]),
-                         "input_ids": item["ids"], "position": item["position"],
-                         "positions": item["positions"], "verb_tokens": item["verb_tokens"],
-                         "good": item["good"][0], "bad": item["bad"][0],
-                         "good_ids": item["good"], "bad_ids": item["bad"],
-                         "subject_tokens": item["groups"]["subject"],
-                         "attractor_tokens": item["groups"]["attractor"],
-                         "score": float(res.values[res.graph.output_node]),
-                         **embedding_entropy(res, place), "values": values})  # fmt: skip
-    return [r for r in records.rows if r["key"] < len(examples)]
-
-
-def group_values(table, groups: dict, aggregation: str) -> list[list]:
-    """``[semiring, aggregation, layer, sublayer, branch, group, value]`` rows: the mean
-    over a group's tokens of a ``layer_table``, leaving out branches with no path
-    (MaxProduct's zero, -inf; that marks the other semirings' rows too)."""
-    key = ["layer", "sublayer", "token", "branch"]
-    table = table[["semiring", *key, "value"]].copy()
-    top = table[table["semiring"].str.startswith("MaxProduct")]
-    dead = top.loc[top["value"] == -math.inf, key].assign(_dead=True)
-    table = table.merge(dead, on=key, how="left")
-    table.loc[table["_dead"].eq(True) | ~np.isfinite(table["value"]), "value"] = np.nan
-    out = []
-    for group, tokens in groups.items():
-        part = table[table["token"].isin(tokens)]
-        if part.empty:
-            continue
-        means = part.groupby(["semiring", "layer", "sublayer", "branch"])["value"].mean()
-        out += [[sr, aggregation, int(layer), sub, branch, group, None if v != v else float(v)]
-                for (sr, layer, sub, branch), v in means.items()]  # fmt: skip
-    return out
-
-
-# -- tables, summary, figures -----------------------------------------------------------
-
-
-def _branches(done):
-    import pandas as pd
-
-    cols = ["semiring", "aggregation", "layer", "sublayer", "branch", "token_group", "value"]
-    flat = pd.DataFrame([v for r in done for v in r["values"]], columns=cols)
-    flat["value"] = flat["value"].astype(float)
-    keys = cols[:-1]
-    return flat.groupby(keys, sort=True)["value"].agg(value="mean", n="count").reset_index()
-
-
-def _bin_labels(bins) -> list[str]:
-    return [f"{lo}-{hi - 1}" for lo, hi in zip(bins, bins[1:])]
-
-
-def _entropy(done, bins):
-    import pandas as pd
-
-    cols = ["key", "source", "length", "attractors", "tokens", "score", "entropy",
-            "log_paths", "normalized"]  # fmt: skip
-    frame = pd.DataFrame([{c: r[c] for c in cols} for r in done], columns=cols)
-    frame = frame.rename(columns={"key": "example"})
-    which = np.digitize(frame["length"], bins) - 1
-    labels = _bin_labels(bins)
-    frame["length_bin"] = [labels[k] if 0 <= k < len(labels) else None for k in which]
-    return frame
-
-
-def _summary(branches, entropy, rows, config: Config, malformed=()) -> dict:
-    first = config.aggregation[0]
-    top = branches[branches["semiring"].str.startswith("MaxProduct")
-                   & (branches["aggregation"] == first)]  # fmt: skip
-    table: dict = {}
-    for r in top.itertuples():
-        v = None if r.value != r.value else float(r.value)
-        where = table.setdefault(r.token_group, {}).setdefault(f"{r.layer}.{r.sublayer}", {})
-        where[r.branch] = v
-    attractors = {}
-    for label in _bin_labels(config.length_bins):
-        part = entropy[entropy["length_bin"] == label]
-        attractors[label] = spearman(part["attractors"], part["entropy"])
-    reasons: dict = {}
-    kinds: dict = {}
-    for r in rows:
-        if "skipped" in r:
-            reasons[r["skipped"]] = reasons.get(r["skipped"], 0) + 1
-            kinds[r.get("kind", "other")] = kinds.get(r.get("kind", "other"), 0) + 1
-    out = {
-        "branches": table,
-        "branches_setting": f"{top['semiring'].iloc[0] if len(top) else 'MaxProduct'}, {first}",
-        "attractors": attractors,
-        "attractors_all": spearman(entropy["attractors"], entropy["entropy"]),
-        "explained": len(entropy),
-        "skipped": sum(reasons.values()),
-        "skip_reasons": reasons,
-        "skipped_by_kind": kinds,
-        "multi_token_verbs": _multi_token(rows, kinds, config),
-        "malformed_lines": len(malformed),
-        "malformed": [f"{m.source}: {m.reason}" for m in malformed[:MALFORMED_SHOWN]],
-    }
-    if config.model is None:
-        out["note"] = RANDOM_NOTE
-    return out
-
-
-MALFORMED_SHOWN = 20  #: malformed lines listed by name in the summary (all are counted)
-
-
-def _multi_token(rows, kinds: dict, config: Config) -> dict:
-    """How the verbs of several tokens fared: explained (summed over consecutive masks)
-    or skipped, and what to do about the skipped ones."""
-    explained = sum(r.get("verb_tokens", 1) > 1 for r in rows if "skipped" not in r)
-    skipped = kinds.get("multi_token_verb", 0) + kinds.get("multi_token_lengths", 0)
-    out = {"multi_token": config.multi_token, "explained": explained, "skipped": skipped}
-    if kinds.get("multi_token_verb"):
-        out["note"] = (
-            f"{kinds['multi_token_verb']} examples were skipped because a verb splits into "
-            "several tokens; multi_token=True scores them as the sum of the pieces' "
-            "log-probabilities at consecutive masks"
-        )
-    elif kinds.get("multi_token_lengths"):
-        out["note"] = (
-            f"{kinds['multi_token_lengths']} examples were skipped because the two verbs "
-            "split into different numbers of tokens"
-        )
-    return out
-
-
-def branch_figure(summary: dict, path) -> str:
-    """Fig. 4: per layer and sublayer, the mean top path value of each branch, one panel
-    per token group."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from ..plots import COLORS
-
-    groups = [g for g in GROUPS if g in summary["branches"]]
-    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(10, 2.8 * max(len(groups), 1)),
-                             squeeze=False)  # fmt: skip
-    width = 0.8 / len(BRANCHES)
-    for ax, group in zip(axes[:, 0], groups):
-        table = summary["branches"][group]
-        places = list(table)
-        for b, branch in enumerate(BRANCHES):
-            ys = [table[p].get(branch) for p in places]
-            ys = [math.nan if v is None else v for v in ys]
-            xs = [k + (b - (len(BRANCHES) - 1) / 2) * width for k in range(len(places))]
-            ax.bar(xs, ys, width, label=branch, color=COLORS.get(branch))
-        ax.set_xticks(range(len(places)), [p.replace(".", " ") for p in places])
-        ax.set_title(f"{group} tokens")
-        ax.set_ylabel("mean top path value")
-        ax.axhline(0, color="black", linewidth=0.5)
-    if groups:
-        axes[0][0].legend(title="branch", fontsize=8)
-    fig.suptitle(f"branches per layer ({summary['branches_setting']})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
-
-
-def attractor_figure(entropy, summary: dict, path) -> str:
-    """Fig. 7: mean embedding path entropy vs number of attractors, per length bin."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, part in entropy.groupby("length_bin", sort=False):
-        means = part.groupby("attractors")["entropy"].mean()
-        rho = summary["attractors"].get(label, {}).get("spearman_rho")
-        tag = "n/a" if rho is None else f"{rho:.2f}"
-        ax.plot(means.index, means.values, marker="o", label=f"{label} words (ρ={tag})")
-    ax.set_xlabel("number of attractors")
-    ax.set_ylabel("mean path entropy of the word embeddings")
-    ax.set_title("entropy vs attractors, by sentence length")
-    if len(entropy):
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return {"summary": summary, "files": files, "explained": len(entropy),
+            "skipped": len(skips), "data": str(data)}  # fmt: skip

@@ -3,15 +3,15 @@
 A sentence's words become word pieces (a word may split in several), the verb becomes
 the model's mask token (one per piece of the verb, where a verb of several pieces is
 scored), and the subject's and attractors' words become token groups. What cannot be
-explained is a ``{"skipped": reason, "kind": kind}``, counted by kind in the summary.
+explained is a ``{"skipped": reason, "kind": kind}``, counted by kind in the summary;
+the rest becomes a :class:`~semiring_backprop.runner.Item` (:func:`item`), explained by
+the runner.
 """
 
 from __future__ import annotations
 
-import torch
-
 from ..errors import InputError
-from .entropy_sanity import score_inputs, with_special_tokens
+from .entropy_sanity import with_special_tokens
 
 
 def word_pieces(tokenizer, words) -> tuple[list[int], list[list[int]]]:
@@ -85,7 +85,14 @@ def targets(ex, tokenizer, multi_token: bool = False) -> dict:
 
 
 def prepare(ex, tokenizer, max_length: int | None, multi_token: bool = False) -> dict:
-    """The inputs of one example and its token groups, or ``{"skipped": reason, "kind"}``."""
+    """The inputs of one example and its token groups, or ``{"skipped": reason, "kind"}``:
+    ``ids``, the masks read (``positions``, ``good`` and ``bad`` ids, one each), the
+    verb's token count, per token the index of its word (``words``, -1: a special token)
+    and the token groups (``subject``, ``attractor``, ``all``).
+
+    >>> prepare(ex, tokenizer, 512)["groups"]["subject"]
+    [2, 3]
+    """
     verbs = targets(ex, tokenizer, multi_token)
     if "skipped" in verbs:
         return verbs
@@ -115,33 +122,22 @@ def prepare(ex, tokenizer, max_length: int | None, multi_token: bool = False) ->
     read = [j for j, (g, b) in enumerate(zip(verbs["good"], verbs["bad"])) if g != b]
     positions = [spans[ex.mask_index][j] for j in read]
     good, bad = [verbs["good"][j] for j in read], [verbs["bad"][j] for j in read]
-    if len(read) == 1:
-        inputs = score_inputs(ids, positions[0], good[0], bad[0])
-    else:
-        inputs = sum_inputs(ids, positions, good, bad)
-    return {"inputs": inputs, "ids": ids, "position": positions[0], "positions": positions,
-            "verb_tokens": k, "good": good, "bad": bad, "groups": groups,
-            "attractors": count}  # fmt: skip
+    words = [-1] * len(ids)
+    for w, span in enumerate(spans):
+        for t in span:
+            words[t] = w
+    return {"ids": ids, "position": positions[0], "positions": positions, "verb_tokens": k,
+            "good": good, "bad": bad, "groups": groups, "attractors": count,
+            "words": words}  # fmt: skip
 
 
-class MaskedSumScore(torch.nn.Module):
-    """``sum_j log p(good_j) - sum_j log p(bad_j)``, piece ``j`` read at the mask at
-    ``positions[j]``: a verb of several tokens, all of them masked at once. Positions
-    and ids are tensor inputs, so one trace serves every sentence and piece count."""
+def item(example, prepared: dict):
+    """The runner's :class:`~semiring_backprop.runner.Item` of a :func:`prepare` result:
+    the first mask read is the item's position, the others its further ``masks`` (the
+    runner's score sums ``log p(good) - log p(bad)`` over all of them)."""
+    from ..runner import Item
 
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, positions, good, bad):
-        logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits[0]
-        logp = logits.index_select(0, positions).log_softmax(-1)
-        return logp.gather(1, good[:, None]).sum() - logp.gather(1, bad[:, None]).sum()
-
-
-def sum_inputs(ids, positions, good, bad) -> dict:
-    """Keyword inputs of :class:`MaskedSumScore` for one sentence of token ids."""
-    ids = torch.as_tensor(ids, dtype=torch.long)[None]
-    many = lambda xs: torch.tensor(list(xs), dtype=torch.long)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "positions": many(positions), "good": many(good), "bad": many(bad)}  # fmt: skip
+    p = prepared
+    masks = tuple(zip(p["positions"][1:], p["good"][1:], p["bad"][1:]))
+    return Item(example, p["ids"], p["positions"][0], p["good"][0], p["bad"][0], p["words"],
+                masks=masks)  # fmt: skip

@@ -7,7 +7,7 @@ one process by default, Ray workers when asked.
 """
 
 from .compute import Explainer, Item, prepare, readouts
-from .driver import Settings, batches, load_results, run
+from .driver import Settings, batches, load_results, run, skipped_examples
 from .readers import FORMATS, Example, Malformed, from_agreement, read_examples
 
 __all__ = [
@@ -24,4 +24,5 @@ __all__ = [
     "read_examples",
     "readouts",
     "run",
+    "skipped_examples",
 ]

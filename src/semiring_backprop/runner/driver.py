@@ -208,7 +208,7 @@ class _Source:
         if isinstance(model, str | Path):
             self.model = str(model)
             if settings.workers:
-                self.tokenizer, self.config, self.kind = _tokenizer(self.model, settings.kind)
+                self.tokenizer, self.config, self.kind = load_tokenizer(self.model, settings.kind)
             else:
                 from ..explain import load
 
@@ -230,7 +230,7 @@ class _Source:
                          aggregation=self.settings.aggregation)  # fmt: skip
 
 
-def _tokenizer(model_id: str, kind):
+def load_tokenizer(model_id: str, kind=None):
     """``(tokenizer, config, kind)`` without the weights."""
     import transformers
 
@@ -351,6 +351,16 @@ def _drop_uncommitted(out: Path, records: Records) -> None:
                 log.warning("%s was written by a run that stopped before committing it; "
                             "deleting it (its examples are explained again)", f)  # fmt: skip
                 f.unlink()
+
+
+def skipped_examples(out) -> dict:
+    """``{example id: reason}`` for the examples a run in ``out`` skipped (committed in
+    its ``done.jsonl``: the reasons of :func:`load_results`' missing examples)."""
+    out = Path(out)
+    if not (out / "done.jsonl").exists():
+        raise InputError(f"{out} holds no run (no done.jsonl): run semiring-backprop run first")
+    return {i: why for r in Records(out / "done.jsonl", key="shard").rows
+            for i, why in (r.get("skipped") or {}).items()}  # fmt: skip
 
 
 def load_results(out, columns: dict | None = None) -> dict:

@@ -1,0 +1,246 @@
+"""The ``sva`` experiment's tables, summary and figures, read from the runner's results.
+
+The runner (:mod:`semiring_backprop.runner`) writes one row per example x token x layer
+x branch; here they become the paper's readings: per example, each token group's mean
+branch value (:func:`group_values`), their mean over examples (``branches.csv``), the
+embeddings' mean path entropy per example against its number of attractors
+(``entropy.csv``) and the summary with Spearman's ρ per sentence-length bin.
+
+>>> tables = load_results("runs/sva/runner")
+>>> branches_table(group_values(tables["branches"], tables["tokens"]))
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .common import spearman
+
+GROUPS = ("subject", "attractor", "all")
+BRANCHES = ("skip", "query", "key", "value", "mlp")
+RANDOM_NOTE = (
+    "model=None: a random, untrained BERT. These numbers check that the pipeline runs; "
+    "they say nothing about agreement. Give model= (a masked LM id or directory)."
+)
+MALFORMED_SHOWN = 20  #: malformed lines listed by name in the summary (all are counted)
+#: the semirings of the branch tables (PathCount's branch values are not read)
+READ = ("MaxProduct", "Entropy")
+
+
+def group_values(branches, tokens):
+    """Per example, semiring, aggregation, layer, sublayer, branch and token group
+    (``subject``, ``attractor``, ``all``): the mean over the group's tokens of the branch
+    value, leaving out tokens where the branch has no path (MaxProduct's zero, -inf, which
+    marks the other semirings' rows too) or the value is not finite; NaN where no token
+    is left, no row where the group has no token."""
+    keys = ["example_id", "aggregation", "layer", "sublayer", "token", "branch"]
+    b = branches.loc[branches["semiring"].str.startswith(READ), [*keys, "semiring", "value"]]
+    top = b["semiring"].str.startswith("MaxProduct")
+    dead = b.loc[top & (b["value"] == -math.inf), keys].drop_duplicates().assign(_dead=True)
+    b = b.merge(dead, on=keys, how="left")
+    b["value"] = b["value"].where(b["_dead"].ne(True) & np.isfinite(b["value"]))
+    merged = b.merge(_members(tokens), on=["example_id", "token"])
+    by = ["example_id", "semiring", "aggregation", "layer", "sublayer", "branch", "token_group"]
+    return merged.groupby(by, sort=True)["value"].mean().reset_index()
+
+
+def _members(tokens):
+    """``example_id, token, token_group``: each token in ``all``, and in ``subject`` /
+    ``attractor`` where it is a piece of the subject / an attractor."""
+    import pandas as pd
+
+    names = tokens["group"].fillna("").str.split(",")
+    parts = [tokens[["example_id", "token"]].assign(token_group="all")]
+    for group, name in (("subject", "subject"), ("attractor", "attractors")):
+        mine = names.map(lambda n, name=name: name in n)
+        parts.append(tokens.loc[mine, ["example_id", "token"]].assign(token_group=group))
+    return pd.concat(parts, ignore_index=True)
+
+
+def branches_table(values):
+    """``branches.csv``: per semiring, aggregation, layer, sublayer, branch and token
+    group, the mean over examples of :func:`group_values` and their number ``n`` (the
+    examples where the group has a value)."""
+    keys = ["semiring", "aggregation", "layer", "sublayer", "branch", "token_group"]
+    return values.groupby(keys, sort=True)["value"].agg(value="mean", n="count").reset_index()
+
+
+def bin_labels(bins) -> list[str]:
+    return [f"{lo}-{hi - 1}" for lo, hi in zip(bins, bins[1:])]
+
+
+def entropy_table(examples, tokens, order: dict, bins):
+    """``entropy.csv``: per explained example (in the data's order, ``order``: id ->
+    rank), the embeddings' path entropy, ``log #paths`` and normalized entropy, each the
+    mean over tokens and hidden units, with the example's length bin (words)."""
+    cols = {"entropy_unit_mean": "entropy", "log_paths_unit_mean": "log_paths",
+            "normalized_entropy_unit_mean": "normalized"}  # fmt: skip
+    means = tokens.groupby("example_id")[list(cols)].mean().rename(columns=cols)
+    frame = examples.set_index("example_id")[["source", "length", "attractors", "tokens",
+                                              "score"]].join(means)  # fmt: skip
+    frame = frame.reset_index().rename(columns={"example_id": "example"})
+    frame = frame.iloc[np.argsort([order[e] for e in frame["example"]], kind="stable")]
+    frame = frame.reset_index(drop=True)
+    which = np.digitize(frame["length"], bins) - 1
+    labels = bin_labels(bins)
+    frame["length_bin"] = [labels[k] if 0 <= k < len(labels) else None for k in which]
+    return frame
+
+
+def summary(branches, entropy, skips: dict, multi_explained: int, config, malformed=()) -> dict:
+    """``summary.json``; ``skips``: example id -> (reason, kind) of the skipped examples."""
+    first = config.aggregation[0]
+    top = branches[branches["semiring"].str.startswith("MaxProduct")
+                   & (branches["aggregation"] == first)]  # fmt: skip
+    table: dict = {}
+    for r in top.itertuples():
+        v = None if r.value != r.value else float(r.value)
+        where = table.setdefault(r.token_group, {}).setdefault(f"{r.layer}.{r.sublayer}", {})
+        where[r.branch] = v
+    attractors = {}
+    for label in bin_labels(config.length_bins):
+        part = entropy[entropy["length_bin"] == label]
+        attractors[label] = spearman(part["attractors"], part["entropy"])
+    reasons: dict = {}
+    kinds: dict = {}
+    for reason, kind in skips.values():
+        reasons[reason] = reasons.get(reason, 0) + 1
+        kinds[kind] = kinds.get(kind, 0) + 1
+    out = {
+        "data": config.data or "synthetic",
+        "branches": table,
+        "branches_setting": f"{top['semiring'].iloc[0] if len(top) else 'MaxProduct'}, {first}",
+        "attractors": attractors,
+        "attractors_all": spearman(entropy["attractors"], entropy["entropy"]),
+        "explained": len(entropy),
+        "skipped": len(skips),
+        "skip_reasons": reasons,
+        "skipped_by_kind": kinds,
+        "multi_token_verbs": _multi_token(multi_explained, kinds, config),
+        "malformed_lines": len(malformed),
+        "malformed": [f"{m.source}: {m.reason}" for m in malformed[:MALFORMED_SHOWN]],
+    }
+    if config.model is None:
+        out["note"] = RANDOM_NOTE
+    return out
+
+
+def _multi_token(explained: int, kinds: dict, config) -> dict:
+    """How the verbs of several tokens fared: explained (summed over consecutive masks)
+    or skipped, and what to do about the skipped ones."""
+    skipped = kinds.get("multi_token_verb", 0) + kinds.get("multi_token_lengths", 0)
+    out = {"multi_token": config.multi_token, "explained": explained, "skipped": skipped}
+    if kinds.get("multi_token_verb"):
+        out["note"] = (
+            f"{kinds['multi_token_verb']} examples were skipped because a verb splits into "
+            "several tokens; multi_token=True scores them as the sum of the pieces' "
+            "log-probabilities at consecutive masks"
+        )
+    elif kinds.get("multi_token_lengths"):
+        out["note"] = (
+            f"{kinds['multi_token_lengths']} examples were skipped because the two verbs "
+            "split into different numbers of tokens"
+        )
+    return out
+
+
+# -- figures ----------------------------------------------------------------------------
+
+TARGET = "log p(correct verb) − log p(wrong verb) at the masked verb"
+
+
+def _data_name(summary: dict) -> str:
+    data = str(summary.get("data", "synthetic"))
+    return data.replace("\\", "/").rsplit("/", 1)[-1]
+
+
+def branch_plot(summary: dict):
+    """Fig. 4 as a matplotlib figure: per layer and sublayer, the mean top path value of
+    each branch the sublayer has (its bars centred on the tick), one panel per token
+    group; the legend sits right of the panels, clear of every bar."""
+    import matplotlib.pyplot as plt
+
+    from ..plots import COLORS
+
+    groups = [g for g in GROUPS if g in summary["branches"]]
+    fig, axes = plt.subplots(len(groups) or 1, 1, figsize=(10, 2.8 * max(len(groups), 1) + 0.8),
+                             squeeze=False)  # fmt: skip
+    handles: dict = {}
+    for ax, group in zip(axes[:, 0], groups):
+        table = summary["branches"][group]
+        places = list(table)
+        most = max(len(table[p]) for p in places)
+        width = 0.8 / max(most, 1)
+        for k, place in enumerate(places):
+            present = [b for b in BRANCHES if b in table[place]]
+            for j, branch in enumerate(present):
+                v = table[place][branch]
+                x = k + (j - (len(present) - 1) / 2) * width
+                bar = ax.bar(x, math.nan if v is None else v, width, color=COLORS.get(branch))
+                handles.setdefault(branch, bar)
+        ax.set_xticks(range(len(places)), [p.replace(".", " ") for p in places])
+        ax.set_xlim(-0.5, len(places) - 0.5)
+        ax.set_title(f"{group} tokens", fontsize=10)
+        ax.set_ylabel("mean top path value", fontsize=9)
+        ax.axhline(0, color="black", linewidth=0.5)
+    if handles:
+        names = [b for b in BRANCHES if b in handles]
+        axes[0][0].legend(
+            [handles[b] for b in names],
+            names,
+            title="branch",
+            fontsize=8,
+            loc="upper left",
+            bbox_to_anchor=(1.01, 1),
+            borderaxespad=0,
+        )
+    fig.suptitle(
+        f"Branches per layer: {_data_name(summary)}, {summary['explained']} sentences\n"
+        f"target: {TARGET}; semiring: {summary['branches_setting']} over hidden units",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def branch_figure(summary: dict, path) -> str:
+    """:func:`branch_plot` saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = branch_plot(summary)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
+
+
+def attractor_figure(entropy, summary: dict, path) -> str:
+    """Fig. 7: mean embedding path entropy vs number of attractors, per length bin."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for label, part in entropy.groupby("length_bin", sort=False):
+        means = part.groupby("attractors")["entropy"].mean()
+        rho = summary["attractors"].get(label, {}).get("spearman_rho")
+        tag = "n/a" if rho is None else f"{rho:.2f}"
+        ax.plot(means.index, means.values, marker="o", label=f"{label} words (ρ={tag})")
+    ax.set_xlabel("number of attractors")
+    ax.set_ylabel("mean path entropy of the word embeddings")
+    ax.set_title(
+        f"Entropy vs attractors by sentence length: {_data_name(summary)}\n"
+        f"target: {TARGET}; semiring: Entropy",
+        fontsize=9,
+    )
+    if len(entropy):
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
