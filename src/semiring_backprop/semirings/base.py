@@ -136,7 +136,21 @@ def full_int(shape, fill: int, like: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Semiring:
-    """Base class; subclasses are frozen dataclasses so equal parameters hash equal."""
+    """Base class; subclasses are frozen dataclasses so equal parameters hash equal.
+
+    A value is a tuple of tensors (``fields``); ``zero``, ``one``, ``lift``, ``plus``,
+    ``times``, ``mul``, ``sum``, ``matmul`` and ``finalize`` are all that rules and the
+    engine call.
+
+    Examples:
+        >>> sr = sbp.Real()
+        >>> one = sr.one((2,), like=x)
+        >>> w = torch.tensor([2.0, 3.0], dtype=torch.float64)
+        >>> sr.finalize(sr.plus(one, sr.times(one, w)))     # 1 ⊕ (1 ⊗ w)
+        tensor([3., 4.], dtype=torch.float64)
+        >>> sbp.TopK(3) == sbp.TopK(3), isinstance(sbp.TopK(3), sbp.Semiring)
+        (True, True)
+    """
 
     #: names of the fields of a value, in order
     fields = ("g",)
@@ -179,12 +193,12 @@ class Semiring:
         raise NotImplementedError
 
     def prepare(self, w: torch.Tensor):
-        """What :meth:`matmul` derives from ``w`` alone (default: nothing)."""
+        """What ``matmul`` derives from ``w`` alone (default: nothing)."""
         return None
 
     @property
     def prepares_as(self) -> Semiring:
-        """The semiring whose :meth:`prepare` this one's is (prepared weights kept
+        """The semiring whose ``prepare`` this one's is (prepared weights kept
         across calls are shared with it)."""
         return self
 
@@ -207,7 +221,7 @@ class Semiring:
         return self.tag(a, node_id)
 
     def leave(self, c: Value, node_id: int) -> Value:
-        """A rule's result (computed with :attr:`inner`) as a value of this semiring."""
+        """A rule's result (computed with ``inner``) as a value of this semiring."""
         return c
 
     #: where the pass looks for float overflow in D (:func:`engine.reverse`): None (log
@@ -217,7 +231,7 @@ class Semiring:
 
     def overflow_stats(self, a: Value) -> tuple[torch.Tensor, ...]:
         """0-dim tensors, one reduction each, of which one is +inf or NaN exactly where
-        ``a`` holds a value no finite path product gives (with :attr:`overflow`)."""
+        ``a`` holds a value no finite path product gives (with ``overflow``)."""
         return ()
 
     def scalar(self, a: Value) -> torch.Tensor:

@@ -93,7 +93,16 @@ class MaxProduct(Semiring):
     Back-pointers (for every element, the winning consumer op and, at neuron
     granularity, the element of that op's output, for hi and for lo) are not carried by
     the pass: ⊕ keeps hi and lo only, and path reading finds the winner again from the
-    consumers' stored values (:attr:`pointed`), once per step it takes.
+    consumers' stored values (``pointed``), once per step it takes.
+
+    The readout has ``hi`` and ``lo`` (``-inf`` and ``+inf`` where no path leaves).
+
+    Examples:
+        >>> top = mlp_res.at(0, sbp.MaxProduct())
+        >>> torch.equal(top.hi[0], paths.amax(0)), torch.equal(top.lo[0], paths.amin(0))
+        (True, True)
+        >>> sbp.MaxProduct("tensor")    # the paper's granularity
+        MaxProduct(granularity='tensor')
     """
 
     granularity: str = "neuron"

@@ -11,9 +11,16 @@ from .base import Dense, Semiring, Value, _dims, dense_if, retype
 
 @dataclass(frozen=True)
 class Real(Semiring):
-    """``D(v)`` is the gradient of the output with respect to ``v``.
+    """``D(v)`` is the gradient of the output with respect to ``v``: the sum over paths
+    of the product of their edge weights.
 
-    >>> res.at(0, Real())  # same tensor as torch.autograd.grad
+    Examples:
+        ``paths[j, i]`` is the product along the MLP's path from input ``i`` through
+        hidden unit ``j``:
+
+        >>> grad = mlp_res.at(0, sbp.Real())
+        >>> torch.allclose(grad[0], paths.sum(0))
+        True
     """
 
     fields = ("g",)

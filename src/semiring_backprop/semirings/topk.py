@@ -55,7 +55,16 @@ def _sign(w: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class TopK(Semiring):
     """The ``k`` heaviest paths by |product|. Fields: k log-magnitudes ``v``, k signs
-    ``s`` and, per entry, the back-pointer (consumer node, element, rank there)."""
+    ``s`` and, per entry, the back-pointer (consumer node, element, rank there).
+
+    The readout has ``values`` (signed products, heaviest first, in a last dimension of
+    size ``k``) and ``log_abs``.
+
+    Examples:
+        >>> heaviest = paths.gather(0, paths.abs().argsort(0, descending=True))[:2]
+        >>> torch.allclose(mlp_res.at(0, sbp.TopK(2)).values[0], heaviest.T)
+        True
+    """
 
     k: int = 5
     selective = True
