@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import gc
 import io
 import linecache
 import os
@@ -302,6 +303,45 @@ def _failure(block: Block, what: str, printed: str | None = None) -> str:
     return text
 
 
+@contextlib.contextmanager
+def unraisable(found: list):
+    """Collect what Python could not raise (a file left open, under pytest's
+    warnings-as-errors a ResourceWarning at garbage collection) into ``found``."""
+    hook = sys.unraisablehook
+
+    def keep(u):
+        found.append(f"{u.object!r}: {u.exc_type.__name__}: {u.exc_value}")
+
+    sys.unraisablehook = keep
+    try:
+        yield found
+    finally:
+        gc.collect()
+        sys.unraisablehook = hook
+
+
+def run_block(block: Block, namespace: dict, workdir) -> str | None:
+    """Run one block; the failure's message, or None when it ran and printed what the
+    page says (and left nothing unclosed behind)."""
+    if "pip install" in block.code:  # never reinstall from a test
+        return _failure(block, "runs pip install: mark it <!-- skip: why -->")
+    with unraisable([]) as leaks:
+        if block.lang == "python":
+            printed, error = run_python(block, namespace)
+        else:
+            printed, error = run_bash(block, workdir)
+    if error:
+        return _failure(block, f"failed: {error}", printed)
+    if leaks:
+        return _failure(block, "left behind:\n" + "\n".join(leaks))
+    if block.expected is not None:
+        diff = compare(block.expected, printed)
+        if diff:
+            what = f"output differs from the ```text block at line {block.expected_line}"
+            return _failure(block, f"{what}:\n{diff}")
+    return None
+
+
 def run_page(path, workdir, page=None) -> PageRun:
     """Run every block of the page at ``path`` in order in ``workdir``; stop at the first
     that fails (later blocks build on it)."""
@@ -314,22 +354,15 @@ def run_page(path, workdir, page=None) -> PageRun:
             if block.skip is not None:
                 result.skipped.append(block)
                 continue
-            if "pip install" in block.code:  # never reinstall from a test
-                result.failure = _failure(block, "runs pip install: mark it <!-- skip: why -->")
-                break
             start = time.perf_counter()
-            if block.lang == "python":
-                printed, error = run_python(block, namespace)
-            else:
-                printed, error = run_bash(block, workdir)
+            result.failure = run_block(block, namespace, workdir)
             result.seconds[block.line] = time.perf_counter() - start
-            if error:
-                result.failure = _failure(block, f"failed: {error}", printed)
+            if result.failure:
                 break
-            if block.expected is not None:
-                diff = compare(block.expected, printed)
-                if diff:
-                    what = f"output differs from the ```text block at line {block.expected_line}"
-                    result.failure = _failure(block, f"{what}:\n{diff}")
-                    break
+        last = [b for b in result.blocks if b.line in result.seconds][-1:]
+        with unraisable([]) as leaks:
+            namespace.clear()  # what the page's names held open shows up now
+        if leaks and not result.failure:
+            where = f" (its last block run is at line {last[0].line})" if last else ""
+            result.failure = f"{page}{where} left behind:\n" + "\n".join(leaks)
     return result

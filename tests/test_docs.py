@@ -260,3 +260,9 @@ def test_run_page_python_error_stops_the_page(tmp_path):
     run = _page(tmp_path, "```python\n1 / 0\n```\n```python\nprint('not reached')\n```\n")
     assert "line 1 (python)" in run.failure and "ZeroDivisionError" in run.failure
     assert list(run.seconds) == [1]
+
+
+def test_run_page_names_a_file_left_open(tmp_path):
+    run = _page(tmp_path, "```python\nopen('p.md').read()\nprint(1)\n```\n```text\n1\n```\n")
+    assert run.failure.startswith("p.md, block at line 1 (python):")
+    assert "left behind" in run.failure and "p.md" in run.failure
