@@ -309,6 +309,80 @@ def test_sva_spearman_equals_scipy_on_the_csv(synthetic_run):
     assert found >= 1
 
 
+# -- the runner underneath: resuming after a kill, Ray workers ----------------------------
+
+
+def _same_tables(a, b, rtol=1e-5):
+    """branches.csv, entropy.csv (but the data file's path) and summary.json of two runs."""
+    pd.testing.assert_frame_equal(pd.read_csv(a / "branches.csv"), pd.read_csv(b / "branches.csv"),
+                                  check_exact=False, rtol=rtol, atol=1e-9)  # fmt: skip
+    ea, eb = (pd.read_csv(d / "entropy.csv").drop(columns="source") for d in (a, b))
+    pd.testing.assert_frame_equal(ea, eb, check_exact=False, rtol=rtol, atol=1e-9)
+    sa, sb = (json.loads((d / "summary.json").read_text()) for d in (a, b))
+    assert _close(sa, sb, rtol), (sa, sb)
+
+
+def _close(x, y, rtol) -> bool:
+    if isinstance(x, dict):
+        return set(x) == set(y) and all(_close(x[k], y[k], rtol) for k in x)
+    if isinstance(x, list):
+        return len(x) == len(y) and all(_close(a, b, rtol) for a, b in zip(x, y))
+    if isinstance(x, float) and isinstance(y, float):
+        return x == pytest.approx(y, rel=rtol, abs=1e-12)
+    return x == y
+
+
+class Killed(BaseException):
+    """Stands for a kill: nothing in the runner or the experiment catches it."""
+
+
+def test_sva_killed_mid_run_resumes_without_losing_or_duplicating(synthetic_run, tmp_path,
+                                                                  monkeypatch):  # fmt: skip
+    """Killed after the second batch's shards were written but before the line that
+    commits them: the rerun explains the rest (not the first batch again), and every
+    table equals the uninterrupted run's."""
+    from semiring_backprop.runner import driver, load_results
+
+    real, calls = driver._commit, []
+
+    class Dying:
+        def __init__(self, records):
+            self.rows = records.rows
+
+        def add(self, row):
+            raise Killed
+
+    def commit(out, records, group, tables):
+        calls.append(len(group))
+        real(out, Dying(records) if len(calls) == 2 else records, group, tables)
+
+    monkeypatch.setattr(driver, "_commit", commit)
+    config = replace(SVA, batch_size=2)
+    with pytest.raises(Killed):
+        sva.run(tmp_path, config, progress=False)
+    assert not (tmp_path / "summary.json").exists()
+    monkeypatch.setattr(driver, "_commit", real)
+    sva.run(tmp_path, config, progress=False)
+    this_run = json.loads((tmp_path / "runner" / "summary.json").read_text())["this_run"]
+    assert this_run["explained"] == SVA.limit - calls[0]  # the first batch was kept
+    ids = load_results(tmp_path / "runner")["examples"]["example_id"]
+    assert len(ids) == SVA.limit and not ids.duplicated().any()
+    _same_tables(tmp_path, synthetic_run[0])
+
+
+def test_sva_with_two_ray_workers_equals_the_serial_run(synthetic_run, tmp_path):
+    pytest.importorskip("ray")
+    sva.run(tmp_path, replace(SVA, workers=2), progress=False)
+    _same_tables(tmp_path, synthetic_run[0])
+
+
+def test_sva_workers_without_ray_say_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(sbp.InputError, match=r'pip install "semiring-backprop\[ray\]"'):
+        sva.run(tmp_path, replace(SVA, workers=2), progress=False)
+    assert not (tmp_path / "model").exists()  # refused before any work
+
+
 # "hasn't" / "haven't" split into three pieces each, "barks" / "woofs" into two (both
 # differ), "woo" is one: verbs of several tokens
 WORDS = (

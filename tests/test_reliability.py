@@ -124,6 +124,8 @@ def test_settings_of_a_run_that_left_no_results_do_not_block_a_corrected_one(tmp
         ("entropy-vs-mdl", "mdl_fractions=0.5,2", "in \\(0, 1\\]"),
         ("entropy-vs-mdl", "min_accuracy=1.5", "between 0 and 1"),
         ("sva", "limit=0", "limit=0"),
+        ("sva", "batch_size=0", "batch_size=0: each value must be at least 1"),
+        ("sva", "workers=-1", "workers=-1: each value must be 0 or more"),
         ("entropy-sanity", "bert_hidden=9", "bert_hidden=9 must be a multiple of bert_heads"),
     ],
 )
