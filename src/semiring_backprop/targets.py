@@ -1,17 +1,17 @@
 """What is explained: the scalar a pass starts from, as small named objects.
 
 Each target is a callable of the model's output that returns one scalar, so it is used
-as ``output=`` directly, and :func:`semiring_backprop.explain.explain` (the CLI's
+as ``output=`` directly, and ``semiring_backprop.explain.explain`` (the CLI's
 ``--task``) builds the same objects from words, label names and texts:
 
-* :class:`WordChoice` (``lm``): a sum of signed log-probabilities of vocabulary items at
+* ``WordChoice`` (``lm``): a sum of signed log-probabilities of vocabulary items at
   positions: ``log p(target) - log p(foil)``, where a word of several tokens counts as
   the sum of its pieces' log-probabilities;
-* :class:`ClassLabel` (``classification``): a label's logit or log-probability, or the
+* ``ClassLabel`` (``classification``): a label's logit or log-probability, or the
   margin between two labels;
-* :class:`TokenLabel` (``token``): the same at one position of a token classifier;
-* :class:`Similarity` (``similarity``): the cosine similarity of two texts' pooled
-  embeddings; :class:`EmbeddingDim`: one dimension of a text's pooled embedding.
+* ``TokenLabel`` (``token``): the same at one position of a token classifier;
+* ``Similarity`` (``similarity``): the cosine similarity of two texts' pooled
+  embeddings; ``EmbeddingDim``: one dimension of a text's pooled embedding.
 
 >>> enc = tok("a fine film", return_tensors="pt")
 >>> res = sbp.backprop(classifier, kwargs=dict(enc), output=ClassLabel(1, foil=0))
@@ -51,7 +51,19 @@ class WordChoice:
     """``Σ sign · log p(token)`` over ``terms`` = ``((example, position, token_id, sign),
     ...)`` of a language model's logits (log-softmax over the vocabulary at each
     position). ``log p(are) - log p(is)`` at position 6 is
-    ``WordChoice(((0, 6, id_are, 1), (0, 6, id_is, -1)))``."""
+    ``WordChoice(((0, 6, id_are, 1), (0, 6, id_is, -1)))``.
+
+    Examples:
+        ``are_is`` is ``log p(are) - log p(is)`` at the mask of ``enc``:
+
+        >>> are_is.terms == ((0, mask, tok.vocab["are"], 1), (0, mask, tok.vocab["is"], -1))
+        True
+        >>> out = model(**enc)
+        >>> lp = out.logits[0, mask].log_softmax(-1)
+        >>> torch.allclose(are_is(out), lp[tok.vocab["are"]] - lp[tok.vocab["is"]])
+        True
+        >>> r = sbp.backprop(model, kwargs=dict(enc), output=are_is, semirings=[sbp.Real()])
+    """
 
     terms: tuple
 
@@ -71,7 +83,18 @@ class WordChoice:
 class ClassLabel:
     """A sequence classifier's ``logits[example, label]`` (``score="logit"``) or its
     log-probability (``"logprob"``); with ``foil``, the margin ``label - foil`` (the
-    same for both scores)."""
+    same for both scores).
+
+    Examples:
+        The MLP's two outputs read as the logits of a two-class classifier:
+
+        >>> y = mlp(x)
+        >>> bool(sbp.ClassLabel(1, foil=0)(y) == y[0, 1] - y[0, 0])
+        True
+        >>> r = sbp.backprop(mlp, (x,), output=sbp.ClassLabel(1), semirings=[sbp.Real()])
+        >>> torch.equal(r.at(0, sbp.Real()), mlp_res.at(0, sbp.Real()))   # y[0, 1]
+        True
+    """
 
     label: int
     foil: int | None = None
@@ -88,7 +111,17 @@ class ClassLabel:
 @dataclass(frozen=True)
 class TokenLabel:
     """A token classifier's ``logits[example, position, label]`` (or log-probability;
-    with ``foil``, the margin between two labels) at one position."""
+    with ``foil``, the margin between two labels) at one position.
+
+    Examples:
+        Any output with ``logits`` of shape (examples, positions, labels) will do; here
+        the masked LM's, its vocabulary as the labels:
+
+        >>> out = model(**enc)
+        >>> t = sbp.TokenLabel(mask, tok.vocab["are"], score="logprob")
+        >>> torch.allclose(t(out), out.logits[0, mask].log_softmax(-1)[tok.vocab["are"]])
+        True
+    """
 
     position: int
     label: int
@@ -188,7 +221,26 @@ class Similarity(_Pooled):
     two texts (``attention_mask`` as the tokenizer gave it, padding=True).
 
     ``pooling``: ``"mean"``, ``"cls"``, ``"max"``, ``"lasttoken"``, or a tuple of them
-    (concatenated, as sentence-transformers does when several modes are on)."""
+    (concatenated, as sentence-transformers does when several modes are on).
+
+    Examples:
+        Two texts of different lengths in one padded batch, through the BERT encoder;
+        the pooling counts each text's own tokens only:
+
+        >>> texts = ["the keys to the cabinet are on the table", "a dog is on the table"]
+        >>> pair = tok(texts, padding=True, return_tensors="pt")
+        >>> sim = sbp.Similarity(pair["attention_mask"], pooling="mean")
+        >>> sim
+        Similarity(pooling=('mean',), normalize=False)
+        >>> a, b = (model.bert(**tok(t, return_tensors="pt")).last_hidden_state[0].mean(0)
+        ...         for t in texts)
+        >>> torch.allclose(sim(model.bert(**pair)), torch.cosine_similarity(a, b, dim=0))
+        True
+        >>> r = sbp.backprop(model.bert, kwargs=dict(pair), output=sim,
+        ...                  semirings=[sbp.MaxProduct()])
+        >>> r.aggregate("embeddings.word_embeddings", sbp.MaxProduct()).hi.shape
+        torch.Size([2, 11])
+    """
 
     def __init__(self, attention_mask, pooling="mean", normalize: bool = False):
         super().__init__(attention_mask, pooling, normalize)
@@ -208,7 +260,18 @@ class Similarity(_Pooled):
 
 class EmbeddingDim(_Pooled):
     """Dimension ``dim`` of example ``example``'s pooled (and, with ``normalize``,
-    unit-length) embedding."""
+    unit-length) embedding.
+
+    Examples:
+        >>> pair = tok(["the keys are on the table", "a dog"], padding=True,
+        ...            return_tensors="pt")
+        >>> dim3 = sbp.EmbeddingDim(pair["attention_mask"], 3, pooling="cls", example=1)
+        >>> dim3
+        EmbeddingDim(3, pooling=('cls',), normalize=False)
+        >>> alone = model.bert(**tok("a dog", return_tensors="pt")).last_hidden_state
+        >>> torch.allclose(dim3(model.bert(**pair)), alone[0, 0, 3])
+        True
+    """
 
     def __init__(self, attention_mask, dim: int, pooling="mean", normalize=False, example=0):
         super().__init__(attention_mask, pooling, normalize)
