@@ -88,3 +88,37 @@ def test_figures_for_papers_name_the_text_target_and_semiring(views_ex, tmp_path
         ex.write(tmp_path / "x", "jpg")
     with pytest.raises(InputError, match="use .png, .svg or .pdf"):
         plots.save(plots.path_diagram(ex.path), tmp_path / "top_path.jpg")
+
+
+def test_sva_branch_figure_keeps_its_legend_off_the_bars_and_centres_the_ticks():
+    from semiring_backprop.experiments import sva_report
+
+    big = {"0.attention": {"skip": 5.0, "query": None, "key": -2.0, "value": 9.0},
+           "0.mlp": {"skip": 3.0, "mlp": 10.0}, "1.attention": {"skip": 8.0, "query": 11.0,
+           "key": 1.0, "value": 12.0}, "1.mlp": {"skip": 12.0, "mlp": 12.5}}  # fmt: skip
+    summary = {"branches": {"subject": big, "all": big}, "data": "/data/blimp/agreement.jsonl",
+               "explained": 7, "branches_setting": "MaxProduct(neuron), oplus"}  # fmt: skip
+    fig = sva_report.branch_plot(summary)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend = fig.axes[0].get_legend().get_window_extent(renderer)
+    assert fig.bbox.x0 <= legend.x0 and legend.x1 <= fig.bbox.x1  # inside the figure
+    bars = [(ax, p) for ax in fig.axes for p in ax.patches]
+    assert len(bars) == 2 * 11  # 12 branch values, one without a path (an x, no bar)
+    for _, p in bars:
+        assert not legend.overlaps(p.get_window_extent(renderer))
+    for ax in fig.axes:
+        centres = [p.get_x() + p.get_width() / 2 for p in ax.patches]
+        centres += [x for line in ax.lines if line.get_marker() == "x" for x in line.get_xdata()]
+        ticks = list(ax.get_xticks())
+        assert ticks == [0, 1, 2, 3]
+        for k, tick in enumerate(ticks):
+            mine = sorted(c for c in centres if abs(c - k) < 0.5)
+            assert len(mine) == len(big[list(big)[k]])
+            assert (mine[0] + mine[-1]) / 2 == pytest.approx(tick)
+    title = fig._suptitle.get_text()
+    assert "agreement.jsonl" in title and "7 sentences" in title
+    assert "log p(correct verb) − log p(wrong verb)" in title and "MaxProduct(neuron)" in title
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -158,9 +158,11 @@ def _data_name(summary: dict) -> str:
 
 def branch_plot(summary: dict):
     """Fig. 4 as a matplotlib figure: per layer and sublayer, the mean top path value of
-    each branch the sublayer has (its bars centred on the tick), one panel per token
-    group; the legend sits right of the panels, clear of every bar."""
+    each branch the sublayer has (its bars centred on the tick; an x at 0 where no path
+    leaves through the branch), one panel per token group; the legend sits right of the
+    panels, clear of every bar, and the title names the data, target and semiring."""
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
     from ..plots import COLORS
 
@@ -171,38 +173,39 @@ def branch_plot(summary: dict):
     for ax, group in zip(axes[:, 0], groups):
         table = summary["branches"][group]
         places = list(table)
-        most = max(len(table[p]) for p in places)
-        width = 0.8 / max(most, 1)
+        width = 0.8 / max(len(table[p]) for p in places)
         for k, place in enumerate(places):
             present = [b for b in BRANCHES if b in table[place]]
             for j, branch in enumerate(present):
-                v = table[place][branch]
-                x = k + (j - (len(present) - 1) / 2) * width
-                bar = ax.bar(x, math.nan if v is None else v, width, color=COLORS.get(branch))
-                handles.setdefault(branch, bar)
-        ax.set_xticks(range(len(places)), [p.replace(".", " ") for p in places])
+                v, x = table[place][branch], k + (j - (len(present) - 1) / 2) * width
+                if v is None:  # no path through this branch: nothing to draw but the mark
+                    ax.plot([x], [0], marker="x", color=COLORS.get(branch), linestyle="none")
+                    handles.setdefault("no path", Line2D([], [], marker="x", color="black",
+                                                         linestyle="none"))  # fmt: skip
+                else:
+                    handles.setdefault(branch, ax.bar(x, v, width, color=COLORS.get(branch)))
+        ax.set_xticks(range(len(places)), [_place(p) for p in places])
         ax.set_xlim(-0.5, len(places) - 0.5)
         ax.set_title(f"{group} tokens", fontsize=10)
         ax.set_ylabel("mean top path value", fontsize=9)
         ax.axhline(0, color="black", linewidth=0.5)
     if handles:
-        names = [b for b in BRANCHES if b in handles]
-        axes[0][0].legend(
-            [handles[b] for b in names],
-            names,
-            title="branch",
-            fontsize=8,
-            loc="upper left",
-            bbox_to_anchor=(1.01, 1),
-            borderaxespad=0,
-        )
+        names = [b for b in (*BRANCHES, "no path") if b in handles]
+        axes[0][0].legend([handles[b] for b in names], names, title="branch", fontsize=8,
+                          loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # fmt: skip
+    sr, _, agg = summary["branches_setting"].partition(", ")
     fig.suptitle(
         f"Branches per layer: {_data_name(summary)}, {summary['explained']} sentences\n"
-        f"target: {TARGET}; semiring: {summary['branches_setting']} over hidden units",
+        f"target: {TARGET}; semiring: {sr}, hidden units read by {agg or 'oplus'}",
         fontsize=10,
     )
     fig.tight_layout()
     return fig
+
+
+def _place(place: str) -> str:
+    layer, _, sublayer = place.partition(".")
+    return f"layer {layer}\n{sublayer}"
 
 
 def branch_figure(summary: dict, path) -> str:
