@@ -107,3 +107,20 @@ def test_aggregation_is_a_setting_of_the_run(bert, tmp_path):
     with pytest.raises(InputError, match="bucket_sum.*selective semiring"):
         run(str(d), out=tmp_path / "c", aggregation=("bucket_sum",),
             **{**kw, "semirings": ("real",)})  # fmt: skip
+
+
+def test_cli_run_takes_the_aggregation(bert, tmp_path, capsys):
+    import json
+
+    from semiring_backprop import cli
+
+    d, _, _ = bert
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": t, "target": "are", "foil": "is"}) + "\n"
+                            for t in TEXTS))  # fmt: skip
+    argv = ["run", str(d), "--data", str(data), "--out", str(tmp_path / "out"), "--semiring",
+            "max", "--aggregation", "oplus", "bucket_sum", "--no-figures"]  # fmt: skip
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert set(load_results(tmp_path / "out")["branches"]["aggregation"]) == {"oplus", "bucket_sum"}
+    assert cli.main([*argv[:-4], "--no-figures"]) == 2  # only oplus now: other settings
+    assert "other settings (aggregation)" in capsys.readouterr().err

@@ -332,6 +332,10 @@ def _run_parser(sub):
     r.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     r.add_argument("--device", default="cpu")
     r.add_argument("--top-path", action="store_true", help="also the top gradient path")
+    r.add_argument(
+        "--aggregation", nargs="+", default=["oplus"], choices=["oplus", "bucket_sum"],
+        help="branch values over hidden units: the semiring's oplus and/or bucket sums",
+    )  # fmt: skip
     r.add_argument("--batch-size", type=int, default=8)
     r.add_argument("--limit", type=int, help="explain only the first N examples")
     r.add_argument("--workers", type=int, default=0, help="Ray actors (pip install '.[ray]')")
@@ -356,8 +360,9 @@ def _run(args) -> int:
             args.model, args.data, args.out, format=args.format, columns=columns,
             split=args.split, semirings=args.semiring, granularity=args.granularity,
             kind=args.kind, dtype=args.dtype, device=args.device, top_path=args.top_path,
-            batch_size=args.batch_size, limit=args.limit, workers=args.workers,
-            address=args.address, threads=args.threads, figures=not args.no_figures,
+            aggregation=args.aggregation, batch_size=args.batch_size, limit=args.limit,
+            workers=args.workers, address=args.address, threads=args.threads,
+            figures=not args.no_figures,
         )  # fmt: skip
     except SemiringBackpropError as e:
         print(f"error: {e}", file=sys.stderr)
