@@ -34,7 +34,17 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Graph:
-    """A traced function: the FX graph, its inputs and where each module lives in it."""
+    """A traced function: the FX graph, its inputs and where each module lives in it.
+
+    Examples:
+        >>> g = sbp.trace(mlp, (x,), output=lambda y: y[0, 1])
+        >>> sorted(g.user_inputs), sorted(g.tags)[:4]   # inputs; places of modules
+        ([0], ['0', '0:input', '1', '1:input'])
+        >>> [str(n.target) for n in g.nodes if n.op == "call_function"][:3]
+        ['semiring_backprop.mark.default', 'aten.permute.default', 'aten.addmm.default']
+        >>> g.module_of(g.nodes[5])
+        '0'
+    """
 
     program: torch.export.ExportedProgram
     user_inputs: dict  # key (position or keyword) -> placeholder node, in flatten order
@@ -47,7 +57,7 @@ class Graph:
     #: module path -> class name, for every submodule of the traced model
     module_types: dict = field(default_factory=dict)
     #: module path -> the attention head counts and sizes its attributes (or its
-    #: ``config`` / ``cfg``) give, for per-head branch tables (:func:`head_attrs`)
+    #: ``config`` / ``cfg``) give, for per-head branch tables (``head_attrs``)
     head_attrs: dict = field(default_factory=dict)
     #: prepared contraction weights kept across calls (``rules.Prepared``), if any
     prepared: object = None
@@ -274,13 +284,23 @@ def trace(
     allow_training: bool = False,
     dynamic: bool = True,
 ) -> Graph:
-    """Trace ``output(model(*args, **kwargs))`` to a :class:`Graph`.
+    """Trace ``output(model(*args, **kwargs))`` to a [Graph][semiring_backprop.Graph].
 
     With ``dynamic`` (default), every dimension of every tensor input may vary:
     torch.export keeps those it can symbolic (a sequence length, usually) and fixes the
     others (hidden sizes; any size-1 dimension), so one graph serves inputs of many
-    lengths (:meth:`Graph.accepts`). If the model cannot be traced that way, it is
+    lengths (``Graph.accepts``). If the model cannot be traced that way, it is
     traced for these exact shapes.
+
+    Examples:
+        The sequence length of the BERT's inputs stays symbolic; the batch of one is
+        fixed:
+
+        >>> g = sbp.trace(model, kwargs=dict(enc), output=are_is)
+        >>> longer = tok("the keys to the cabinet on the table [MASK] on the table",
+        ...              return_tensors="pt")
+        >>> g.accepts(dict(longer)), g.accepts({k: v.repeat(2, 1) for k, v in enc.items()})
+        (True, False)
     """
     kwargs = dict(kwargs or {})
     args = tuple(args) if isinstance(args, tuple | list) else (args,)

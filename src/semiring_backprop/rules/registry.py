@@ -64,7 +64,30 @@ def _overloads(ops):
 def register(ops, kind: str, reads: Callable | None = None):
     """Register ``fn`` as the rule of ``ops`` (an overload, a packet, a name such as
     ``"transformers.grouped_mm_fallback.default"`` for an op of a library that may not be
-    imported, or a list); ``reads`` as for :class:`Rule` (default: every value)."""
+    imported, or a list); ``reads`` as for ``Rule`` (default: every value).
+
+    ``kind`` is one of ``"pointwise"``, ``"routing"``, ``"contraction"``,
+    ``"reduction"``, ``"nondifferentiable"``, ``"composite"``. A rule is
+    ``rule(sr, g, op, *args, **kwargs)``: ``g`` is the semiring value at the op's
+    output, ``args`` the op's forward arguments; it returns one value per argument
+    (``None`` for an argument without edges). Each overload has one rule.
+
+    Examples:
+        A custom op that triples its input: each path through it gains an edge of
+        weight 3.
+
+        >>> @torch.library.custom_op("apidoc::triple", mutates_args=())
+        ... def triple(v: torch.Tensor) -> torch.Tensor:
+        ...     return 3 * v
+        >>> @triple.register_fake
+        ... def _(v):
+        ...     return torch.empty_like(v)
+        >>> @sbp.register(torch.ops.apidoc.triple.default, "pointwise")
+        ... def triple_rule(sr, g, op, v):
+        ...     return [sr.scale(g, 3.0)]
+        >>> sbp.backprop(lambda v: triple(v).sum(), (x,)).at(0, sbp.Real())
+        tensor([[3., 3., 3., 3.]], dtype=torch.float64)
+    """
     if kind not in KINDS:
         raise InputError(f"rule kind {kind!r} is not one of {KINDS}")
 
@@ -100,7 +123,13 @@ def lookup(target) -> Rule | None:
 
 def supported_ops() -> dict[str, str]:
     """Every registered overload and its rule kind; any other op tagged pointwise is
-    handled by the generic pointwise rule (derivatives by forward-mode autograd)."""
+    handled by the generic pointwise rule (derivatives by forward-mode autograd).
+
+    Examples:
+        >>> ops = sbp.supported_ops()
+        >>> ops["aten.mm.default"], ops["aten.tanh.default"], ops["aten.gather.default"]
+        ('contraction', 'pointwise', 'routing')
+    """
     return {str(op): r.kind for op, r in sorted(_RULES.items(), key=lambda kv: str(kv[0]))}
 
 
