@@ -1,15 +1,20 @@
 """Views of results: HTML for notebooks (``_repr_html_``) and files, text for terminals.
 
 Each function reads a result, a path or a table (it runs no pass) and returns a
-:class:`View`: shown as HTML in Jupyter, as text by ``print``, written to one
-self-contained file by :meth:`View.to_html` (inline CSS and SVG, no script, nothing from
-the network: it opens offline).
+[View][semiring_backprop.views.View]: shown as HTML in Jupyter, as text by ``print``,
+written to one self-contained file by ``View.to_html`` (inline CSS and SVG, no script,
+nothing from the network: it opens offline). ``QUANTITIES`` names the per-token
+quantities a token strip can show, with what each is and whether it is signed.
 
->>> from semiring_backprop import views
->>> views.tokens(res, "gradient", tokens=["[CLS]", "the", "cat"])   # a token strip
->>> views.path(res.top_path("bert.embeddings.word_embeddings"))      # a readable chain
->>> views.branches(res.layer_table())                                # layer x token shares
->>> views.paths(res.top_paths("bert.embeddings.word_embeddings", 3)).to_html("paths.html")
+Examples:
+    >>> from semiring_backprop import views
+    >>> sorted(views.QUANTITIES)
+    ['entropy', 'gradient', 'normalized_entropy', 'top_path']
+    >>> views.tokens(res, "top_path", tokens=tokens)          # a token strip
+    <View 'tokens': ... characters of HTML>
+    >>> p = res.top_path("bert.embeddings.word_embeddings")
+    >>> views.path(p, res=res).to_html("api-path-view.html")  # a readable chain, as a file
+    'api-path-view.html'
 """
 
 from __future__ import annotations
@@ -37,7 +42,19 @@ __all__ = ["QUANTITIES", "View", "branches", "explanation", "path", "paths", "re
 
 class View:
     """Something to look at: ``_repr_html_`` for notebooks, ``str`` for terminals,
-    :meth:`to_html` for a file, :meth:`show` to print (coloured on a terminal)."""
+    ``to_html`` for a file, ``show`` to print (coloured on a terminal).
+
+    Examples:
+        >>> v = res.view("top_path", tokens=tokens)
+        >>> v.html()[:15]                      # a whole page
+        '<!DOCTYPE html>'
+        >>> v.to_html("api-view.html")
+        'api-view.html'
+        >>> v.show()                           # plain text where stdout is no terminal
+        Result: 183 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
+        <BLANKLINE>
+        top path ...
+    """
 
     def __init__(self, body: str, text, title: str):
         self.body = body  #: the HTML fragment, without the style sheet
@@ -72,6 +89,7 @@ class View:
         return file
 
     def text(self, color: bool = False) -> str:
+        """The terminal text (``color``: with ANSI colours)."""
         return self._text(color)
 
     def show(self, file=None) -> None:
@@ -99,7 +117,16 @@ def tokens(res, quantity: str | None = None, *, source=None, tokens=None) -> Vie
     ``"entropy"``, ``"normalized_entropy"``; None: every one the result has), read at
     ``source`` (default: the model's float input or its word embeddings). ``tokens``:
     the token strings, one list per example for a batch. Signed quantities use a
-    diverging colour map centred at zero; the value shows on hover and under each token."""
+    diverging colour map centred at zero; the value shows on hover and under each token.
+
+    Examples:
+        >>> print(sbp.views.tokens(res, "top_path", tokens=tokens))
+        top path (product of the token's top gradient path (MaxProduct: ⊕ over its units);
+        at bert.embeddings.word_embeddings)
+           [CLS] 0.0001177   the 8.478e-05   keys 0.0001151   to 9.244e-05   the 9.022e-05
+           cabinet 9.652e-05   [MASK] 0.5744   on 8.687e-05   the 9.146e-05   table 0.0001016
+           [SEP] 0.0001117
+    """
     return _token_view(res, quantity, source, tokens)
 
 
@@ -135,14 +162,39 @@ def path(p, title: str = "top gradient path", res=None) -> View:
     With ``res`` (the result the path was read from) the branches are those
     ``Result.branches`` finds (fused projections too) and a query / key / value branch
     names its head where the model gives the head count; else branches come from module
-    names."""
+    names.
+
+    Examples:
+        >>> p = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
+        >>> print(sbp.views.path(p, res=res))
+        MaxProduct(neuron) top path, product 0.0001151, 96 steps, from
+        bert.embeddings.word_embeddings[0,2,6]:
+              steps layer branch   edge prod    running  module
+                  0                        –          1  bert.embeddings.word_embeddings
+        ...
+              17-21     0 value      0.04392      1.421  ...attention.self.value (head 1)
+        ...
+              81-85                  0.02835  0.0001151  cls.predictions.decoder
+              88-95                        1  0.0001151  output
+    """
     runs = path_runs(p, **_known(res))
     return View(_html.path_block(p, runs, title), lambda color: _text.path(p, runs, color), title)
 
 
 def paths(ps, title: str = "top paths", res=None) -> View:
     """Several paths (``Result.top_paths``) as a list, heaviest first (``res``: as for
-    :func:`path`)."""
+    [path][semiring_backprop.views.path]).
+
+    Examples:
+        >>> ps = res.top_paths("bert.embeddings.word_embeddings", 2)
+        >>> print(sbp.views.paths(ps, res=res))
+        1. TopK(2) path (ranked by |product|), product -0.6758, 70 steps, from
+        bert.embeddings.word_embeddings[0,6,6]:
+        ...
+        2. TopK(2) path (ranked by |product|), product 0.5744, 70 steps, from
+        bert.embeddings.word_embeddings[0,6,6]:
+        ...
+    """
     ps = list(ps)
     if not ps:
         raise InputError("no paths to show: give the list Result.top_paths(...) returned")
@@ -157,7 +209,21 @@ def paths(ps, title: str = "top paths", res=None) -> View:
 
 def branches(table, semiring=None, title: str = "branches per layer and token") -> View:
     """A layer table (``Result.layer_table``) as a layer x token heatmap of the branches'
-    shares of each token's total; per-head rows (a ``head`` column) show on hover."""
+    shares of each token's total; per-head rows (a ``head`` column) show on hover.
+
+    Examples:
+        Tokens 4 to 7 of the sentence: at the mask, the residual (skip) branch carries
+        the best path; the other tokens reach the output only through attention (their
+        best path through its value branch), so they have no MLP row.
+
+        >>> table = res.layer_table(semirings=[sbp.MaxProduct()], tokens=tokens)
+        >>> print(sbp.views.branches(table[table.token.between(4, 7)]))
+        winning branch per layer and token (MaxProduct(neuron); share of the token's total)
+          S=skip  Q=query  K=key  V=value  M=mlp  O=other
+                              the     cabinet [MASK]  on
+          layer 0 attention   V 100%  V 100%  S 100%  V 100%
+          layer 0 mlp         -       -       S 100%  -
+    """
     rows, name, heads = shares(table, semiring)
     if not len(rows):
         raise InputError("the table has no rows to show")
@@ -167,7 +233,17 @@ def branches(table, semiring=None, title: str = "branches per layer and token") 
 
 def result(res, quantity: str | None = None, *, source=None, tokens=None) -> View:
     """What ``Result`` shows in a notebook: which semirings it holds, and token strips
-    of every per-token quantity it has (see :func:`tokens`)."""
+    of every per-token quantity it has (see [tokens][semiring_backprop.views.tokens]).
+
+    Examples:
+        >>> print(sbp.views.result(res, "entropy", tokens=tokens))
+        Result: 183 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
+        <BLANKLINE>
+        entropy (path entropy in nats (Entropy, ⊕ over the token's units); at
+        bert.embeddings.word_embeddings)
+           [CLS] 28.74   the 28.7   keys 28.74   to 28.45   the 28.75   cabinet 28.7   [MASK] 23.73
+           on 28.71   the 28.66   table 28.81   [SEP] 28.54
+    """
     names = ", ".join(s.name for s in res.semirings)
     head = (
         f"<h3>semiring backprop result</h3><div class=note>{len(res._store)} nodes; "
@@ -184,8 +260,25 @@ def _has_shares(semiring: str) -> bool:
 
 
 def explanation(ex, quantity: str | None = None) -> View:
-    """The report of :func:`semiring_backprop.explain.explain`: what was explained,
-    per-token strips, the top path, the branch heatmap."""
+    """The report of ``semiring_backprop.explain.explain``: what was explained,
+    per-token strips, the top path, the branch heatmap.
+
+    Examples:
+        >>> from semiring_backprop.explain import explain
+        >>> ex = explain(model, "the keys to the cabinet [MASK] on the table", "are", "is",
+        ...              tokenizer=tok)
+        >>> print(sbp.views.explanation(ex, "top_path"))
+        the keys to the cabinet [MASK] on the table
+        model BertForMaskedLM (masked LM); log p(are) - log p(is) at position 6 ([MASK]) = 0.1618
+        <BLANKLINE>
+        top path ...
+           cabinet 9.652e-05   *[MASK] 0.5744   on 8.687e-05   the 9.146e-05   table 0.0001016
+        ...
+          (* the explained position)
+        ...
+        winning branch per layer and token (MaxProduct(neuron); share of the token's total)
+        ...
+    """
     res = ex.result
     task = getattr(ex, "task", "lm")
     if task != "lm" or ex.foil is None:  # another target (semiring_backprop.targets)
