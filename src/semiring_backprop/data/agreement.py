@@ -52,7 +52,18 @@ _LINZEN_COLUMNS = "number of attractors, sentence, masked sentence, correct verb
 
 @dataclass(frozen=True)
 class AgreementExample:
-    """One agreement item: a sentence with ``MASK`` at the verb and the two verb forms."""
+    """One agreement item: a sentence with ``MASK`` at the verb and the two verb forms.
+
+    Examples:
+        >>> ex = sbp.data.AgreementExample(
+        ...     words=("the", "keys", "to", "the", "cabinet", sbp.data.MASK, "here"),
+        ...     mask_index=5, good="are", bad="is", attractors=1, subject=1,
+        ...     attractor_positions=(4,), source="by hand")
+        >>> ex.masked("[MASK]")
+        'the keys to the cabinet [MASK] here'
+        >>> ex.sentence(good=False)
+        'the keys to the cabinet is here'
+    """
 
     words: tuple[str, ...]  #: the sentence split on whitespace, MASK at the verb
     mask_index: int  #: word index of MASK
@@ -62,7 +73,7 @@ class AgreementExample:
     subject: int | None  #: word index of the subject's head noun, if known
     attractor_positions: tuple[int, ...] | None  #: word indices of the attractors, if known
     source: str  #: "path:line"
-    unlocated: str | None = None  #: why :func:`locate` gave no subject (None: it did)
+    unlocated: str | None = None  #: why ``locate`` gave no subject (None: it did)
 
     def masked(self, mask_token: str) -> str:
         """The sentence with the model's mask token at the verb."""
@@ -80,14 +91,32 @@ class AgreementExample:
 
 @dataclass(frozen=True)
 class Malformed:
-    """A line that was skipped: where it is and what is wrong with it."""
+    """A line that was skipped: where it is and what is wrong with it.
+
+    Examples:
+        >>> with open("api-bad.tsv", "w") as f:
+        ...     _ = f.write("0\\tthe dog barks\\tthe dog ***mask***\\tbarks\\tbark\\n")
+        ...     _ = f.write("0\\tthe dog barks\\n")
+        >>> sbp.data.read_linzen("api-bad.tsv").skipped
+        [Malformed(source='api-bad.tsv:2', reason='expected 5 tab-separated columns (number
+        of attractors, sentence, masked sentence, correct verb, incorrect verb), found 2')]
+    """
 
     source: str  #: "path:line"
     reason: str
 
 
 class AgreementData(list):
-    """The examples of a file (a list), with the malformed lines skipped on the way."""
+    """The examples of a file (a list), with the malformed lines skipped on the way.
+
+    Examples:
+        >>> with open("api-two.tsv", "w") as f:
+        ...     _ = f.write("0\\tthe dog barks\\tthe dog ***mask***\\tbarks\\tbark\\n")
+        ...     _ = f.write("a line that is no example\\n")
+        >>> d = sbp.data.read_linzen("api-two.tsv")
+        >>> len(d), d[0].good, [m.source for m in d.skipped]
+        (1, 'barks', ['api-two.tsv:2'])
+    """
 
     def __init__(self, examples: Iterable[AgreementExample] = (), skipped=()):
         super().__init__(examples)
@@ -102,18 +131,48 @@ def read_blimp(path, strict: bool = False) -> AgreementData:
     Punctuation stuck to the verb (``bark.``) becomes a word of its own. Where the two
     "words" are phrases ("works with" / "work with"), the words before the one that
     differs join the prefix and those after it the rest.
+
+    Examples:
+        >>> import json
+        >>> row = {"sentence_good": "The dogs bark.", "sentence_bad": "The dogs barks.",
+        ...        "one_prefix_prefix": "The dogs", "one_prefix_word_good": "bark",
+        ...        "one_prefix_word_bad": "barks"}
+        >>> with open("api-blimp.jsonl", "w") as f:
+        ...     _ = f.write(json.dumps(row) + "\\n")
+        >>> ex = sbp.data.read_blimp("api-blimp.jsonl")[0]
+        >>> ex.words, ex.good, ex.bad
+        (('The', 'dogs', '***mask***', '.'), 'bark', 'barks')
     """
     return _read(path, _blimp_example, strict)
 
 
 def read_linzen(path, strict: bool = False) -> AgreementData:
     """Examples from a Linzen/Goldberg 5-column TSV file (no header; blank lines
-    skipped; malformed lines listed in ``.skipped``, or an error with ``strict``)."""
+    skipped; malformed lines listed in ``.skipped``, or an error with ``strict``).
+
+    The columns: number of attractors, sentence, the sentence with ``***mask***`` at the
+    verb, correct verb, incorrect verb.
+
+    Examples:
+        >>> with open("api-linzen.tsv", "w") as f:
+        ...     _ = f.write("1\\tthe keys to the cabinet are here\\t"
+        ...                 "the keys to the cabinet ***mask*** here\\tare\\tis\\n")
+        >>> ex = sbp.data.read_linzen("api-linzen.tsv")[0]
+        >>> ex.mask_index, ex.good, ex.bad, ex.attractors, ex.source
+        (5, 'are', 'is', 1, 'api-linzen.tsv:1')
+    """
     return _read(path, _linzen_example, strict)
 
 
 def read_agreement(path, strict: bool = False) -> AgreementData:
-    """``read_blimp`` for .jsonl/.json files, ``read_linzen`` for .tsv/.txt files."""
+    """``read_blimp`` for .jsonl/.json files, ``read_linzen`` for .tsv/.txt files.
+
+    Examples:
+        >>> with open("api-linzen.txt", "w") as f:
+        ...     _ = f.write("0\\tthe dog barks\\tthe dog ***mask***\\tbarks\\tbark\\n")
+        >>> sbp.data.read_agreement("api-linzen.txt")[0].sentence()
+        'the dog barks'
+    """
     suffix = Path(path).suffix.lower()
     if suffix in (".jsonl", ".json"):
         return read_blimp(path, strict)
@@ -149,6 +208,30 @@ def locate(
 
     Token positions are mapped back to whitespace words by character offset. With
     ``progress``, a tqdm bar counts the parsed sentences.
+
+    Examples:
+        A parser written by hand for one sentence, its tokens with the attributes of
+        spaCy's: "keys" is the verb's subject, "cabinet" a noun of the other number
+        between them, an attractor.
+
+        >>> from types import SimpleNamespace
+        >>> def parse(text):
+        ...     tags = "DT NNS IN DT NN VBP RB".split()
+        ...     deps = "det nsubj prep det pobj ROOT advmod".split()
+        ...     tokens, start = [], 0
+        ...     for i, (word, tag, dep) in enumerate(zip(text.split(), tags, deps)):
+        ...         start = text.index(word, start)
+        ...         tokens.append(SimpleNamespace(i=i, idx=start, text=word, tag_=tag, dep_=dep))
+        ...     for token, head in zip(tokens, [1, 5, 1, 4, 2, 5, 5]):
+        ...         token.head = tokens[head]
+        ...     return tokens
+        >>> ex = sbp.data.AgreementExample(
+        ...     words=("the", "keys", "to", "the", "cabinet", sbp.data.MASK, "here"),
+        ...     mask_index=5, good="are", bad="is", attractors=None, subject=None,
+        ...     attractor_positions=None, source="by hand")
+        >>> found = sbp.data.locate([ex], nlp=parse)[0]
+        >>> found.subject, found.attractor_positions, found.unlocated
+        (1, (4,), None)
     """
     examples = list(examples)
     todo = [

@@ -28,7 +28,16 @@ from ..errors import InputError
 
 @dataclass(frozen=True, eq=False)
 class Split:
-    """One split of a task: inputs ``x`` and labels ``y``, row for row."""
+    """One split of a task: inputs ``x`` and labels ``y``, row for row.
+
+    Examples:
+        >>> train = sbp.data.make_task("FirstTokenRepeatedOnce", 100).train
+        >>> len(train), train.x.shape
+        (70, torch.Size([70, 10]))
+        >>> xb, yb = next(iter(train.loader(8, shuffle=True, seed=0)))
+        >>> xb.shape, yb.shape
+        (torch.Size([8, 10]), torch.Size([8]))
+    """
 
     x: torch.Tensor  #: (n, L) int64 token ids, or (n, F) float32 features
     y: torch.Tensor  #: (n,) int64 labels
@@ -51,7 +60,13 @@ class Split:
 
 @dataclass(frozen=True, eq=False)
 class TaskData:
-    """A task's three splits and what made them."""
+    """A task's three splits and what made them.
+
+    Examples:
+        >>> task = sbp.data.make_task("BinCountOnes", 120, length=12, k=3, seed=0)
+        >>> task.name, task.num_classes, (len(task.train), len(task.val), len(task.test))
+        ('BinCountOnes(k=3)', 3, (84, 12, 24))
+    """
 
     name: str  #: e.g. ``"BinCountOnes(k=4)"``
     train: Split
@@ -219,8 +234,16 @@ def make_task(
     ``params``: ``tokens`` for ContainsTokenSet (default ``(1, 2, 3)``), ``k`` for
     BinCountOnes (default 2).
 
-    >>> make_task("ContainsTokenSet", sizes=(3600, 360, 360), length=36, vocab_size=60,
-    ...           tokens=range(1, 6), seed=1)
+    Examples:
+        FirstTokenRepeatedOnce: label 1 where the first token occurs exactly once more.
+
+        >>> task = sbp.data.make_task("FirstTokenRepeatedOnce", 100, length=10, vocab_size=20)
+        >>> x, y = task.train.x, task.train.y
+        >>> bool(((x[:, 1:] == x[:, :1]).sum(1) == 1).long().eq(y).all())
+        True
+        >>> sbp.data.make_task("ContainsTokenSet", sizes=(36, 4, 4), length=12, vocab_size=30,
+        ...                    tokens=range(1, 6), seed=1).name
+        'ContainsTokenSet(tokens={1, 2, 3, 4, 5})'
     """
     if name not in TASKS:
         raise InputError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
@@ -253,6 +276,12 @@ def first_feature(
 
     ``n`` points (default 1000) cut 70/10/20, or exactly ``sizes``; half positives (first
     feature uniform in (0.5, 1)), half negatives (uniform in [0, 0.5)), shuffled.
+
+    Examples:
+        >>> task = sbp.data.first_feature(100, seed=0)
+        >>> x, y = task.train.x, task.train.y
+        >>> x.shape, bool(((x[:, 0] > 0.5).long() == y).all())
+        (torch.Size([70, 4]), True)
     """
     if not _is_int(features) or features < 1:
         raise InputError(f"first_feature: features must be a positive integer, got {features!r}")
