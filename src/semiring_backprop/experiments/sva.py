@@ -254,8 +254,7 @@ def _prepare(located, model: str, config: Config):
     from ..runner import from_agreement
     from ..runner.driver import load_tokenizer
 
-    with quiet(False):
-        tokenizer, model_config, kind = load_tokenizer(model)
+    tokenizer, model_config, kind = load_tokenizer(model)
     if kind != "masked" or tokenizer.mask_token is None:
         raise InputError(
             f"{model!r} is a {kind} LM; this experiment explains the prediction at "
