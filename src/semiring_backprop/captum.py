@@ -1,17 +1,12 @@
 """The semirings as Captum attribution methods (optional extra: ``pip install
 "semiring-backprop[captum]"``).
 
-:class:`SemiringAttribution` is a ``captum.attr.GradientAttribution``: ``attribute``
+``SemiringAttribution`` is a ``captum.attr.GradientAttribution``: ``attribute``
 takes Captum's inputs (a tensor or a tuple of tensors whose first dimension is the
 batch), ``target`` and ``additional_forward_args``, and returns one real number per
 input element: the ⊕ over the paths from that element to the target output, read out
 as a tensor. So Captum's visualization and metrics (``infidelity``, ``sensitivity_max``)
-take it as they take ``Saliency``:
-
->>> from semiring_backprop.captum import SemiringAttribution
->>> sa = SemiringAttribution(model, MaxProduct())
->>> best = sa.attribute(x, target=3)          # the best path's product per element
->>> grad = SemiringAttribution(model, Real()).attribute(x, target=3)  # == Saliency(abs=False)
+take it as they take ``Saliency``.
 
 What each semiring reads out (the semiring's own headline, as in branch tables):
 ``Real`` the gradient; ``MaxProduct`` the most positive path product (``hi``;
@@ -26,6 +21,13 @@ heat maps need finite numbers: on such models give them ``Real`` or ``MaxAbs``.
 The examples of a batch are explained at once (one pass, per-example scalars seeded
 together: ``backprop(..., per_example=True)``); they must not interact (no batch norm in
 training mode, no attention across examples).
+
+Examples:
+    >>> from semiring_backprop.captum import SemiringAttribution
+    >>> xs = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)  # a batch of 3
+    >>> best = SemiringAttribution(mlp, sbp.MaxProduct()).attribute(xs, target=1)
+    >>> best.shape                    # the best path's product per input element
+    torch.Size([3, 4])
 """
 
 from __future__ import annotations
@@ -67,6 +69,27 @@ class SemiringAttribution(GradientAttribution):
             ``MaxProduct``'s most negative path); default: the semiring's headline.
         multiply_by_inputs: multiply by the input, as ``InputXGradient`` does
             (``Real`` and ``MaxProduct`` only: their readouts are path products).
+
+    Examples:
+        The ``Real`` semiring is Captum's ``Saliency(abs=False)`` and, multiplied by the
+        inputs, ``InputXGradient``:
+
+        >>> from captum.attr import InputXGradient, Saliency
+        >>> from semiring_backprop.captum import SemiringAttribution
+        >>> xs = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        >>> grad = SemiringAttribution(mlp, sbp.Real()).attribute(xs, target=1)
+        >>> torch.allclose(grad, Saliency(mlp).attribute(xs, target=1, abs=False))
+        True
+        >>> ixg = SemiringAttribution(mlp, multiply_by_inputs=True).attribute(xs, target=1)
+        >>> torch.allclose(ixg, InputXGradient(mlp).attribute(xs, target=1))
+        True
+
+        ``MaxProduct``'s most negative path per input (``paths`` are the MLP's paths,
+        written out in the set-up):
+
+        >>> lo = SemiringAttribution(mlp, sbp.MaxProduct(), field="lo").attribute(x, target=1)
+        >>> torch.equal(lo[0], paths.amin(0))
+        True
     """
 
     def __init__(self, forward_func: Callable, semiring: Semiring | None = None, *,
@@ -95,7 +118,13 @@ class SemiringAttribution(GradientAttribution):
 
         ``target``: as in Captum: an int (or a tuple of ints) indexing every example's
         output, a tensor or list with one per example, or None for a model whose output
-        is one number per example."""
+        is one number per example.
+
+        Examples:
+            >>> from semiring_backprop.captum import SemiringAttribution
+            >>> SemiringAttribution(mlp, sbp.Entropy()).attribute(x, target=1).shape
+            torch.Size([1, 4])
+        """
         is_tuple = isinstance(inputs, tuple)
         xs = inputs if is_tuple else (inputs,)
         for i, x in enumerate(xs):
