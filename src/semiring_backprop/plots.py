@@ -85,9 +85,17 @@ def branch_bars(
 
     ``normalize=True``: the fraction of tokens whose top path takes each branch (rows with
     ``winner`` True; a tie splits the token evenly). ``normalize=False``: the sum of
-    ``value`` per (layer, branch). Branches outside :data:`ROLES` count as ``"other"``.
+    ``value`` per (layer, branch). Branches outside ``ROLES`` count as ``"other"``.
 
-    >>> fig = branch_bars(table, sublayer="attention", semiring="MaxProduct(neuron)")
+    Examples:
+        One token in eleven (the mask) has its top path through the skip branch of
+        the attention block, the ten others through its value branch:
+
+        >>> from semiring_backprop import plots
+        >>> table = res.layer_table(semirings=[sbp.MaxProduct()], tokens=tokens)
+        >>> fig = plots.branch_bars(table, sublayer="attention", semiring="MaxProduct(neuron)")
+        >>> {c.get_label(): round(float(c[0].get_height()), 3) for c in fig.axes[0].containers}
+        {'skip': 0.091, 'value': 0.909}
     """
     rows = _select(table, sublayer, semiring).copy()
     rows["role"] = rows["branch"].where(rows["branch"].isin(ROLES), "other")
@@ -148,7 +156,12 @@ def token_heatmap(
     ``branch=None`` the max over branches. Diverging colors centered at 0 for signed
     quantities (Real, MaxProduct, TopK values, or any table with both signs).
 
-    >>> fig = token_heatmap(table, branch="skip")
+    Examples:
+        >>> from semiring_backprop import plots
+        >>> table = res.layer_table(semirings=[sbp.MaxProduct()], tokens=tokens)
+        >>> ax = plots.token_heatmap(table, branch="skip").axes[0]
+        >>> [t.get_text() for t in ax.get_xticklabels()][:4]
+        ['[CLS]', 'the', 'keys', 'to']
     """
     import numpy as np
 
@@ -193,9 +206,18 @@ def token_bars(
     ax: Axes | None = None,
     title: str | None = None,
 ) -> Figure:
-    """One bar per token of a per-token column, e.g. path entropy.
+    """One bar per token of a per-token column, e.g. path entropy. ``frame`` has a
+    ``token`` column (the position, for the order), the ``label`` column and ``value``.
 
-    >>> fig = token_bars(entropy_frame, value="entropy")
+    Examples:
+        >>> import pandas as pd
+        >>> from semiring_backprop import plots
+        >>> entropy = res.aggregate("bert.embeddings.word_embeddings", sbp.Entropy()).entropy
+        >>> frame = pd.DataFrame({"token": range(len(tokens[0])), "token_text": tokens[0],
+        ...                       "entropy": entropy[0].tolist()})
+        >>> fig = plots.token_bars(frame, value="entropy")
+        >>> len(fig.axes[0].patches)        # one bar per token
+        11
     """
     frame = frame.sort_values("token")
     fig, ax = _new_axes(ax, (max(4.0, 0.35 * len(frame) + 1.5), 3.0))
@@ -258,7 +280,13 @@ def path_diagram(
     none). Long paths wrap into columns of at most 40 boxes. Runs made only of
     module-boundary marks (identity steps) are left out unless ``marks=True``.
 
-    >>> fig = path_diagram(res.top_path(("bert.embeddings:input", (0, 3))))
+    Examples:
+        >>> from semiring_backprop import plots
+        >>> fig = plots.path_diagram(res.top_path(("bert.embeddings.word_embeddings", (0, 2))))
+        >>> [t.get_text().splitlines() for t in fig.axes[0].texts][:3]
+        [['bert.embeddings.word_embeddings', 'product 1'],
+         ['bert.embeddings  (2 ops)', 'product 1'],
+         ['bert.embeddings.LayerNorm  (6 ops)', 'product 32.4']]
     """
     from matplotlib.patches import FancyBboxPatch, Patch
 
@@ -355,7 +383,11 @@ def save(fig: Figure, path: str | os.PathLike) -> str | os.PathLike:
     """Write ``fig`` in the format its suffix names (``.png`` at 120 dpi, ``.svg``,
     ``.pdf``; no suffix: PNG), creating parent folders; returns ``path``.
 
-    >>> save(branch_bars(table), "out/branches.pdf")
+    Examples:
+        >>> from semiring_backprop import plots
+        >>> table = res.layer_table(semirings=[sbp.MaxProduct()], tokens=tokens)
+        >>> plots.save(plots.branch_bars(table), "api-figures/branches.svg")
+        'api-figures/branches.svg'
     """
     suffix = os.path.splitext(os.fspath(path))[1].lstrip(".").lower() or "png"
     if suffix not in FORMATS:
@@ -370,7 +402,17 @@ def save(fig: Figure, path: str | os.PathLike) -> str | os.PathLike:
 
 def caption(fig: Figure, text: str) -> Figure:
     """Name what the figure shows above it (the text, the target, the semiring): a
-    figure read apart from its report still says what it is about."""
+    figure read apart from its report still says what it is about.
+
+    Examples:
+        >>> from semiring_backprop import plots
+        >>> table = res.layer_table(semirings=[sbp.MaxProduct()], tokens=tokens)
+        >>> fig = plots.caption(plots.branch_bars(table),
+        ...                     "the keys to the cabinet [MASK] on the table; "
+        ...                     "log p(are) - log p(is); MaxProduct")
+        >>> fig.texts[0].get_text()
+        'the keys to the cabinet [MASK] on the table; log p(are) - log p(is); MaxProduct'
+    """
     import textwrap
 
     short = text if len(text) <= 300 else text[:299] + "…"
