@@ -4,7 +4,7 @@ For each family (float64, eval mode, nothing downloaded): ``Real`` equals
 torch.autograd at the model's input, the top gradient path's product equals the
 ``MaxProduct`` readout it starts from (both signs), the path entropy is finite, and
 ``layer_table`` finds every attention block with its skip / query / key / value and
-MLP branches. One line per family in ``FAMILIES``; the README's table lists the same.
+MLP branches. One line per family in ``FAMILIES``; docs/models.md's table lists the same.
 
 Tolerances: families that run part of the model in float32 even in a float64 model
 (rotary embeddings, RMSNorm, routers, softmax; as autograd does) agree to float32
