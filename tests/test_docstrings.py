@@ -1,0 +1,124 @@
+"""Every public name's docstring has an example, and every example runs.
+
+The public names are ``semiring_backprop.__all__`` and the ``__all__`` of the public
+modules (``views``, ``captum``, ``data``) and the figure functions of ``plots``. Each
+one's docstring (a class's methods included) is run with :mod:`doctest` in the
+namespace that the set-up block at the top of ``docs/api.md`` makes: that block is
+executed here, so the API reference's examples and its set-up cannot drift apart. A
+constant (a string or a table) has no docstring of its own to hold an example: its
+module's example must use it. ``run`` and ``load_results`` keep their examples in
+``docs/api.md`` itself (run by ``tests/test_docs.py``): this test checks that they are
+there.
+"""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import inspect
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("pandas")
+pytest.importorskip("matplotlib").use("Agg")
+
+import semiring_backprop  # noqa: E402
+
+API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
+MODULES = ("semiring_backprop.views", "semiring_backprop.captum", "semiring_backprop.data")
+PLOTS = ("branch_bars", "token_heatmap", "token_bars", "path_diagram", "save", "caption")
+#: public names whose examples live in docs/api.md (their module is edited elsewhere)
+IN_API_MD = {
+    "semiring_backprop.run": "sbp.run(",
+    "semiring_backprop.load_results": "sbp.load_results(",
+}
+FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
+
+
+def public_names() -> dict:
+    """``{"semiring_backprop.views.path": object, ...}`` for every public name."""
+    names = {"semiring_backprop": semiring_backprop}
+    names.update({m: importlib.import_module(m) for m in MODULES})
+    names.update({f"semiring_backprop.{n}": getattr(semiring_backprop, n)
+                  for n in semiring_backprop.__all__})  # fmt: skip
+    for module_name in MODULES:
+        module = importlib.import_module(module_name)
+        names.update({f"{module_name}.{n}": getattr(module, n) for n in module.__all__})
+    plots = importlib.import_module("semiring_backprop.plots")
+    names.update({f"semiring_backprop.plots.{n}": getattr(plots, n) for n in PLOTS})
+    return names
+
+
+NAMES = public_names()
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+@pytest.fixture(scope="module")
+def namespace(tmp_path_factory):
+    """What the first python block of docs/api.md defines, run in a scratch folder
+    (it writes a vocabulary file) with one torch thread, as the docs tests run it."""
+    setup = _blocks(API_MD.read_text(encoding="utf-8"), "python")[0]
+    before, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(tmp_path_factory.mktemp("api"))
+    torch.set_num_threads(1)
+    try:
+        ns = {"__name__": "api_md"}
+        exec(compile(setup, str(API_MD), "exec"), ns)
+        yield ns
+    finally:
+        torch.set_num_threads(threads)
+        os.chdir(before)
+
+
+def _doctests(name: str, obj) -> list[doctest.DocTest]:
+    """The examples in ``obj``'s docstring (a class's: its methods' too)."""
+    finder = doctest.DocTestFinder(recurse=inspect.isclass(obj), exclude_empty=True)
+    module = inspect.getmodule(obj) if (inspect.isclass(obj) or callable(obj)) else None
+    return finder.find(obj, name, module=module or False, globs={})
+
+
+def _is_constant(obj) -> bool:
+    return not (inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj))
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_has_an_example(name):
+    obj = NAMES[name]
+    if name in IN_API_MD:
+        text = API_MD.read_text(encoding="utf-8")
+        code = "\n".join(_blocks(text, "python")[1:])
+        assert IN_API_MD[name] in code, f"docs/api.md has no example calling {IN_API_MD[name]}"
+        return
+    if _is_constant(obj):
+        module_name, short = name.rsplit(".", 1)
+        module = importlib.import_module(module_name)
+        examples = [ex.source for t in _doctests(module_name, module) for ex in t.examples]
+        assert any(short in src for src in examples), (
+            f"{name} is a constant: the example in {module_name}'s docstring should use it"
+        )
+        return
+    own = [t for t in _doctests(name, obj) if t.name == name]
+    assert own and own[0].examples, f"{name}'s docstring has no example (>>> lines)"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in NAMES if n not in IN_API_MD))
+def test_examples_run(name, namespace):
+    obj = NAMES[name]
+    if _is_constant(obj):
+        pytest.skip("a constant: its module's example runs")
+    tests = _doctests(name, obj)
+    report = []
+    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    for t in tests:
+        t.globs = dict(namespace)
+        runner.run(t, out=report.append)
+    failed = runner.summarize(verbose=False).failed
+    assert failed == 0, "".join(report)
