@@ -190,10 +190,12 @@ class Backprop:
 
     @property
     def model(self):
+        """The explained model."""
         return self._traces.model
 
     @property
     def output(self):
+        """The output function (``None``: the model's output is the scalar)."""
         return self._traces.output
 
     def graph(self, args=(), kwargs: dict | None = None):
@@ -202,13 +204,32 @@ class Backprop:
         With ``dynamic`` (default), a graph is traced with symbolic sizes and serves
         every input of the same structure, dtypes and devices whose sizes fit it
         (sentences of any length, usually); inputs that do not fit are traced again.
+
+        Examples:
+            >>> bp = sbp.Backprop(model, output=are_is)
+            >>> g = bp.graph(kwargs=dict(enc))
+            >>> sorted(g.user_inputs)
+            ['attention_mask', 'input_ids', 'token_type_ids']
         """
         args = tuple(args) if isinstance(args, tuple | list) else (args,)
         return self._traces.graph(args, dict(kwargs or {}))
 
     def refresh(self) -> None:
         """Forget the prepared weights (made again on the next call): after a write to
-        the parameters that torch's version counter does not see (``p.data``, NumPy)."""
+        the parameters that torch's version counter does not see (``p.data``, NumPy).
+
+        Examples:
+            Doubling the last layer's weights doubles every path product:
+
+            >>> import copy
+            >>> net = copy.deepcopy(mlp)
+            >>> bp = sbp.Backprop(net, output=lambda y: y[0, 1], semirings=[sbp.MaxAbs()])
+            >>> before = bp((x,)).at(0, sbp.MaxAbs()).value
+            >>> _ = net[2].weight.data.mul_(2)      # a write torch's version counter misses
+            >>> bp.refresh()
+            >>> torch.allclose(bp((x,)).at(0, sbp.MaxAbs()).value, 2 * before)
+            True
+        """
         self._traces.set_prepared()
 
     @property
