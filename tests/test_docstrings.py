@@ -28,6 +28,7 @@ pytest.importorskip("pandas")
 pytest.importorskip("matplotlib").use("Agg")
 
 import semiring_backprop  # noqa: E402
+from semiring_backprop.rules import registry  # noqa: E402
 
 API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 MODULES = ("semiring_backprop.views", "semiring_backprop.captum", "semiring_backprop.data")
@@ -117,8 +118,13 @@ def test_examples_run(name, namespace):
     tests = _doctests(name, obj)
     report = []
     runner = doctest.DocTestRunner(optionflags=FLAGS)
-    for t in tests:
-        t.globs = dict(namespace)
-        runner.run(t, out=report.append)
+    rules = dict(registry._RULES)  # register's example adds a rule: other tests never see it
+    try:
+        for t in tests:
+            t.globs = dict(namespace)
+            runner.run(t, out=report.append)
+    finally:
+        registry._RULES.clear()
+        registry._RULES.update(rules)
     failed = runner.summarize(verbose=False).failed
     assert failed == 0, "".join(report)
