@@ -286,3 +286,14 @@ def test_missing_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(InputError, match=r'pip install "semiring-backprop\[plots\]"'):
         plots.token_bars(pd.DataFrame({"token": [0], "token_text": ["a"], "entropy": [1.0]}))
+
+
+def test_frames_without_the_columns_a_figure_reads_are_refused_by_name():
+    import pandas as pd
+
+    from semiring_backprop import plots
+
+    with pytest.raises(InputError, match=r"no column \['token'.*it has \['entropy'\]"):
+        plots.token_bars(pd.DataFrame({"entropy": [1.0]}))
+    with pytest.raises(InputError, match=r"no column \['layer'.*Result\.layer_table"):
+        plots.branch_bars(pd.DataFrame({"value": [1.0]}))

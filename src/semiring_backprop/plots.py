@@ -50,8 +50,18 @@ def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Ax
     return fig, fig.add_subplot()
 
 
+def _columns(frame, needed, hint: str) -> None:
+    """A frame without a column a figure reads is refused by name, not by a KeyError."""
+    missing = [c for c in needed if c not in getattr(frame, "columns", ())]
+    if missing:
+        have = list(getattr(frame, "columns", []))
+        raise InputError(f"the table has no column {missing} (it has {have}); {hint}")
+
+
 def _select(table: pd.DataFrame, sublayer: str, semiring: Any) -> pd.DataFrame:
     """Rows of one sublayer and one semiring; several semirings need ``semiring=``."""
+    _columns(table, ("layer", "sublayer", "token", "branch", "value"),
+             "pass a table from Result.layer_table() or Explanation.layers")  # fmt: skip
     if "semiring" in table.columns:
         have = sorted(map(str, table["semiring"].unique()))
         if semiring is None and len(have) > 1:
@@ -219,6 +229,8 @@ def token_bars(
         >>> len(fig.axes[0].patches)        # one bar per token
         11
     """
+    _columns(frame, ("token", label, value),
+             "give a frame with the position in 'token', label= and value= columns")  # fmt: skip
     frame = frame.sort_values("token")
     fig, ax = _new_axes(ax, (max(4.0, 0.35 * len(frame) + 1.5), 3.0))
     xs = range(len(frame))
