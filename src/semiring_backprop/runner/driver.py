@@ -96,27 +96,30 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         progress: bool = True, prepare=prepare) -> dict:  # fmt: skip
     """Explain ``log p(target) - log p(foil)`` for every example of ``data`` (a file, a
     saved Hugging Face data set, a data set name) or of ``examples`` (an iterable of
-    :class:`Example` or dicts with ``text``, ``target``, ``foil`` and more columns,
-    copied to the results: how an experiment adds its own columns).
+    ``semiring_backprop.runner.Example`` objects or dicts with ``text``, ``target``,
+    ``foil`` and more columns, copied to the results: how an experiment adds its own
+    columns).
 
     ``model``: a hub id or a local directory (a masked or causal LM), or a loaded model
     (then pass ``tokenizer``). Writes into ``out``: ``examples/``, ``tokens/`` and
-    ``branches/`` (Parquet shards, read back with :func:`load_results`), ``done.jsonl``,
+    ``branches/`` (Parquet shards, read back with
+    [load_results][semiring_backprop.load_results]), ``done.jsonl``,
     ``summary.json`` and figures. ``workers``: that many Ray actors (each one model,
     one trace, a fair share of the cores); ``address`` joins a running Ray cluster.
     ``threads``: torch threads of a one-process run (0: the caller's count).
     ``aggregation``: how the ``branches`` table reads a branch over the hidden units,
     ``"oplus"`` (the semiring's ⊕) and/or ``"bucket_sum"`` (each unit counted for the
     branch ⊕ selects there; selective semirings only): its ``aggregation`` column.
-    ``prepare``: how an example becomes an :class:`Item` or the reason it is skipped
+    ``prepare``: how an example becomes an ``Item`` or the reason it is skipped
     (``prepare(example, tokenizer, model_config, kind) -> Item | str``; default
-    :func:`~semiring_backprop.runner.prepare`): how an experiment tokenizes its own way
-    or scores a word in pieces (:attr:`Item.masks`). It runs in this process; its items
+    ``semiring_backprop.runner.prepare``): how an experiment tokenizes its own way
+    or scores a word in pieces (``Item.masks``). It runs in this process; its items
     go to the workers.
 
-    >>> r = run("bert-base-uncased", "blimp/regular_plural_subject_verb_agreement_1.jsonl",
-    ...         "runs/blimp", semirings=("max", "entropy"))
-    >>> load_results("runs/blimp")["branches"]
+    The runnable example is on the API page (it needs a checkpoint); with a real one:
+    ``run("bert-base-uncased", "regular_plural_subject_verb_agreement_1.jsonl",
+    "runs/blimp", semirings=("max", "entropy"))``, then
+    ``load_results("runs/blimp")["branches"]``.
     """
     model_id = model if isinstance(model, str | Path) else getattr(
         getattr(model, "config", None), "_name_or_path", "") or type(model).__name__  # fmt: skip
