@@ -177,6 +177,25 @@ def test_an_allocation_failure_is_a_clear_error_and_keeps_the_compiled_kernel(mo
     assert not kernels._state["failed"]  # still compiled next time
 
 
+def test_a_pass_over_the_memory_budget_says_so_once(monkeypatch):
+    """The budget's own refusal reaches the caller as written, not wrapped again as an
+    allocation failure (which repeated "What uses less" around a cut copy of it)."""
+    import semiring_backprop as sbp
+
+    monkeypatch.setenv("SEMIRING_BACKPROP_MEMORY", "1000")
+    with pytest.raises(sbp.OutOfMemoryError) as info:
+        sbp.backprop(lambda x: (x @ x).tanh().sum(), (torch.randn(64, 64),),
+                     semirings=[sbp.TopK(3)])  # fmt: skip
+    message = str(info.value)
+    assert message.startswith("the reverse pass needs at least")
+    assert message.count("What uses less") == 1 and "ran out of memory" not in message
+    assert "keep=(" in message  # keep= was not given: holding fewer readouts would help
+    with pytest.raises(sbp.OutOfMemoryError) as info:
+        sbp.backprop(lambda x: (x @ x).tanh().sum(), (torch.randn(64, 64),),
+                     semirings=[sbp.TopK(3)], keep=[0])  # fmt: skip
+    assert "keep=(" not in str(info.value)  # given already
+
+
 def test_an_input_longer_than_learned_positions_is_refused_before_tracing():
     transformers = pytest.importorskip("transformers")
     import semiring_backprop as sbp

@@ -254,6 +254,10 @@ class Backprop:
                 engine.reverse(graph, values, self.semirings, graph.output_node, set(),
                                check="every")  # fmt: skip
             raise
+        except OutOfMemoryError as e:  # the budget's own refusal, already saying what uses less
+            if self.keep is None and getattr(e, "budget", None) and "keep=" not in str(e):
+                raise budget.refusal(*e.budget, suggest_keep=True) from None
+            raise
         except Exception as e:
             if not is_out_of_memory(e):
                 raise

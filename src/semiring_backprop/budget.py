@@ -138,14 +138,23 @@ def check(graph, values: dict, semirings, needed, keep) -> None:
     need = cache[key]
     if need <= SHARE * free:
         return
-    gib = 2**30
     names = ", ".join(s.name for s in semirings)
-    raise OutOfMemoryError(
+    raise refusal(need, free, device, names, keep is None or len(keep) > 8)
+
+
+def refusal(need: int, free: int, device, names: str, suggest_keep: bool) -> OutOfMemoryError:
+    """The error for a pass that cannot fit; ``.budget`` holds the arguments, so a caller
+    that knows better whether ``keep=`` would help (checkpointed passes keep the inputs
+    on their own) can write it again."""
+    gib = 2**30
+    e = OutOfMemoryError(
         f"the reverse pass needs at least {need / gib:.2f} GiB for its D values "
         f"({names}), and {free / gib:.2f} GiB is free on {device} (a process past its "
-        f"limit is killed without a word). {what_uses_less(keep is None or len(keep) > 8)} "
+        f"limit is killed without a word). {what_uses_less(suggest_keep)} "
         "SEMIRING_BACKPROP_MEMORY=BYTES sets the budget."
     )
+    e.budget = (need, free, device, names)
+    return e
 
 
 def what_uses_less(suggest_keep: bool) -> str:
