@@ -61,6 +61,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--skip-serial", action="store_true")
     p.add_argument("--skip-ray", action="store_true")
+    p.add_argument("--ray-first", action="store_true", help="time the Ray run first")
     p.add_argument(
         "--serial-threads",
         type=int,
@@ -88,6 +89,8 @@ def main(argv=None) -> None:
         runs = [] if args.skip_serial else [(f"one process, {threads} threads", 0)]
         if not args.skip_ray:
             runs.append((f"--workers {args.workers} (Ray)", args.workers))
+        if args.ray_first:
+            runs.reverse()
         for label, workers in runs:
             start = time.perf_counter()
             r = run(model, data, root / f"out{workers}", batch_size=args.batch_size,

@@ -122,8 +122,19 @@ class Checkpoints:
         self.held, self.held_store, self.snaps, self.reached = held, store, snaps, reached
         self._values: OrderedDict = OrderedDict()  # segment -> its forward values
         self._d: OrderedDict = OrderedDict()  # (segment, semiring index) -> its D
-        self.values = _Values(self)
-        self.store = _Store(self)
+
+    # Views made on demand and not kept: a view kept here would point back at this
+    # object, a cycle that only the cyclic garbage collector frees, so a loop of passes
+    # held every finished pass's values (GBs) until a full collection came.
+    @property
+    def values(self) -> _Values:
+        """The forward values, as a mapping (segments computed again when read)."""
+        return _Values(self)
+
+    @property
+    def store(self) -> _Store:
+        """D per node, as a mapping (segments' D computed again when read)."""
+        return _Store(self)
 
     def segment_values(self, s: int) -> dict:
         """Forward values of segment ``s``'s ops."""
