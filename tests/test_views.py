@@ -567,3 +567,20 @@ def test_branch_tables_show_their_heatmap_and_stay_dataframes(batch):
     # one fan-out point's table (no layers) shows its rows
     one = two.branches(0, sbp.MaxProduct())
     assert type(one).__name__ == "BranchTable" and "<svg" not in one._repr_html_()
+
+
+def test_a_path_prints_with_the_branches_of_the_result_it_was_read_from(batch):
+    import copy
+    import pickle
+
+    ids, margin, res = batch
+    path = res.top_path(("bert.embeddings.word_embeddings", (1, 2)))
+    assert str(path) == str(views.path(path, res=res))  # branches as Result.branches finds
+    assert path.origin() is res
+    plain = pickle.loads(pickle.dumps(path))  # the result stays behind
+    assert plain == path and plain.origin() is None
+    named = str(plain)  # branches from module names only: no heads
+    assert named == str(views.path(plain)) and "(head " in str(path) and "(head " not in named
+    assert copy.deepcopy(path).origin() is None
+    several = [path, res.top_path(("bert.embeddings.word_embeddings", (0, 1)))]
+    assert str(views.paths(several)) == str(views.paths(several, res=res))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import weakref
 
 import torch
 
@@ -160,7 +161,7 @@ class Result:
         from .analysis import paths
 
         self._require_all("top_path")
-        return paths.top_path(self, source, semiring, sign)
+        return _read_from(self, paths.top_path(self, source, semiring, sign))
 
     def top_paths(self, source, k: int, semiring: Semiring | None = None) -> list:
         """The ``k`` heaviest distinct paths by |product| from ``source`` (needs ``TopK``).
@@ -175,7 +176,7 @@ class Result:
         self._require_all("top_paths")
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise InputError(f"top_paths: k={k!r} is the number of paths to return: 1 or more")
-        return paths.top_paths(self, source, k, semiring)
+        return [_read_from(self, p) for p in paths.top_paths(self, source, k, semiring)]
 
     def branches(self, where, semiring: Semiring | None = None, aggregate: str = "oplus",
                  roles=None, by: str = "consumer", per_head: bool = False,
@@ -304,6 +305,14 @@ class Result:
             'api-result.html'
         """
         return self.view(quantity, source=source, tokens=tokens).to_html(file)
+
+
+def _read_from(res: Result, path):
+    """The path remembers (weakly) the result it was read from, so that printing it and
+    its views name branches and heads as ``Result.branches`` finds them, not by module
+    names alone."""
+    object.__setattr__(path, "_origin", weakref.ref(res))
+    return path
 
 
 def _html_escape(text) -> str:

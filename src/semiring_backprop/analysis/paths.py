@@ -185,6 +185,15 @@ class Path:
 
         return str(views.path(self))
 
+    def origin(self):
+        """The result this path was read from (``Result.top_path``), while it is alive;
+        else None. Views use it to name branches as ``Result.branches`` finds them."""
+        ref = self.__dict__.get("_origin")
+        return ref() if ref is not None else None
+
+    def __getstate__(self):  # the result stays behind in a pickle or a copy
+        return {k: v for k, v in self.__dict__.items() if k != "_origin"}
+
     def __repr__(self) -> str:
         n, v = len(self.steps), self.value
         return f"<Path {self.semiring} {self.sign}: {n} steps, product {v:.6g}>"

@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path as FilePath
 
-from ..errors import InputError
+from ..errors import InputError, SemiringBackpropError
 from . import html as _html
 from . import text as _text
 from .read import (
@@ -150,9 +150,22 @@ def _strip(tv: TokenValues, title: str | None = None) -> View:
     return View(_html.strips(tv, title), lambda color: _text.strips(tv, color, title), tv.quantity)
 
 
-def _known(res) -> dict:
-    """What the result tells about paths: branch entries and head columns."""
-    return {} if res is None else {"roles": entry_roles(res), "heads": head_columns(res)}
+def _known(res, ps=()) -> dict:
+    """What the result tells about paths: branch entries and head columns. Without
+    ``res``, the result the paths were read from, while it is alive (a path read from a
+    model whose blocks cannot be found falls back to module names)."""
+    explicit = res is not None
+    if not explicit:
+        origins = {id(o): o for p in ps if (o := getattr(p, "origin", lambda: None)())}
+        res = next(iter(origins.values())) if len(origins) == 1 else None
+    if res is None:
+        return {}
+    try:
+        return {"roles": entry_roles(res), "heads": head_columns(res)}
+    except SemiringBackpropError:
+        if explicit:
+            raise
+        return {}
 
 
 def path(p, title: str = "top gradient path", res=None) -> View:
@@ -177,7 +190,7 @@ def path(p, title: str = "top gradient path", res=None) -> View:
               81-85                  0.02835  0.0001151  cls.predictions.decoder
               88-95                        1  0.0001151  output
     """
-    runs = path_runs(p, **_known(res))
+    runs = path_runs(p, **_known(res, [p]))
     return View(_html.path_block(p, runs, title), lambda color: _text.path(p, runs, color), title)
 
 
@@ -198,7 +211,7 @@ def paths(ps, title: str = "top paths", res=None) -> View:
     ps = list(ps)
     if not ps:
         raise InputError("no paths to show: give the list Result.top_paths(...) returned")
-    known = _known(res)
+    known = _known(res, ps)
     runs_of = lambda p: path_runs(p, **known)  # noqa: E731
     return View(
         _html.path_list(ps, runs_of, title),
