@@ -224,7 +224,8 @@ def child_environment() -> dict:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1",
-               TQDM_DISABLE="1", MPLBACKEND="Agg", NO_COLOR="1")  # fmt: skip
+               TQDM_DISABLE="1", MPLBACKEND="Agg", NO_COLOR="1",
+               COLUMNS="100")  # fmt: skip
     bindir = os.path.dirname(sys.executable)  # where `semiring-backprop` is installed
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
     return env
@@ -236,9 +237,10 @@ def page_environment(workdir):
     offline, with torch seeded as in a fresh interpreter; all restored after."""
     import torch
 
-    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "MPLBACKEND")}
+    saved_env = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "MPLBACKEND", "COLUMNS")}
     cwd, threads = os.getcwd(), torch.get_num_threads()
-    os.environ.update(HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
+    # terminal text is as wide as the terminal: the width of a run without one, always
+    os.environ.update(HF_HUB_OFFLINE="1", MPLBACKEND="Agg", COLUMNS="100")
     offline = _hub_offline(True)
     os.chdir(workdir)
     sys.path.insert(0, str(workdir))
