@@ -112,6 +112,26 @@ def test_settings_of_a_run_that_left_no_results_do_not_block_a_corrected_one(tmp
         common.same_settings(tmp_path, _Config(model="right"))
 
 
+@dataclass
+class _Older:
+    model: str = "a"
+
+
+@dataclass
+class _Newer:  # a setting added since _Older's runs, default = what they computed
+    model: str = "a"
+    mode: tuple = ("plain",)
+
+
+def test_a_setting_missing_from_an_older_run_counts_as_its_default(tmp_path):
+    common.same_settings(tmp_path, _Older())
+    (tmp_path / "examples.jsonl").write_text('{"key": 0}\n')
+    common.same_settings(tmp_path, _Newer())  # the older run computed the default
+    (tmp_path / "config.json").write_text('{"model": "a"}')
+    with pytest.raises(InputError, match="other settings \\(mode\\)"):
+        common.same_settings(tmp_path, _Newer(mode=("other",)))
+
+
 @pytest.mark.parametrize(
     ("name", "setting", "needle"),
     [

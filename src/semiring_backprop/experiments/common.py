@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 import torch
@@ -295,13 +295,26 @@ def same_settings(out: Path, config, free=()) -> None:
                 f"{path} holds a JSON {type(before).__name__}, not the settings of the results "
                 "beside it; delete the directory to start over, or write into a new one"
             )
-        changed = sorted(k for k in now if k not in free and before.get(k, now[k]) != now[k])
+        # a setting added since that run: the run computed what its default computes
+        was = {**_defaults(config), **before}
+        changed = sorted(k for k in now if k not in free and was.get(k, now[k]) != now[k])
         if changed:
             raise InputError(
                 f"{out} holds results of a run with other settings ({', '.join(changed)}); "
                 "write into a new output directory, or delete this one to start over"
             )
     write_json(path, now)
+
+
+def _defaults(config) -> dict:
+    """The settings' default values, as ``config.json`` holds them."""
+    out = {}
+    for f in fields(config):
+        if f.default is not MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not MISSING:
+            out[f.name] = f.default_factory()
+    return json.loads(json.dumps(out, default=str))
 
 
 def spearman(x, y) -> dict:
