@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import allocator, budget, checkpoints, engine, forward, memory, rules
+from . import allocator, budget, checkpoints, engine, forward, independence, memory, rules
 from .errors import InputError, OutOfMemoryError, is_out_of_memory
 from .result import Result, resolve_keep
 from .semirings import Real, Semiring
@@ -48,8 +48,9 @@ def backprop(
             holds checkpoints and computes the rest again when asked
             (``semiring_backprop.checkpoints``).
         allow_training: explain a model in training mode as it is (random edges).
-        per_example: allow a 1-D output of per-example scalars (examples must not
-            interact); all are seeded at once.
+        per_example: allow a 1-D output of per-example scalars, all seeded at once. The
+            examples must not interact: every call runs each one alone and raises if
+            its output differs from its output in the batch (``independence``).
         reuse: reuse the trace of an earlier call (see below); ``False`` traces anew.
 
     A call traces the model for these inputs' shapes; a later call with the same model
@@ -279,6 +280,7 @@ class Backprop:
                     graph, lambda drop: forward.run(graph, args, kwargs, drop),
                     self.semirings, needed, frozenset(graph.user_inputs.values()),
                 )  # fmt: skip
+            self._check_examples(args, kwargs, ckpt.values.get(graph.output_node))
             return Result(graph, ckpt.values, ckpt.store, self.semirings)
         kept = None if self.keep is None else resolve_keep(graph, self.keep)
         drop = None  # with keep=, values no rule reads are not kept through the forward
@@ -286,10 +288,16 @@ class Backprop:
             drop = memory.unread_values(graph, engine.needed_nodes(graph, graph.output_node), kept)
         with torch.no_grad():
             values = forward.run(graph, args, kwargs, drop)
+            self._check_examples(args, kwargs, values.get(graph.output_node))
             store = engine.reverse(graph, values, self.semirings, graph.output_node, kept)
         if kept is not None:
             values = {n: v for n, v in values.items() if n in kept}
         return Result(graph, values, store, self.semirings, kept=kept)
+
+    def _check_examples(self, args: tuple, kwargs: dict, out) -> None:
+        per_example = self._traces.options["per_example"]
+        if per_example and isinstance(out, torch.Tensor):  # they must not interact
+            independence.check(self.model, self.output, args, kwargs, out)
 
 
 class _Traces:
