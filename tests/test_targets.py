@@ -32,13 +32,8 @@ from semiring_backprop import explain as explain_mod  # noqa: E402
 from semiring_backprop.errors import InputError, LoadError  # noqa: E402
 from semiring_backprop.explain import explain  # noqa: E402
 from semiring_backprop.semirings import MaxProduct, Real  # noqa: E402
-from semiring_backprop.targets import (  # noqa: E402
-    ClassLabel,
-    EmbeddingDim,
-    Similarity,
-    label_index,
-    read_pooling,
-)
+from semiring_backprop.targets import ClassLabel, EmbeddingDim, Similarity  # noqa: E402
+from semiring_backprop.tasks import label_index, read_pooling  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 

@@ -27,7 +27,8 @@ import torch
 from torch.fx.node import map_arg
 
 from . import engine, memory
-from .tracing import _random, mark_op
+from .graph import _random
+from .tracing import mark_op
 
 #: False: a pass with ``keep=None`` holds every node instead (the same values)
 ENABLED = True

@@ -26,7 +26,7 @@ import torch
 from .api import backprop
 from .errors import InputError, LoadError
 from .semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
-from .tracing import max_positions
+from .trace_checks import max_positions
 
 SEMIRINGS = {
     "max": "MaxProduct: the top gradient path and per-layer branches",
@@ -501,7 +501,7 @@ def explain(
     >>> explain(DIR, "a fine film", "positive", task="classification")
     >>> explain(DIR, "a cat sat", text_pair="a dog sat", task="similarity")
     """
-    from . import targets
+    from . import targets, tasks
 
     if task not in targets.TASKS:
         raise InputError(f"task {task!r}: choose one of {', '.join(targets.TASKS)}")
@@ -511,7 +511,7 @@ def explain(
         if task == "lm":
             model, tokenizer, kind = load(model_id, kind, dtype, device)
         else:
-            model, tokenizer = targets.load_task(model_id, task, dtype, device)
+            model, tokenizer = tasks.load_task(model_id, task, dtype, device)
     elif tokenizer is None:
         raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")
     else:
@@ -521,9 +521,9 @@ def explain(
         model = model.eval()
     model_id = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
     srs = semirings_for(semirings, granularity)
-    prep = targets.prepare(task, model, tokenizer, text, target, foil, kind=kind,
-                           text_pair=text_pair, position=position, pooling=pooling,
-                           score=score, dim=dim, model_id=model_id)  # fmt: skip
+    prep = tasks.prepare(task, model, tokenizer, text, target, foil, kind=kind,
+                         text_pair=text_pair, position=position, pooling=pooling,
+                         score=score, dim=dim, model_id=model_id)  # fmt: skip
     res = backprop(model, kwargs=prep.inputs, output=prep.target, semirings=srs)
     value = float(res.values[res.graph.output_node])
     rows = prep.examples

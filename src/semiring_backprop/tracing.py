@@ -8,16 +8,13 @@ finds exactly that module's output in the graph.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
 import operator
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-from torch.export.graph_signature import InputKind, OutputKind, TensorArgument
+from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from . import (
@@ -25,157 +22,19 @@ from . import (
     decompositions,
 )
 from .errors import InputError, TracingError, TrainingModeError
+from .graph import Graph
+from .trace_checks import (
+    check_functions,
+    eager_failure,
+    experts_hint,
+    too_long,
+    watch_functions,
+)
 
 mark_op = torch.ops.semiring_backprop.mark.default
 aten = torch.ops.aten
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Graph:
-    """A traced function: the FX graph, its inputs and where each module lives in it.
-
-    Examples:
-        >>> g = sbp.trace(mlp, (x,), output=lambda y: y[0, 1])
-        >>> sorted(g.user_inputs), sorted(g.tags)[:4]   # inputs; places of modules
-        ([0], ['0', '0:input', '1', '1:input'])
-        >>> [str(n.target) for n in g.nodes if n.op == "call_function"][:3]
-        ['semiring_backprop.mark.default', 'aten.permute.default', 'aten.addmm.default']
-        >>> g.module_of(g.nodes[5])
-        '0'
-    """
-
-    program: torch.export.ExportedProgram
-    user_inputs: dict  # key (position or keyword) -> placeholder node, in flatten order
-    constants: dict  # placeholder node -> parameter / buffer / constant tensor
-    tags: dict  # "module.path" / "module.path:input" -> mark node
-    whole: tuple = ()  #: composite ops kept whole
-    #: placeholder -> every placeholder fed the same tensor object (``mha(x, x, x)``):
-    #: torch.export may read only one of them, so an input's value is their ⊕
-    aliases: dict = field(default_factory=dict)
-    #: module path -> class name, for every submodule of the traced model
-    module_types: dict = field(default_factory=dict)
-    #: module path -> the attention head counts and sizes its attributes (or its
-    #: ``config`` / ``cfg``) give, for per-head branch tables (``head_attrs``)
-    head_attrs: dict = field(default_factory=dict)
-    #: prepared contraction weights kept across calls (``rules.Prepared``), if any
-    prepared: object = None
-    nodes: list = field(init=False)
-
-    def __post_init__(self):
-        self.nodes = list(self.graph.nodes)
-
-    @property
-    def graph(self) -> torch.fx.Graph:
-        return self.program.graph_module.graph
-
-    @functools.cached_property
-    def ids(self) -> dict:
-        """``{node: its position in nodes}`` (the node ids of rules and pointers)."""
-        return {n: i for i, n in enumerate(self.nodes)}
-
-    @functools.cached_property
-    def static(self) -> frozenset:
-        """Nodes whose value is the same on every call: computed from the model's
-        parameters, buffers and constants alone, by ops that draw no random numbers."""
-        out = set(self.constants)
-        for node in self.nodes:
-            if (
-                node.op == "call_function"
-                and node.all_input_nodes
-                and all(a in out for a in node.all_input_nodes)
-                and not _random(node)
-            ):
-                out.add(node)
-        return frozenset(out)
-
-    @functools.cached_property
-    def input_shapes(self) -> dict:
-        """Input key -> its traced shape: an int per fixed dim, a symbol name per dim that
-        may vary; and the symbols' ranges ``{name: (low, high or None)}``."""
-        ranges = {}
-        for sym, vr in self.program.range_constraints.items():
-            high = int(vr.upper) if getattr(vr.upper, "is_Integer", False) else None
-            low = int(vr.lower) if getattr(vr.lower, "is_Integer", False) else 0
-            ranges[str(sym)] = (low, high)  # high None: unbounded
-        shapes = {}
-        for key, node in self.user_inputs.items():
-            dims = []
-            for d in node.meta["val"].shape:
-                expr = d.node.expr if isinstance(d, torch.SymInt) else d
-                dims.append(int(expr) if getattr(expr, "is_number", True) else str(expr))
-            shapes[key] = tuple(dims)
-        return {"shapes": shapes, "ranges": ranges}
-
-    @functools.cached_property
-    def _guards(self):
-        """torch.export's checks on the inputs beyond size ranges (``size()[1] != 5``
-        where the model branched on a size), as a function of the flat inputs."""
-        if not getattr(self.program, "_guards_code", None):
-            return None
-        return getattr(self.program.module(), "_guards_fn", None)
-
-    def accepts(self, given: dict, leaves: list | None = None) -> bool:
-        """Whether input tensors ``{key: tensor}`` fit this graph: fixed dims equal, and
-        each varying size consistent across inputs and within its traced range; with
-        ``leaves`` (every input, flattened), also the other checks torch.export
-        recorded, such as a size the model branched on."""
-        if not self._fits(given):
-            return False
-        if leaves is not None and self._guards is not None:
-            try:
-                self._guards(*leaves)
-            except Exception:  # noqa: BLE001  (a failed guard: another trace is needed)
-                return False
-        return True
-
-    def _fits(self, given: dict) -> bool:
-        spec, bound = self.input_shapes, {}
-        for key, dims in spec["shapes"].items():
-            x = given.get(key)
-            if not isinstance(x, torch.Tensor) or x.dim() != len(dims):
-                return False
-            for want, got in zip(dims, x.shape):
-                if isinstance(want, int):
-                    if want != got:
-                        return False
-                    continue
-                if bound.setdefault(want, got) != got:
-                    return False
-                low, high = spec["ranges"].get(want, (0, None))
-                if got < low or (high is not None and got > high):
-                    return False
-        return True
-
-    @property
-    def user_outputs(self) -> list:
-        """What ``output(model(...))`` returned, without the inputs and buffers the model
-        wrote into in place (torch.export returns their new values too)."""
-        specs = self.program.graph_signature.output_specs
-        outs = self.nodes[-1].args[0]
-        return [o for o, s in zip(outs, specs) if s.kind == OutputKind.USER_OUTPUT]
-
-    @property
-    def output_node(self) -> torch.fx.Node:
-        (out,) = self.user_outputs
-        return out
-
-    def module_of(self, node: torch.fx.Node) -> str | None:
-        """The owning module path of a node, as the user names it."""
-        stack = node.meta.get("nn_module_stack") or {}
-        if not stack:
-            return None
-        path = list(stack.values())[-1][0]
-        path = path.removeprefix("L['self']").removeprefix(".")
-        # the traced wrapper holds the user's model as ``model``
-        path = "" if path == "model" else path.removeprefix("model.")
-        return path or None
-
-
-def _random(node) -> bool:
-    tags = getattr(node.target, "tags", ())
-    return torch.Tag.nondeterministic_seeded in tags
 
 
 def mark_module(node: torch.fx.Node) -> str | None:
@@ -309,9 +168,9 @@ def trace(
     if not callable(model):
         raise InputError(f"model must be an nn.Module or a callable, got {type(model).__name__}")
     _check_mode(model, allow_training)
-    too_long = _too_long(model, args, kwargs, learned_only=True)
-    if too_long:  # before torch.export, which would fail deep inside with fake tensors
-        raise InputError(too_long)
+    long = too_long(model, args, kwargs, learned_only=True)
+    if long:  # before torch.export, which would fail deep inside with fake tensors
+        raise InputError(long)
     table = decompositions.table(tuple(whole))
     handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
     functions: list = []
@@ -319,10 +178,10 @@ def trace(
         with warnings.catch_warnings():
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            with _watch_functions(functions):
+            with watch_functions(functions):
                 program = _export(_Explained(model, output), args, kwargs, dynamic)
             if functions:
-                _check_functions(_Explained(model, output), args, kwargs, functions)
+                check_functions(_Explained(model, output), args, kwargs, functions)
             _detach_no_grad_blocks(program)
             program = program.run_decompositions(table)
             _select_by_indices(program)
@@ -330,9 +189,9 @@ def trace(
         raise
     except Exception as e:  # torch raises many types; say what failed and what to try
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        too_long = _too_long(model, args, kwargs)
-        if too_long:
-            raise InputError(too_long) from None
+        long = too_long(model, args, kwargs)
+        if long:
+            raise InputError(long) from None
         for key, x in {**dict(enumerate(args)), **kwargs}.items():  # (a function of an
             if isinstance(x, torch.Tensor) and x.numel() == 0 and x.dim() > 0:  # empty batch
                 raise InputError(  # may trace; a model's reshapes usually cannot)
@@ -340,7 +199,7 @@ def trace(
                     f"{type(model).__name__} cannot be traced with it: {first[:200]}. Give at "
                     "least one example of at least one position"
                 ) from None
-        eager = _eager_failure(model, output, args, kwargs)
+        eager = eager_failure(model, output, args, kwargs)
         raise TracingError(
             f"could not trace {getattr(model, '__class__', type(model)).__name__} with "
             f"torch.export: {type(e).__name__}: {first[:500]}\n"
@@ -348,7 +207,7 @@ def trace(
                 eager
                 or "Things to try: load a Hugging Face model with attn_implementation='eager'; "
                 "remove data-dependent Python control flow; or pass a plain function of "
-                f"tensors as the model.{_experts_hint(model)}"
+                f"tensors as the model.{experts_hint(model)}"
             )
         ) from e
     finally:
@@ -383,178 +242,6 @@ def head_attrs(model: torch.nn.Module) -> dict:
         if found:
             out[path] = found
     return out
-
-
-@contextlib.contextmanager
-def _watch_functions(seen: list, check=None):
-    """Record every custom ``torch.autograd.Function`` the traced code applies (torch's
-    own are what their forward says); with ``check``, call ``check(cls, apply, args)``
-    in its place."""
-    original = torch.autograd.Function.__dict__["apply"]
-
-    def apply(cls, *args, **kwargs):
-        if cls.__module__.startswith("torch."):
-            return original.__func__(cls, *args, **kwargs)
-        seen.append(cls)
-        if check is not None:
-            return check(cls, lambda *a: original.__func__(cls, *a, **kwargs), args)
-        return original.__func__(cls, *args, **kwargs)
-
-    torch.autograd.Function.apply = classmethod(apply)
-    try:
-        yield
-    finally:
-        torch.autograd.Function.apply = original
-
-
-def _check_functions(wrapper, args, kwargs, seen: list) -> None:
-    """The trace holds a custom Function's forward ops, and the gradient graph their
-    derivatives; autograd uses the Function's own backward. Where that is their
-    derivative (an op fused by hand, Bloom's GELU) the answer is autograd's; where it is
-    not (a gradient-reversal layer's -g, a straight-through estimator) it would differ
-    without a word. So the model runs once on these inputs, and at every application
-    the Function's backward is compared with the derivative of its forward's ops
-    (vector-Jacobian products for a random cotangent); a mismatch is refused."""
-    bad: dict = {}
-
-    def check(cls, apply, fargs):
-        out = apply(*fargs)
-        if cls not in bad:
-            why = _compare_backward(cls, apply, fargs)
-            if why:
-                bad[cls] = why
-        return out
-
-    with torch.enable_grad(), _watch_functions([], check):
-        wrapper(args, kwargs)
-    if bad:
-        cls, why = next(iter(bad.items()))
-        names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in dict.fromkeys(seen))
-        raise TracingError(
-            f"the model applies the custom torch.autograd.Function "
-            f"{cls.__module__}.{cls.__qualname__}, whose backward is not the derivative of "
-            f"its forward ({why}; a gradient-reversal layer returns -g): the gradient graph "
-            "is built from the derivatives of its forward's ops, so the answer would differ "
-            "from autograd's. Explain a version of the model that calls plain torch ops in "
-            f"its place. (Custom Functions applied: {names}.)"
-        )
-
-
-def _compare_backward(cls, apply, fargs) -> str | None:
-    """Why ``cls``'s backward differs from its forward ops' derivative at ``fargs``
-    (None where they agree, or where nothing differentiable goes in or out)."""
-    from torch.autograd.function import FunctionCtx, _SingleLevelFunction
-
-    leaves = [
-        a.detach().requires_grad_()
-        if isinstance(a, torch.Tensor) and a.is_floating_point()
-        and not isinstance(a, torch.nn.Parameter) else a
-        for a in fargs
-    ]  # fmt: skip
-    wrt = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not wrt:
-        return None
-
-    def vjp(outs):
-        outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)
-                and o.requires_grad]  # fmt: skip
-        if not outs:
-            return None
-        gen = torch.Generator(device=outs[0].device).manual_seed(0)
-        cot = [torch.randn(o.shape, generator=gen, dtype=o.dtype, device=o.device) for o in outs]
-        return torch.autograd.grad(outs, wrt, cot, allow_unused=True)
-
-    own = vjp(apply(*leaves))
-    if cls.setup_context is _SingleLevelFunction.setup_context:  # forward(ctx, *args)
-        plain = vjp(cls.forward(FunctionCtx(), *leaves))
-    else:  # forward(*args) with a separate setup_context
-        plain = vjp(cls.forward(*leaves))
-    if own is None or plain is None:
-        return None if own is plain else "one of them has no gradient"
-    for i, (a, b) in enumerate(zip(own, plain)):
-        a = torch.zeros_like(wrt[i]) if a is None else a
-        b = torch.zeros_like(wrt[i]) if b is None else b
-        scale = float(b.abs().max()) if b.numel() else 0.0
-        if not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * max(scale, 1e-30)):
-            err = float((a - b).abs().max())
-            return f"input {i}: largest difference {err:.3g} against {scale:.3g}"
-    return None
-
-
-def max_positions(model) -> int | None:
-    """The most positions a Hugging Face model's config allows (None: not said)."""
-    cfg = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        n = getattr(cfg, name, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
-
-
-def _too_long(model, args, kwargs, learned_only: bool = False) -> str | None:
-    """Why tracing fails, where the cause is an input longer than the model's positions
-    (the error torch gives is about fake tensors and indices). ``learned_only``: only
-    where the model has a learned position table (an ``nn.Embedding`` named
-    ``*position*``) that the input outgrows; rotary positions run longer."""
-    limit = max_positions(model)
-    if learned_only:
-        tables = [m.num_embeddings for n, m in getattr(model, "named_modules", list)()
-                  if isinstance(m, torch.nn.Embedding) and "position" in n.lower()]  # fmt: skip
-        limit = min(tables) if tables and limit is not None else None
-    if limit is None:
-        return None
-    given = {**dict(enumerate(args)), **kwargs}
-    for key in ("input_ids", "inputs_embeds", 0):
-        x = given.get(key)
-        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] > limit:
-            return (
-                f"the input is {x.shape[1]} positions long ({key!r}, shape "
-                f"{tuple(x.shape)}); {type(model).__name__} has {limit} positions: shorten "
-                "it, or explain it in windows of at most that length"
-            )
-    return None
-
-
-def _eager_failure(model, output, args, kwargs) -> str | None:
-    """Where the call fails when run without tracing (on copies of the inputs): the
-    model's forward or the output function; None where both run (the failure is
-    torch.export's own)."""
-    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
-    try:
-        with torch.no_grad():
-            y = model(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001  (whatever the model raises, it is the model)
-        return (
-            f"The model fails without tracing too ({_first_line(e)}): check the inputs (their "
-            "shapes, dtypes, devices and names) against what its forward takes."
-        )
-    try:
-        with torch.no_grad():
-            output(y)
-    except Exception as e:  # noqa: BLE001
-        return (
-            f"The model runs, but output(model(...)) fails on its output without tracing too "
-            f"({_first_line(e)}): check the output function against what the model returns "
-            "(its type, fields and sizes)."
-        )
-    return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
-
-
-def _experts_hint(model) -> str:
-    """A mixture-of-experts model whose experts loop over the tokens each one got (data-
-    dependent shapes, which torch.export cannot trace) has traceable alternatives."""
-    config = getattr(model, "config", None)
-    if getattr(config, "_experts_implementation", None) != "eager":
-        return ""
-    return (
-        " This model's experts run as a Python loop (experts_implementation='eager'): "
-        "load it with experts_implementation='grouped_mm' (the default) or 'batched_mm'."
-    )
 
 
 def _identity(out):

@@ -1,5 +1,5 @@
 """Reading a pass: paths, branches at fan-out points, per-layer tables."""
 
-from .paths import Path, Step
+from .steps import Path, Step
 
 __all__ = ["Path", "Step"]

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..analysis.branches import _FUSED, _NAMES, _layer_of
+from ..analysis.branches import _layer_of
+from ..analysis.fanout import _FUSED, _NAMES
 from ..analysis.tokens import per_example
 from ..errors import InputError
 from ..semirings import Entropy, MaxAbs, MaxProduct, PathCount, Real
@@ -170,29 +171,28 @@ def head_columns(res) -> dict[tuple[str, str], tuple[tuple, int]]:
     attention module or the model's config gives the number of heads (as per-head
     branch tables find it); a path through column ``j`` is in head
     ``cols.index(j) // per_head``."""
-    from ..analysis import branches as b
+    from ..analysis.branches import blocks
+    from ..analysis.fanout import _first_contraction, _Roles, entries
+    from ..analysis.heads import _head_counts
 
-    counts_of = getattr(b, "_head_counts", None)
-    if counts_of is None:  # a version without per-head tables: no heads to name
-        return {}
-    r = b._Roles(res)
+    r = _Roles(res)
     out: dict = {}
-    for block in b.blocks(res):
+    for block in blocks(res):
         point = block.points.get("attention")
         if point is None:
             continue
-        qkv = [e for e in b.entries(res, point)[1] if e.role in ("query", "key", "value")]
+        qkv = [e for e in entries(res, point)[1] if e.role in ("query", "key", "value")]
         groups: dict = {}
         for e in qkv:
-            proj = getattr(e, "proj", None) or b._first_contraction(r, e.op)
+            proj = e.proj or _first_contraction(r, e.op)
             if proj is not None:
-                cols = getattr(e, "cols", ()) or tuple(range(_width(res, proj)))
+                cols = e.cols or tuple(range(_width(res, proj)))
                 groups[proj, e.role] = tuple(cols)
         if not groups:
             continue
         widths = {role: len(cols) for (_, role), cols in groups.items()}
         try:
-            counts = counts_of(res.graph, qkv[0].consumer, widths, None)
+            counts = _head_counts(res.graph, qkv[0].consumer, widths, None)
         except InputError:  # the head count is not known: the path names no head here
             continue
         for (proj, role), cols in groups.items():

@@ -1,0 +1,189 @@
+"""What is checked around a trace, so that a model traces exactly or fails clearly.
+
+- custom ``torch.autograd.Function``s: the trace holds their forward's ops, so their
+  backward must be the derivative of those (:func:`check_functions`);
+- inputs longer than the model's positions (:func:`too_long`);
+- a model or output function that fails without tracing too (:func:`eager_failure`):
+  the user's error, said as such instead of as a tracing failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .errors import TracingError
+
+
+@contextlib.contextmanager
+def watch_functions(seen: list, check=None):
+    """Record every custom ``torch.autograd.Function`` the traced code applies (torch's
+    own are what their forward says); with ``check``, call ``check(cls, apply, args)``
+    in its place."""
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if cls.__module__.startswith("torch."):
+            return original.__func__(cls, *args, **kwargs)
+        seen.append(cls)
+        if check is not None:
+            return check(cls, lambda *a: original.__func__(cls, *a, **kwargs), args)
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def check_functions(wrapper, args, kwargs, seen: list) -> None:
+    """The trace holds a custom Function's forward ops, and the gradient graph their
+    derivatives; autograd uses the Function's own backward. Where that is their
+    derivative (an op fused by hand, Bloom's GELU) the answer is autograd's; where it is
+    not (a gradient-reversal layer's -g, a straight-through estimator) it would differ
+    without a word. So the model runs once on these inputs, and at every application
+    the Function's backward is compared with the derivative of its forward's ops
+    (vector-Jacobian products for a random cotangent); a mismatch is refused."""
+    bad: dict = {}
+
+    def check(cls, apply, fargs):
+        out = apply(*fargs)
+        if cls not in bad:
+            why = _compare_backward(cls, apply, fargs)
+            if why:
+                bad[cls] = why
+        return out
+
+    with torch.enable_grad(), watch_functions([], check):
+        wrapper(args, kwargs)
+    if bad:
+        cls, why = next(iter(bad.items()))
+        names = ", ".join(f"{f.__module__}.{f.__qualname__}" for f in dict.fromkeys(seen))
+        raise TracingError(
+            f"the model applies the custom torch.autograd.Function "
+            f"{cls.__module__}.{cls.__qualname__}, whose backward is not the derivative of "
+            f"its forward ({why}; a gradient-reversal layer returns -g): the gradient graph "
+            "is built from the derivatives of its forward's ops, so the answer would differ "
+            "from autograd's. Explain a version of the model that calls plain torch ops in "
+            f"its place. (Custom Functions applied: {names}.)"
+        )
+
+
+def _compare_backward(cls, apply, fargs) -> str | None:
+    """Why ``cls``'s backward differs from its forward ops' derivative at ``fargs``
+    (None where they agree, or where nothing differentiable goes in or out)."""
+    from torch.autograd.function import FunctionCtx, _SingleLevelFunction
+
+    leaves = [
+        a.detach().requires_grad_()
+        if isinstance(a, torch.Tensor) and a.is_floating_point()
+        and not isinstance(a, torch.nn.Parameter) else a
+        for a in fargs
+    ]  # fmt: skip
+    wrt = [a for a in leaves if isinstance(a, torch.Tensor) and a.requires_grad]
+    if not wrt:
+        return None
+
+    def vjp(outs):
+        outs = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor)
+                and o.requires_grad]  # fmt: skip
+        if not outs:
+            return None
+        gen = torch.Generator(device=outs[0].device).manual_seed(0)
+        cot = [torch.randn(o.shape, generator=gen, dtype=o.dtype, device=o.device) for o in outs]
+        return torch.autograd.grad(outs, wrt, cot, allow_unused=True)
+
+    own = vjp(apply(*leaves))
+    if cls.setup_context is _SingleLevelFunction.setup_context:  # forward(ctx, *args)
+        plain = vjp(cls.forward(FunctionCtx(), *leaves))
+    else:  # forward(*args) with a separate setup_context
+        plain = vjp(cls.forward(*leaves))
+    if own is None or plain is None:
+        return None if own is plain else "one of them has no gradient"
+    for i, (a, b) in enumerate(zip(own, plain)):
+        a = torch.zeros_like(wrt[i]) if a is None else a
+        b = torch.zeros_like(wrt[i]) if b is None else b
+        scale = float(b.abs().max()) if b.numel() else 0.0
+        if not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * max(scale, 1e-30)):
+            err = float((a - b).abs().max())
+            return f"input {i}: largest difference {err:.3g} against {scale:.3g}"
+    return None
+
+
+def max_positions(model) -> int | None:
+    """The most positions a Hugging Face model's config allows (None: not said)."""
+    cfg = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        n = getattr(cfg, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def too_long(model, args, kwargs, learned_only: bool = False) -> str | None:
+    """Why tracing fails, where the cause is an input longer than the model's positions
+    (the error torch gives is about fake tensors and indices). ``learned_only``: only
+    where the model has a learned position table (an ``nn.Embedding`` named
+    ``*position*``) that the input outgrows; rotary positions run longer."""
+    limit = max_positions(model)
+    if learned_only:
+        tables = [m.num_embeddings for n, m in getattr(model, "named_modules", list)()
+                  if isinstance(m, torch.nn.Embedding) and "position" in n.lower()]  # fmt: skip
+        limit = min(tables) if tables and limit is not None else None
+    if limit is None:
+        return None
+    given = {**dict(enumerate(args)), **kwargs}
+    for key in ("input_ids", "inputs_embeds", 0):
+        x = given.get(key)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] > limit:
+            return (
+                f"the input is {x.shape[1]} positions long ({key!r}, shape "
+                f"{tuple(x.shape)}); {type(model).__name__} has {limit} positions: shorten "
+                "it, or explain it in windows of at most that length"
+            )
+    return None
+
+
+def eager_failure(model, output, args, kwargs) -> str | None:
+    """Where the call fails when run without tracing (on copies of the inputs): the
+    model's forward or the output function; None where both run (the failure is
+    torch.export's own)."""
+    args, kwargs = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+    try:
+        with torch.no_grad():
+            y = model(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001  (whatever the model raises, it is the model)
+        return (
+            f"The model fails without tracing too ({_first_line(e)}): check the inputs (their "
+            "shapes, dtypes, devices and names) against what its forward takes."
+        )
+    try:
+        with torch.no_grad():
+            output(y)
+    except Exception as e:  # noqa: BLE001
+        return (
+            f"The model runs, but output(model(...)) fails on its output without tracing too "
+            f"({_first_line(e)}): check the output function against what the model returns "
+            "(its type, fields and sizes)."
+        )
+    return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}" if text else type(e).__name__
+
+
+def experts_hint(model) -> str:
+    """A mixture-of-experts model whose experts loop over the tokens each one got (data-
+    dependent shapes, which torch.export cannot trace) has traceable alternatives."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager":
+        return ""
+    return (
+        " This model's experts run as a Python loop (experts_implementation='eager'): "
+        "load it with experts_implementation='grouped_mm' (the default) or 'batched_mm'."
+    )
