@@ -32,7 +32,7 @@ from semiring_backprop.rules import registry  # noqa: E402
 
 API_MD = Path(__file__).resolve().parents[1] / "docs" / "api.md"
 MODULES = ("semiring_backprop.views", "semiring_backprop.captum", "semiring_backprop.data")
-PLOTS = ("branch_bars", "token_heatmap", "token_bars", "path_diagram", "save", "caption")
+PLOTS = ("branch_bars", "token_heatmap", "token_bars", "path_diagram", "save", "caption", "role_of")
 #: public names whose examples live in docs/api.md (their module is edited elsewhere)
 IN_API_MD = {
     "semiring_backprop.run": "sbp.run(",
@@ -128,3 +128,61 @@ def test_examples_run(name, namespace):
         registry._RULES.update(rules)
     failed = runner.summarize(verbose=False).failed
     assert failed == 0, "".join(report)
+
+
+#: private modules whose examples need nothing from docs/api.md: run as they are
+SELF_CONTAINED = ("semiring_backprop.analysis.tokens", "semiring_backprop.data.synthetic")
+
+
+def _own(module_name: str) -> list[doctest.DocTest]:
+    """The module docstring's examples and those of its private functions (the public
+    names' run in the docs namespace above)."""
+    module = importlib.import_module(module_name)
+    public = {id(obj) for obj in NAMES.values()}
+    found = doctest.DocTestFinder().find(module, module_name, globs=dict(vars(module)))
+    objs = {t.name: t for t in found if t.examples}
+    return [t for name, t in objs.items()
+            if id(_resolve(module, name.removeprefix(module_name))) not in public]  # fmt: skip
+
+
+def _resolve(module, dotted: str):
+    obj = module
+    for part in filter(None, dotted.split(".")):
+        obj = getattr(obj, part)
+    return obj
+
+
+@pytest.mark.parametrize("module_name", SELF_CONTAINED)
+def test_self_contained_examples_run(module_name):
+    tests, report = _own(module_name), []
+    runner = doctest.DocTestRunner(optionflags=FLAGS)
+    for t in tests:
+        runner.run(t, out=report.append)
+    result = runner.summarize(verbose=False)
+    assert result.attempted and not result.failed, "".join(report)
+
+
+def test_every_example_in_the_package_is_run():
+    """A ``>>>`` example that no test runs could drift from the code unseen: every one in
+    the package is in a public name's docstring (run above) or a self-contained module.
+    Illustrations that cannot run here (a hub model, a data file) are literal blocks."""
+    import pkgutil
+
+    def places(tests):  # by the docstring itself: the finder's file and line vary
+        return {t.docstring for t in tests if t.examples}
+
+    run = set()
+    for name, obj in NAMES.items():
+        if name not in IN_API_MD and not _is_constant(obj):
+            run |= places(_doctests(name, obj))
+    for module_name in SELF_CONTAINED:
+        run |= places(_own(module_name))
+    unrun = []
+    for info in pkgutil.walk_packages(semiring_backprop.__path__, "semiring_backprop."):
+        if info.name.endswith("__main__"):  # importing it runs the command line
+            continue
+        module = importlib.import_module(info.name)
+        for t in doctest.DocTestFinder().find(module, info.name):
+            if t.examples and t.docstring not in run:
+                unrun.append(f"{t.name} ({Path(t.filename).name}:{t.lineno})")
+    assert not unrun, f"examples that no test runs: {unrun}"

@@ -20,7 +20,8 @@ heat maps need finite numbers: on such models give them ``Real`` or ``MaxAbs``.
 
 The examples of a batch are explained at once (one pass, per-example scalars seeded
 together: ``backprop(..., per_example=True)``); they must not interact (no batch norm in
-training mode, no attention across examples).
+training mode, no attention across examples). Every call checks this by running each
+example alone, and refuses a batch whose examples interact.
 
 Examples:
     >>> from semiring_backprop.captum import SemiringAttribution

@@ -7,10 +7,12 @@ logit, a token label's logit, or the cosine similarity of two texts' pooled embe
 One pass computes the chosen semirings; the result holds per-layer branch tables,
 per-token entropy and the top gradient path, and writes them as JSON, CSV and PNG.
 
->>> ex = explain("bert-base-uncased", "the keys to the cabinet [MASK] on the table",
-...              target="are", foil="is")
->>> print(ex.report())
->>> ex.write("out/")
+For example (``docs/quickstart.md`` runs it on a small model)::
+
+    ex = explain("bert-base-uncased", "the keys to the cabinet [MASK] on the table",
+                 target="are", foil="is")
+    print(ex.report())
+    ex.write("out/")
 """
 
 from __future__ import annotations
@@ -497,9 +499,11 @@ def explain(
       (``modules.json``) or given (``pooling="mean"``, ``"cls"``, ``"max"``,
       ``"lasttoken"``); ``dim=N``: dimension N of ``text``'s embedding instead.
 
-    >>> explain("bert-base-uncased", "the keys to the cabinet [MASK] here", "are", "is")
-    >>> explain(DIR, "a fine film", "positive", task="classification")
-    >>> explain(DIR, "a cat sat", text_pair="a dog sat", task="similarity")
+    For example (``docs/targets.md`` runs each task on a small model)::
+
+        explain("bert-base-uncased", "the keys to the cabinet [MASK] here", "are", "is")
+        explain(DIR, "a fine film", "positive", task="classification")
+        explain(DIR, "a cat sat", text_pair="a dog sat", task="similarity")
     """
     from . import targets, tasks
 

@@ -251,6 +251,7 @@ def token_bars(
 def role_of(module: str | None) -> str:
     """Guess a module's role from its path: query/key/value/skip/mlp/norm/other.
 
+    >>> from semiring_backprop.plots import role_of
     >>> role_of("bert.encoder.layer.0.attention.self.query")
     'query'
     """

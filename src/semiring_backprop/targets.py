@@ -13,11 +13,13 @@ as ``output=`` directly, and ``semiring_backprop.explain.explain`` (the CLI's
 * ``Similarity`` (``similarity``): the cosine similarity of two texts' pooled
   embeddings; ``EmbeddingDim``: one dimension of a text's pooled embedding.
 
->>> enc = tok("a fine film", return_tensors="pt")
->>> res = sbp.backprop(classifier, kwargs=dict(enc), output=ClassLabel(1, foil=0))
->>> pair = tok(["a fine film", "a good movie"], padding=True, return_tensors="pt")
->>> sim = Similarity(pair["attention_mask"], pooling="mean")
->>> res = sbp.backprop(encoder, kwargs=dict(pair), output=sim)
+For example (each class's own docstring has an example that runs)::
+
+    enc = tok("a fine film", return_tensors="pt")
+    res = sbp.backprop(classifier, kwargs=dict(enc), output=ClassLabel(1, foil=0))
+    pair = tok(["a fine film", "a good movie"], padding=True, return_tensors="pt")
+    sim = Similarity(pair["attention_mask"], pooling="mean")
+    res = sbp.backprop(encoder, kwargs=dict(pair), output=sim)
 """
 
 from __future__ import annotations

@@ -14,14 +14,13 @@ A malformed line does not reject its file: it is skipped and listed, with its
 ``file:line`` and what is wrong, in the result's ``skipped`` (``strict=True`` raises at
 the first one instead). A file with lines but no usable example is an error.
 
->>> data = read_agreement("lgd_dataset.tsv")
->>> ex = data[0]
->>> ex.masked("[MASK]"), ex.good, ex.bad
-('the keys to the cabinet [MASK] here', 'are', 'is')
->>> data.skipped  # malformed lines, skipped
-[Malformed(source='lgd_dataset.tsv:17', reason='expected 5 tab-separated columns ...')]
->>> locate([ex])[0].subject  # needs spaCy and en_core_web_sm unless the data gives it
-1
+For example (every reader's own docstring has an example that runs)::
+
+    data = read_agreement("lgd_dataset.tsv")
+    ex = data[0]
+    ex.masked("[MASK]"), ex.good, ex.bad  # ('the keys to the cabinet [MASK] here', 'are', 'is')
+    data.skipped  # the malformed lines: Malformed(source='lgd_dataset.tsv:17', reason=...)
+    locate([ex])[0].subject  # needs spaCy and en_core_web_sm unless the data gives it
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 >>> data = make_task("BinCountOnes", 1000, length=12, vocab_size=20, k=4, seed=0)
 >>> data.name, len(data.train), len(data.val), len(data.test)
 ('BinCountOnes(k=4)', 700, 100, 200)
->>> for x, y in data.train.loader(32, shuffle=True): ...
+>>> xb, yb = next(iter(data.train.loader(32, shuffle=True)))
+>>> tuple(xb.shape), tuple(yb.shape)
+((32, 12), (32,))
 
 Token 0 is padding and never generated; tokens come from 1..V-1. A binary task has
 half positives (label 1) and half negatives, BinCountOnes k equal classes. Each

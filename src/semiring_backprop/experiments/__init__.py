@@ -1,8 +1,10 @@
 """The paper's experiments, each a module with a ``Config`` and ``run(out, config)``.
 
->>> from semiring_backprop import experiments
->>> result = experiments.run("first-token-repeated", "runs/ftr", quick=True)
->>> result["summary"]["oplus"]["tensor"]["repeated"]["key"]
+For example (``docs/experiments.md`` runs them)::
+
+    from semiring_backprop import experiments
+    result = experiments.run("first-token-repeated", "runs/ftr", quick=True)
+    result["summary"]["oplus"]["tensor"]["repeated"]["key"]
 
 Every experiment writes its data (CSV, JSON lines), ``summary.json`` and figures into
 ``out``; a rerun reuses trained models and the rows already written.

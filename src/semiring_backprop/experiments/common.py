@@ -212,8 +212,11 @@ def lock(out: Path) -> Iterator[None]:
 class Records:
     """Rows written as JSON lines the moment they are added; a rerun reads them back.
 
-    >>> rec = Records(out / "values.jsonl")
-    >>> if not rec.has(key): rec.add({"key": key, ...})
+    For example::
+
+        rec = Records(out / "values.jsonl")
+        if not rec.has(key):
+            rec.add({"key": key, "value": value})
     """
 
     def __init__(self, path: Path, key: str = "key"):

@@ -48,9 +48,11 @@ computed; a rerun into the same directory skips finished runs, blocks and exampl
 reloads trained models (other settings, apart from more tasks or seeds, are refused: use
 a new directory).
 
->>> from semiring_backprop import experiments
->>> result = experiments.run("entropy-vs-mdl", "runs/mdl", quick=True)
->>> result["summary"]["spearman"]
+For example::
+
+    from semiring_backprop import experiments
+    result = experiments.run("entropy-vs-mdl", "runs/mdl", quick=True)
+    result["summary"]["spearman"]
 """
 
 from __future__ import annotations
@@ -176,8 +178,10 @@ def online_code_length(
     Returns ``{"bits": total, "uniform_bits": len(y) · log2 K, "compression":
     uniform / total, "blocks": [{"start", "end", "bits"}, ...]}``.
 
-    >>> uniform = lambda xs, ys: (lambda x: torch.zeros(len(x), 2))
-    >>> online_code_length(uniform, x, y, 2, [10, 20, 40])["bits"]  # == 40.0
+    A model that always says "uniform" codes each label in one bit of K = 2::
+
+        uniform = lambda xs, ys: (lambda x: torch.zeros(len(x), 2))
+        online_code_length(uniform, x, y, 2, [10, 20, 40])["bits"]  # 40.0 for 40 labels
     """
     n, ends, done = len(y), [int(t) for t in blocks], dict(done or {})
     if len(x) != n:

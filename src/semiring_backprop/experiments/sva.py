@@ -183,7 +183,9 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     Parquet shards, resumable); write ``branches.csv``, ``entropy.csv``,
     ``summary.json`` and the figures ``branches.png`` and ``attractors.png``.
 
-    >>> run("runs/sva", Config(model="bert-base-uncased", data="agreement.tsv", workers=2))
+    For example::
+
+        run("runs/sva", Config(model="bert-base-uncased", data="agreement.tsv", workers=2))
     """
     from ..data import locate, read_agreement
     from ..runner import load_results

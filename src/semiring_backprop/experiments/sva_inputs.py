@@ -90,8 +90,9 @@ def prepare(ex, tokenizer, max_length: int | None, multi_token: bool = False) ->
     verb's token count, per token the index of its word (``words``, -1: a special token)
     and the token groups (``subject``, ``attractor``, ``all``).
 
-    >>> prepare(ex, tokenizer, 512)["groups"]["subject"]
-    [2, 3]
+    For example, a subject of two word pieces at tokens 2 and 3::
+
+        prepare(ex, tokenizer, 512)["groups"]["subject"]  # [2, 3]
     """
     verbs = targets(ex, tokenizer, multi_token)
     if "skipped" in verbs:

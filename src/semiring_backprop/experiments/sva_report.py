@@ -6,8 +6,10 @@ branch value (:func:`group_values`), their mean over examples (``branches.csv``)
 embeddings' mean path entropy per example against its number of attractors
 (``entropy.csv``) and the summary with Spearman's ρ per sentence-length bin.
 
->>> tables = load_results("runs/sva/runner")
->>> branches_table(group_values(tables["branches"], tables["tokens"]))
+For example::
+
+    tables = load_results("runs/sva/runner")
+    branches_table(group_values(tables["branches"], tables["tokens"]))
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """Explain a whole data set: readers -> batches -> explain -> Parquet shards, resumable;
 one process by default, Ray workers when asked.
 
->>> from semiring_backprop.runner import run, load_results
->>> run("bert-base-uncased", "agreement.jsonl", "runs/agreement", workers=2)
->>> load_results("runs/agreement")["branches"]      # example x token x layer x branch
+For example (``docs/datasets.md`` runs it on a small model)::
+
+    from semiring_backprop.runner import run, load_results
+    run("bert-base-uncased", "agreement.jsonl", "runs/agreement", workers=2)
+    load_results("runs/agreement")["branches"]      # example x token x layer x branch
 """
 
 from .compute import Explainer, Item, prepare, readouts
