@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     from semiring_backprop.explain import load, semirings_for
     from semiring_backprop.runner.compute import Explainer, prepare
     from semiring_backprop.runner.driver import batches
-    from semiring_backprop.runner.readers import read_examples, split_rows
+    from semiring_backprop.runner.readers import read_examples
 
     checked = []
     plain = independence.check
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
         (root / "model").mkdir()
         model, tok, kind = load(model_dir(root / "model", words))
         data = data_file(root / "data.jsonl", words, args.n)
-        examples, _ = split_rows(read_examples(data))
+        examples, _ = read_examples(data)
         items = [prepare(e, tok, model.config, kind) for e in examples]
         ex = Explainer(model, tok, semirings_for(["max", "entropy", "real"]))
         ex([items[0], items[0]])  # trace and compile, untimed
