@@ -138,9 +138,55 @@ FAMILIES = {
         shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
         max_position_embeddings=32), rtol=1e-6,
         extra={"_experts_implementation": "batched_mm"}),
+    "granite-moe": Family("GraniteMoeForCausalLM", lambda: _lm(
+        "GraniteMoeConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32), rtol=1e-6,  # its experts: block_sparse_moe
+        extra={"_experts_implementation": "batched_mm"}),
+    "qwen3-moe": Family("Qwen3MoeForCausalLM", lambda: _lm(
+        "Qwen3MoeConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, moe_intermediate_size=8, num_experts=4,
+        num_experts_per_tok=2, head_dim=8, max_position_embeddings=32), rtol=1e-6,
+        extra={"_experts_implementation": "batched_mm"}),
+    "gpt-oss": Family("GptOssForCausalLM", lambda: _lm(
+        "GptOssConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=16, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=32,
+        layer_types=["sliding_attention", "full_attention"]), rtol=1e-6,
+        extra={"_experts_implementation": "batched_mm"}),
+    "mpnet": Family("MPNetForMaskedLM", lambda: _lm(
+        "MPNetConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32)),
+    "modernbert": Family("ModernBertForMaskedLM", lambda: _lm(
+        "ModernBertConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, global_attn_every_n_layers=2, local_attention=4,
+        max_position_embeddings=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        sep_token_id=2, cls_token_id=1), rtol=1e-6),
+    "qwen3": Family("Qwen3ForCausalLM", lambda: _lm(
+        "Qwen3Config", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, head_dim=8,
+        max_position_embeddings=32), rtol=1e-6),
+    "gemma3": Family("Gemma3ForCausalLM", lambda: _lm(
+        "Gemma3TextConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, head_dim=8, sliding_window=4,
+        max_position_embeddings=32), rtol=1e-6),
+    "olmo2": Family("Olmo2ForCausalLM", lambda: _lm(
+        "Olmo2Config", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32), rtol=1e-6),
+    "smollm3": Family("SmolLM3ForCausalLM", lambda: _lm(
+        "SmolLM3Config", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2), rtol=1e-6),
     "vit": Family("ViTForImageClassification", lambda: T.ViTConfig(
         image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
         num_attention_heads=2, intermediate_size=32, num_labels=3), kind="vision", rtol=1e-6),
+    "deit": Family("DeiTForImageClassification", lambda: T.DeiTConfig(
+        image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=2,
+        num_attention_heads=2, intermediate_size=32, num_labels=3), kind="vision", rtol=1e-6),
+    # windows rolled and partitioned by views; its pooler restates a layout (as_strided)
+    "swin": Family("SwinForImageClassification", lambda: T.SwinConfig(
+        image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[2], num_heads=[2],
+        window_size=2, num_labels=3), kind="vision", rtol=1e-6),
     "whisper-encoder": Family("WhisperForAudioClassification", lambda: T.WhisperConfig(
         vocab_size=V, num_mel_bins=4, d_model=16, encoder_layers=2, encoder_attention_heads=2,
         decoder_layers=1, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
@@ -289,6 +335,61 @@ def test_torchvision_resnet18():
             m.running_mean.normal_(0, 0.1)
             m.running_var.uniform_(0.5, 1.5)
     _check_vision(model, torch.randn(1, 3, 32, 32, dtype=F64), rtol=1e-9)
+
+
+class _Logits(torch.nn.Module):
+    """A Hugging Face image classifier as a function of the pixels alone."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return self.model(pixel_values=x).logits
+
+
+def test_hf_convnext_and_mobilevit():
+    """No attention blocks (ConvNeXt: depthwise convolutions, layer norm over channels;
+    MobileViT: convolutions around transformers, upsampled by bilinear interpolation)."""
+    torch.manual_seed(0)
+    convnext = T.ConvNextForImageClassification(T.ConvNextConfig(
+        num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, num_labels=3,
+        image_size=8))  # fmt: skip
+    _check_vision(_Logits(convnext), torch.randn(1, 3, 8, 8, dtype=F64), rtol=1e-9)
+    mobilevit = T.MobileViTForImageClassification(T.MobileViTConfig(
+        image_size=16, num_channels=3, hidden_sizes=[16, 16, 16],
+        neck_hidden_sizes=[8, 8, 8, 8, 8, 8, 16], num_labels=3))  # fmt: skip
+    _check_vision(_Logits(mobilevit), torch.randn(1, 3, 16, 16, dtype=F64), rtol=1e-6)
+
+
+class _PoolTransposed(torch.nn.Module):
+    """Swin's pooler: a 1-D average pool over the tokens of a transposed sequence (export
+    restates eager's strides there with an ``as_strided``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.pool = torch.nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, x):
+        return self.pool(self.proj(x).transpose(1, 2)).flatten(1)
+
+
+def test_as_strided_that_restates_a_layout_is_the_identity_and_others_are_refused():
+    torch.manual_seed(0)
+    model, x = _PoolTransposed().to(F64).eval(), torch.randn(2, 5, 4, dtype=F64)
+    output = lambda y: (y * y).sum()  # noqa: E731
+    res = sbp.backprop(model, (x,), output=output, semirings=SEMIRINGS)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(output(model(leaf)), leaf)
+    torch.testing.assert_close(res.at(0, sbp.Real()), want, rtol=1e-12, atol=1e-12)
+    assert math.isclose(res.top_path(0).value, float(res.at(0, sbp.MaxProduct()).hi.max()))
+
+    def windows(x):  # overlapping windows of one row: reads memory, not a layout
+        return x.as_strided((3, 2), (1, 1)).sum()
+
+    with pytest.raises(sbp.UnsupportedOpError, match="as_strided"):
+        sbp.backprop(windows, (torch.randn(4, dtype=F64),))
 
 
 def test_sentence_embedding_similarity():

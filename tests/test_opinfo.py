@@ -91,7 +91,9 @@ COMPOSITES = """
     repeat_interleave tile expand_as broadcast_to diag diag_embed diagonal_scatter
     nn.functional.pixel_shuffle nn.functional.pad.reflect nn.functional.pad.replicate
     nn.functional.pad.circular nn.functional.unfold nn.functional.interpolate.nearest
-    nn.functional.interpolate.bilinear
+    nn.functional.interpolate.bilinear nn.functional.interpolate.nearest-exact
+    nn.functional.interpolate.linear nn.functional.interpolate.bicubic
+    nn.functional.interpolate.trilinear nn.functional.interpolate.area
     cumsum prod nn.functional.scaled_dot_product_attention torch.ops.aten._safe_softmax.default
     nn.functional.cross_entropy nn.functional.nll_loss nn.functional.mse_loss
     nn.functional.binary_cross_entropy_with_logits nn.functional.kl_div
@@ -118,7 +120,6 @@ UNSUPPORTED = {
     "scatter_add": "no rule for aten.scatter_add",
     "masked_select": "data-dependent output shape",
     "diagonal_scatter": "no rule for aten.diagonal_scatter",
-    "nn.functional.interpolate.bilinear": "no rule for aten.upsample_bilinear2d",
 }
 
 # samples of supported ops refused with our error, with the reason (run alone: cheaper
@@ -136,7 +137,6 @@ REFUSED: dict[tuple[str, int], str] = {
     ("median", 6): "median of all elements: no rule for aten.median.default",
     ("nanmean", 34): "a NaN input: the forward check refuses it (nanmean would skip it)",
     ("narrow", 9): "start given as a tensor: a data-dependent size, not traceable",
-    ("nn.functional.interpolate.nearest", 11): "no rule for aten.upsample_nearest2d.vec",
     # torch's decomposition computes both branches of a where; the unused one is
     # log1p(-1) = -inf, an infinite edge weight (autograd runs the fused kernel)
     ("special.log_ndtr", 0): "-inf in the unselected branch of torch's decomposition",

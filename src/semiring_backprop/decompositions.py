@@ -246,6 +246,19 @@ _OURS = {
     },
 }
 
+# resampling ops that core ATen keeps whole: torch's own decompositions (index arithmetic
+# and a weighted sum of the gathered neighbours) give them edges
+_RESAMPLING = (
+    aten.upsample_nearest1d.vec, aten.upsample_nearest1d.default,
+    aten.upsample_nearest2d.vec, aten.upsample_nearest2d.default,
+    aten.upsample_nearest3d.vec, aten.upsample_nearest3d.default,
+    aten._upsample_nearest_exact1d.vec, aten._upsample_nearest_exact1d.default,
+    aten._upsample_nearest_exact2d.vec, aten._upsample_nearest_exact2d.default,
+    aten._upsample_nearest_exact3d.vec, aten._upsample_nearest_exact3d.default,
+    aten.upsample_bilinear2d.vec, aten.upsample_bilinear2d.default,
+    aten.upsample_trilinear3d.vec, aten.upsample_trilinear3d.default,
+)  # fmt: skip
+
 # ops torch's table lowers to something with other edges: detach becomes alias (a
 # weight-1 routing op), which would let paths through what autograd stops
 _NEVER_DECOMPOSE = (aten.detach.default,)
@@ -266,6 +279,9 @@ def table(whole: tuple[str, ...] = ()) -> dict:
                 t.pop(op, None)
             else:
                 t[op] = fn
+    from torch._decomp import get_decompositions
+
+    t.update(get_decompositions(list(_RESAMPLING)))
     for op in _NEVER_DECOMPOSE:
         t.pop(op, None)
     return t

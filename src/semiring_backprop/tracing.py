@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 from torch.export.graph_signature import InputKind, TensorArgument
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from . import (
@@ -185,6 +186,7 @@ def trace(
             _detach_no_grad_blocks(program)
             program = program.run_decompositions(table)
             _select_by_indices(program)
+            _drop_identity_restrides(program)
     except (TracingError, InputError):
         raise
     except Exception as e:  # torch raises many types; say what failed and what to try
@@ -370,6 +372,42 @@ def _select_by_indices(program) -> None:
     if changed:
         graph.lint()
         program.graph_module.recompile()
+
+
+def _drop_identity_restrides(program) -> None:
+    """``as_strided`` that only restates a contiguous tensor's own layout (export keeps
+    eager's strides, e.g. after a pooling that reads a transposed input) is the
+    identity: its users read the input. Any other ``as_strided`` stays, and the pass
+    refuses it (it reads memory, not values)."""
+    graph = program.graph_module.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.target is aten.as_strided.default and _is_identity_restride(node):
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+            changed = True
+    if changed:
+        graph.lint()
+        program.graph_module.recompile()
+
+
+def _is_identity_restride(node) -> bool:
+    x, size, stride = node.args[:3]
+    offset = node.args[3] if len(node.args) > 3 else node.kwargs.get("storage_offset")
+    val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or offset not in (None, 0):
+        return False
+    if len(size) != val.dim() or not val.is_contiguous():
+        return False
+    expected = 1
+    for d in reversed(range(val.dim())):
+        n = val.shape[d]
+        if not statically_known_true(size[d] == n):
+            return False
+        if not statically_known_true(n == 1) and not statically_known_true(stride[d] == expected):
+            return False
+        expected = expected * n
+    return True
 
 
 class _Emitter:

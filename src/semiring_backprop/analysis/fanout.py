@@ -55,6 +55,8 @@ _NAMES = {
         "wi_0",
         "wi_1",
         "gate_up_proj",
+        "block_sparse_moe",  # mixtures of experts: Granite-MoE, PhiMoE, JetMoE
+        "moe",
     },  # fmt: skip
 }
 #: weights and hook modules that name the projection a contraction makes (TransformerLens)
@@ -67,6 +69,14 @@ _READS = {
 _FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "w_pack"}
 _TRANSPARENT = {mark_op, aten.clone.default, aten.alias.default}
 _SHIFT_OPS = {aten.add.Tensor, aten.sub.Tensor}
+#: ops that move every element of their input on, unchanged, in a module with no role of
+#: its own: a branch is named by what follows them
+_MOVES = {
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.permute.default,
+    aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+    aten.squeeze.default, aten.t.default, aten.expand.default, aten.constant_pad_nd.default,
+    aten.roll.default,
+}  # fmt: skip
 _SKIP_OPS = {aten.add.Tensor}
 
 
@@ -218,6 +228,9 @@ def _classify(r: _Roles, u, via, todo) -> list[Entry]:
         return []
     if module and r.is_fused(module):
         return _fused_entries(r, u, via, module)
+    if u.target in _MOVES:  # Swin pads and cuts windows between its norm and attention
+        todo.append(u)
+        return []
     if u.target in _SKIP_OPS:
         return [Entry("skip", module, u, via)]
     read = r.read_role(u)
