@@ -154,6 +154,17 @@ FAMILIES = {
         num_experts_per_tok=2, sliding_window=4, max_position_embeddings=32,
         layer_types=["sliding_attention", "full_attention"]), rtol=1e-6,
         extra={"_experts_implementation": "batched_mm"}),
+    "phimoe": Family("PhimoeForCausalLM", lambda: _lm(
+        "PhimoeConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=32), rtol=1e-6,
+        extra={"_experts_implementation": "batched_mm"}),
+    "gpt-bigcode": Family("GPTBigCodeForCausalLM", lambda: _lm(
+        "GPTBigCodeConfig", n_embd=16, n_layer=2, n_head=2, n_positions=32,
+        multi_query=True), rtol=1e-6),  # one key / value head: c_attn split unequally
+    "flan-t5": Family("T5ForConditionalGeneration", lambda: _lm(
+        "T5Config", d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
+        num_heads=2, feed_forward_proj="gated-gelu"), kind="seq2seq"),
     "mpnet": Family("MPNetForMaskedLM", lambda: _lm(
         "MPNetConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=32, max_position_embeddings=32)),
@@ -187,6 +198,17 @@ FAMILIES = {
     "swin": Family("SwinForImageClassification", lambda: T.SwinConfig(
         image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[2], num_heads=[2],
         window_size=2, num_labels=3), kind="vision", rtol=1e-6),
+    "beit": Family("BeitForImageClassification", lambda: T.BeitConfig(
+        image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, num_labels=3, use_relative_position_bias=True),
+        kind="vision", rtol=1e-6),
+    "dinov2": Family("Dinov2Model", lambda: T.Dinov2Config(
+        image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        mlp_ratio=2), kind="vision-pooled", rtol=1e-6),
+    # its patch embedding is a convolution with padding="valid"
+    "siglip-vision": Family("SiglipVisionModel", lambda: T.SiglipVisionConfig(
+        image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32), kind="vision-pooled", rtol=1e-6),
     "whisper-encoder": Family("WhisperForAudioClassification", lambda: T.WhisperConfig(
         vocab_size=V, num_mel_bins=4, d_model=16, encoder_layers=2, encoder_attention_heads=2,
         decoder_layers=1, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
@@ -210,9 +232,10 @@ def _inputs(name, model):
     """``(kwargs, key of the explained input, output function)``."""
     kind = FAMILIES[name].kind
     gen = torch.Generator().manual_seed(1)
-    if kind == "vision":
+    if kind in ("vision", "vision-pooled"):  # a classifier, or an image embedding
         x = torch.randn(1, 3, 8, 8, generator=gen, dtype=F64)
-        return {"pixel_values": x}, "pixel_values", lambda out: out.logits[0, 1]
+        field = "logits" if kind == "vision" else "pooler_output"
+        return {"pixel_values": x}, "pixel_values", lambda out: getattr(out, field)[0, 1]
     if kind == "audio":
         x = torch.randn(1, 4, 16, generator=gen, dtype=F64)
         return {"input_features": x}, "input_features", lambda out: out.logits[0, 1]

@@ -318,6 +318,11 @@ CASES: dict[object, list] = {
             lambda: (r(2, 2, 7, 6), r(3, 2, 3, 2, seed=1), r(3, seed=2)),
         ),  # fmt: skip
         Traced(lambda x, w: F.conv3d(x, w), lambda: (r(1, 2, 3, 3, 3), r(2, 2, 2, 1, 2, seed=1))),
+        # padding="valid" (SigLIP's patch embedding) is traced as one padding for all dims
+        Traced(
+            lambda x, w: F.conv2d(x, w, stride=2, padding="valid", dilation=(1, 2)),
+            lambda: (r(1, 2, 7, 8), r(3, 2, 3, 2, seed=1)),
+        ),  # fmt: skip
         # fewer input than output channels: D(x) contracts over the output channels first
         Traced(
             lambda x, w: F.conv2d(x, w, stride=2, padding=1),

@@ -95,14 +95,21 @@ def _conv_map(op, x, w, stride, padding, dilation, transposed):
     def make():
         n = w.dim() - 2
         ins, outs = x.shape[-n:], op.out.shape[-n:]
+        # one value for every dimension (padding="valid" is traced as [0])
+        st, pad, dil = (_per_dim(v, n) for v in (stride, padding, dilation))
         maps = [
-            _strided(ins[i], outs[i], w.shape[2 + i], stride[i], padding[i], dilation[i],
-                     transposed, x.device)
+            _strided(ins[i], outs[i], w.shape[2 + i], st[i], pad[i], dil[i], transposed,
+                     x.device)
             for i in range(n)
         ]  # fmt: skip
         return _combine(maps, outs)
 
     return op.cached("map", make)
+
+
+def _per_dim(value, n: int) -> list:
+    value = [value] if isinstance(value, int) else list(value)
+    return value * n if len(value) == 1 else value
 
 
 @register(aten.convolution.default, "contraction")
@@ -253,11 +260,9 @@ def _pool(sr, g, op, x, n, make_maps, run):
 
 
 def _pool_args(n, kernel, stride, padding):
-    as_list = lambda v: [v] * n if isinstance(v, int) else list(v)  # noqa: E731
-    kernel = as_list(kernel)
-    stride = as_list(stride) if stride else kernel
-    padding = as_list(padding)
-    return kernel, stride, padding * n if len(padding) == 1 else padding
+    kernel = _per_dim(kernel, n)
+    stride = _per_dim(stride, n) if stride else kernel
+    return kernel, stride, _per_dim(padding, n)
 
 
 def _avg_pool(n, target):
