@@ -165,6 +165,20 @@ FAMILIES = {
     "flan-t5": Family("T5ForConditionalGeneration", lambda: _lm(
         "T5Config", d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
         num_heads=2, feed_forward_proj="gated-gelu"), kind="seq2seq"),
+    # Mamba layers (a selective scan, here torch's reference loop), attention every
+    # other layer, experts every other layer
+    "jamba": Family("JambaForCausalLM", lambda: _lm(
+        "JambaConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, intermediate_size=32, num_experts=2, num_experts_per_tok=1,
+        expert_layer_period=2, expert_layer_offset=1, attn_layer_period=2,
+        attn_layer_offset=1, mamba_d_state=4, mamba_d_conv=2, mamba_expand=2,
+        max_position_embeddings=32, use_mamba_kernels=False), rtol=1e-6,
+        extra={"_experts_implementation": "batched_mm"}),
+    "xlnet": Family("XLNetLMHeadModel", lambda: _lm(
+        "XLNetConfig", d_model=16, n_layer=2, n_head=2, d_inner=32)),  # weights q, k, v
+    "funnel": Family("FunnelForMaskedLM", lambda: _lm(
+        "FunnelConfig", d_model=16, n_head=2, d_head=8, d_inner=32, block_sizes=[1, 1],
+        num_decoder_layers=1)),
     "mpnet": Family("MPNetForMaskedLM", lambda: _lm(
         "MPNetConfig", hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=32, max_position_embeddings=32)),
@@ -209,6 +223,14 @@ FAMILIES = {
     "siglip-vision": Family("SiglipVisionModel", lambda: T.SiglipVisionConfig(
         image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=32), kind="vision-pooled", rtol=1e-6),
+    "hubert": Family("HubertForSequenceClassification", lambda: T.HubertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(2, 2), conv_kernel=(2, 2), num_conv_pos_embeddings=4,
+        num_conv_pos_embedding_groups=2, num_labels=3, vocab_size=8), kind="wave", rtol=1e-6),
+    "ast": Family("ASTForAudioClassification", lambda: T.ASTConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        patch_size=4, frequency_stride=4, time_stride=4, max_length=16, num_mel_bins=8,
+        num_labels=3), kind="spectrogram", rtol=1e-6),
     "whisper-encoder": Family("WhisperForAudioClassification", lambda: T.WhisperConfig(
         vocab_size=V, num_mel_bins=4, d_model=16, encoder_layers=2, encoder_attention_heads=2,
         decoder_layers=1, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
@@ -236,6 +258,12 @@ def _inputs(name, model):
         x = torch.randn(1, 3, 8, 8, generator=gen, dtype=F64)
         field = "logits" if kind == "vision" else "pooler_output"
         return {"pixel_values": x}, "pixel_values", lambda out: getattr(out, field)[0, 1]
+    if kind == "wave":  # raw audio samples (1-D convolutions first)
+        x = torch.randn(1, 64, generator=gen, dtype=F64)
+        return {"input_values": x}, "input_values", lambda out: out.logits[0, 1]
+    if kind == "spectrogram":  # (time, mel bins), cut into patches
+        x = torch.randn(1, 16, 8, generator=gen, dtype=F64)
+        return {"input_values": x}, "input_values", lambda out: out.logits[0, 1]
     if kind == "audio":
         x = torch.randn(1, 4, 16, generator=gen, dtype=F64)
         return {"input_features": x}, "input_features", lambda out: out.logits[0, 1]
@@ -496,3 +524,26 @@ def test_t5_one_trace_serves_every_length():
         torch.testing.assert_close(res.at("inputs_embeds", sbp.Real()), want)
         assert bool(torch.isfinite(res.at("inputs_embeds", sbp.Entropy()).entropy).all())
     assert bp.traces == 1
+
+
+def test_a_failed_trace_suggests_other_experts_only_to_a_mixture_of_experts():
+    """transformers marks every model's config experts_implementation='eager': the hint
+    to load the experts otherwise must go to models that have experts, and only them."""
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    config = T.MixtralConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1,
+                             intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                             max_position_embeddings=32)  # fmt: skip
+    config._experts_implementation = "eager"  # a Python loop over the experts hit
+    moe = T.MixtralForCausalLM(config).eval()
+    with pytest.raises(sbp.TracingError, match="experts_implementation='grouped_mm'"):
+        sbp.backprop(moe, kwargs={"input_ids": ids}, output=lambda o: o.logits[0, -1, 0])
+    config = T.LongformerConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1,
+                                num_attention_heads=2, intermediate_size=32, attention_window=4,
+                                max_position_embeddings=40, pad_token_id=1)  # fmt: skip
+    dense = T.LongformerModel(config).eval()  # data-dependent attention windows
+    assert dense.config._experts_implementation == "eager"
+    with pytest.raises(sbp.TracingError) as e:
+        sbp.backprop(dense, kwargs={"input_ids": ids},
+                     output=lambda o: o.last_hidden_state[0, 0, 0])  # fmt: skip
+    assert "expert" not in str(e.value) and "Things to try" in str(e.value)

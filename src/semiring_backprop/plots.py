@@ -280,8 +280,8 @@ _ROLE_NAMES = {
     "value": {"value", "v_proj", "v", "wv", "v_lin"},
 }
 _MARK = "semiring_backprop.mark.default"
-_MLP_NAMES = {"mlp", "intermediate", "ffn", "feed_forward", "feedforward", "c_fc", "fc1", "fc2",
-              "block_sparse_moe", "moe"}  # fmt: skip
+_MLP_NAMES = {"mlp", "intermediate", "ffn", "ff", "feed_forward", "feedforward", "c_fc", "fc1",
+              "fc2", "block_sparse_moe", "moe"}  # fmt: skip
 
 
 def path_diagram(

@@ -181,9 +181,18 @@ def experts_hint(model) -> str:
     """A mixture-of-experts model whose experts loop over the tokens each one got (data-
     dependent shapes, which torch.export cannot trace) has traceable alternatives."""
     config = getattr(model, "config", None)
-    if getattr(config, "_experts_implementation", None) != "eager":
-        return ""
+    if getattr(config, "_experts_implementation", None) != "eager" or not _has_experts(model):
+        return ""  # (transformers sets "eager" on every model's config, experts or none)
     return (
         " This model's experts run as a Python loop (experts_implementation='eager'): "
         "load it with experts_implementation='grouped_mm' (the default) or 'batched_mm'."
     )
+
+
+def _has_experts(model) -> bool:
+    config = getattr(model, "config", None)
+    counts = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+    if any(isinstance(getattr(config, k, None), int) and getattr(config, k) > 1 for k in counts):
+        return True
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return any("expert" in type(m).__name__.lower() for m in modules)

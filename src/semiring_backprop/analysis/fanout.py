@@ -33,9 +33,9 @@ aten = torch.ops.aten
 ROLES = ("skip", "query", "key", "value", "mlp", "other")
 
 _NAMES = {
-    "query": {"query", "q_proj", "q_lin", "q", "wq", "to_q", "query_proj", "q_attn"},
-    "key": {"key", "k_proj", "k_lin", "k", "wk", "to_k", "key_proj"},
-    "value": {"value", "v_proj", "v_lin", "v", "wv", "to_v", "value_proj"},
+    "query": {"query", "q_proj", "q_lin", "q", "wq", "to_q", "query_proj", "q_attn", "q_head"},
+    "key": {"key", "k_proj", "k_lin", "k", "wk", "to_k", "key_proj", "k_head"},
+    "value": {"value", "v_proj", "v_lin", "v", "wv", "to_v", "value_proj", "v_head"},
     "mlp": {
         "mlp",
         "intermediate",
@@ -55,15 +55,16 @@ _NAMES = {
         "wi_0",
         "wi_1",
         "gate_up_proj",
+        "ff",  # XLNet
         "block_sparse_moe",  # mixtures of experts: Granite-MoE, PhiMoE, JetMoE
         "moe",
     },  # fmt: skip
 }
 #: weights and hook modules that name the projection a contraction makes (TransformerLens)
-_READS = {
-    "query": {"w_q", "hook_q"},
-    "key": {"w_k", "hook_k"},
-    "value": {"w_v", "hook_v"},
+_READS = {  # (XLNet's weights are rel_attn.q, .k, .v)
+    "query": {"w_q", "hook_q", "q"},
+    "key": {"w_k", "hook_k", "k"},
+    "value": {"w_v", "hook_v", "v"},
     "mlp": {"w_in", "w_gate", "hook_pre"},
 }
 _FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "w_pack"}
