@@ -547,3 +547,42 @@ def test_a_failed_trace_suggests_other_experts_only_to_a_mixture_of_experts():
         sbp.backprop(dense, kwargs={"input_ids": ids},
                      output=lambda o: o.last_hidden_state[0, 0, 0])  # fmt: skip
     assert "expert" not in str(e.value) and "Things to try" in str(e.value)
+
+
+def _tower(**kw):
+    return dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                intermediate_size=32, **kw)  # fmt: skip
+
+
+def test_vision_language_models_from_the_pixels():
+    """CLIP's image-text logit and LLaVA's next-token logit, explained at the pixels: the
+    image features replace the image tokens by masked_scatter (a selection, no rule of
+    its own: decomposed)."""
+    torch.manual_seed(0)
+    vision = _tower(image_size=8, patch_size=4)
+    clip = T.CLIPModel(T.CLIPConfig(text_config=_tower(vocab_size=V, max_position_embeddings=16),
+                                    vision_config=vision, projection_dim=8))  # fmt: skip
+    llava = T.LlavaForConditionalGeneration(T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(**vision),
+        text_config=T.LlamaConfig(**_tower(vocab_size=80, max_position_embeddings=16)),
+        image_token_index=70, projector_hidden_act="gelu", vision_feature_layer=-1))  # fmt: skip
+    px = torch.randn(1, 3, 8, 8, dtype=F64)
+    cases = [
+        (clip, {"input_ids": torch.tensor([[0, 5, 6, 7, 2], [0, 8, 9, 2, 1]]),
+                "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])},
+         lambda o: o.logits_per_image[0, 1], 4),
+        (llava, {"input_ids": torch.tensor([[1, 70, 70, 70, 70, 5, 6, 7]])},
+         lambda o: o.logits[0, -1, 5], 4),
+    ]  # fmt: skip
+    for model, kwargs, output, layers in cases:
+        model = model.to(F64).eval()
+        kwargs = {**kwargs, "pixel_values": px}
+        res = sbp.backprop(model, kwargs=kwargs, output=output, semirings=SEMIRINGS)
+        want = _autograd(model, kwargs, "pixel_values", output)
+        torch.testing.assert_close(res.at("pixel_values", sbp.Real()), want, rtol=1e-6,
+                                   atol=1e-6 * float(want.abs().max()))  # fmt: skip
+        best = float(res.at("pixel_values", sbp.MaxProduct()).hi.max())
+        assert math.isclose(res.top_path("pixel_values").value, best, rel_tol=1e-9)
+        table = res.layer_table()
+        assert table["layer"].nunique() == layers  # both towers' blocks
+        assert {"skip", "query", "key", "value", "mlp"} <= set(table["branch"])

@@ -86,7 +86,7 @@ COMPOSITES = """
     nn.functional.max_unpool2d.grad nn.functional.max_unpool3d.grad
     topk sort msort kthvalue mode median cummax cummin aminmax
     __getitem__ take take_along_dim index_fill index_copy index_add scatter_add
-    masked_select stack hstack vstack column_stack nn.functional.embedding
+    masked_select masked_scatter stack hstack vstack column_stack nn.functional.embedding
     split split_with_sizes chunk unbind tensor_split narrow tril triu rot90 movedim
     repeat_interleave tile expand_as broadcast_to diag diag_embed diagonal_scatter
     nn.functional.pixel_shuffle nn.functional.pad.reflect nn.functional.pad.replicate

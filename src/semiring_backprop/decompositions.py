@@ -204,6 +204,16 @@ def _extreme(reduce_idx):
     return fn
 
 
+def masked_scatter(x, mask, source):
+    """Where ``mask`` holds, the next element of ``source`` in order; elsewhere ``x``
+    (how vision-language models put image features in place of image tokens): a
+    selection, with edges from each output to the one element it takes."""
+    flat = mask.expand_as(x).reshape(-1)
+    taken = torch.cumsum(flat.to(torch.int64), 0) - 1  # which source element, in order
+    picked = source.reshape(-1)[taken.clamp(min=0)]
+    return torch.where(flat, picked, x.reshape(-1)).reshape(x.shape)
+
+
 def split(x, split_size, dim=0):
     n = x.shape[dim]
     sizes = [min(split_size, n - s) for s in range(0, n, split_size)] if n else [0]
@@ -240,6 +250,7 @@ _OURS = {
         aten.var_mean.correction: var_mean_correction,
         aten.max.dim: _extreme(lambda x, d, keepdim: x.argmax(d, keepdim=keepdim)),
         aten.min.dim: _extreme(lambda x, d, keepdim: x.argmin(d, keepdim=keepdim)),
+        aten.masked_scatter.default: masked_scatter,
         aten.split.Tensor: split,
         aten.split_with_sizes.default: split_with_sizes,
         aten.unbind.int: unbind,
