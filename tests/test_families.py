@@ -555,9 +555,9 @@ def _tower(**kw):
 
 
 def test_vision_language_models_from_the_pixels():
-    """CLIP's image-text logit and LLaVA's next-token logit, explained at the pixels: the
-    image features replace the image tokens by masked_scatter (a selection, no rule of
-    its own: decomposed)."""
+    """CLIP's image-text logit, LLaVA's and PaliGemma's next-token logit, explained at the
+    pixels: the image features replace the image tokens by masked_scatter (a selection,
+    no rule of its own: decomposed)."""
     torch.manual_seed(0)
     vision = _tower(image_size=8, patch_size=4)
     clip = T.CLIPModel(T.CLIPConfig(text_config=_tower(vocab_size=V, max_position_embeddings=16),
@@ -566,12 +566,23 @@ def test_vision_language_models_from_the_pixels():
         vision_config=T.CLIPVisionConfig(**vision),
         text_config=T.LlamaConfig(**_tower(vocab_size=80, max_position_embeddings=16)),
         image_token_index=70, projector_hidden_act="gelu", vision_feature_layer=-1))  # fmt: skip
+    paligemma_config = T.PaliGemmaConfig(
+        vision_config=T.SiglipVisionConfig(**vision),
+        text_config=T.GemmaConfig(**_tower(vocab_size=80, num_key_value_heads=1, head_dim=8,
+                                           max_position_embeddings=16)),
+        image_token_index=70, projection_dim=16)  # fmt: skip
+    # (under SDPA, transformers' PaliGemma attends both ways when run and causally while
+    # traced: the trace check refuses that; eager attention is the same either way)
+    paligemma_config._attn_implementation = "eager"
+    paligemma = T.PaliGemmaForConditionalGeneration(paligemma_config)
     px = torch.randn(1, 3, 8, 8, dtype=F64)
     cases = [
         (clip, {"input_ids": torch.tensor([[0, 5, 6, 7, 2], [0, 8, 9, 2, 1]]),
                 "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])},
          lambda o: o.logits_per_image[0, 1], 4),
         (llava, {"input_ids": torch.tensor([[1, 70, 70, 70, 70, 5, 6, 7]])},
+         lambda o: o.logits[0, -1, 5], 4),
+        (paligemma, {"input_ids": torch.tensor([[70, 70, 70, 70, 1, 5, 6, 7]])},
          lambda o: o.logits[0, -1, 5], 4),
     ]  # fmt: skip
     for model, kwargs, output, layers in cases:
@@ -586,3 +597,34 @@ def test_vision_language_models_from_the_pixels():
         table = res.layer_table()
         assert table["layer"].nunique() == layers  # both towers' blocks
         assert {"skip", "query", "key", "value", "mlp"} <= set(table["branch"])
+
+
+class _OtherPathWhenExported(torch.nn.Module):
+    """Computes one thing when run and another while torch.export traces it, as a library
+    that skips work outside tracing may (PaliGemma under SDPA attends both ways when run,
+    causally in the trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.proj(x)
+        if torch.compiler.is_exporting():
+            h = h.tril()
+        return self.head(h)
+
+
+def test_a_trace_that_computes_something_else_than_the_model_is_refused():
+    torch.manual_seed(0)
+    model, x = _OtherPathWhenExported().to(F64).eval(), torch.randn(4, 4, dtype=F64)
+    with pytest.raises(sbp.TracingError, match="'head' differs from the model's own"):
+        sbp.backprop(model, (x,), output=lambda y: y[0, 1])
+    with pytest.raises(sbp.TracingError, match="something else"):  # keep=: the same check
+        sbp.backprop(model, (x,), output=lambda y: y[0, 1], keep=("head",))
+    # float32 rounding between eager kernels and the decomposition is not a difference
+    bert = T.BertForMaskedLM(FAMILIES["bert"].config()).eval()
+    ids = torch.tensor(IDS)
+    res = sbp.backprop(bert, kwargs={"input_ids": ids}, output=lambda o: o.logits[0, -1, 5])
+    assert res.graph.eager_checked

@@ -11,7 +11,17 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import allocator, budget, checkpoints, engine, forward, independence, memory, rules
+from . import (
+    allocator,
+    budget,
+    checkpoints,
+    engine,
+    forward,
+    independence,
+    memory,
+    rules,
+    trace_checks,
+)
 from .errors import InputError, OutOfMemoryError, is_out_of_memory
 from .result import Result, resolve_keep
 from .semirings import Real, Semiring
@@ -281,6 +291,7 @@ class Backprop:
                     self.semirings, needed, frozenset(graph.user_inputs.values()),
                 )  # fmt: skip
             self._check_examples(args, kwargs, ckpt.values.get(graph.output_node))
+            self._check_trace(graph, args, kwargs, ckpt.values)
             return Result(graph, ckpt.values, ckpt.store, self.semirings)
         kept = None if self.keep is None else resolve_keep(graph, self.keep)
         drop = None  # with keep=, values no rule reads are not kept through the forward
@@ -289,10 +300,17 @@ class Backprop:
         with torch.no_grad():
             values = forward.run(graph, args, kwargs, drop)
             self._check_examples(args, kwargs, values.get(graph.output_node))
+            self._check_trace(graph, args, kwargs, values)
             store = engine.reverse(graph, values, self.semirings, graph.output_node, kept)
         if kept is not None:
             values = {n: v for n, v in values.items() if n in kept}
         return Result(graph, values, store, self.semirings, kept=kept)
+
+    def _check_trace(self, graph, args: tuple, kwargs: dict, values) -> None:
+        if not getattr(graph, "eager_checked", False):  # once per traced graph
+            # (with keep=, a value the pass freed is not compared)
+            trace_checks.check_against_eager(graph, self.model, args, kwargs, values)
+            graph.eager_checked = True
 
     def _check_examples(self, args: tuple, kwargs: dict, out) -> None:
         per_example = self._traces.options["per_example"]

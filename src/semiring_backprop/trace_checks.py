@@ -196,3 +196,87 @@ def _has_experts(model) -> bool:
         return True
     modules = model.modules() if isinstance(model, torch.nn.Module) else ()
     return any("expert" in type(m).__name__.lower() for m in modules)
+
+
+# -- the trace computes what the model computes --------------------------------------
+
+
+def check_against_eager(graph, model, args, kwargs, values) -> None:
+    """Raise if the traced graph's output of the last module it marks differs from that
+    module's output when the model runs as it is. A library may take another code path
+    while torch.export traces (transformers skips the attention mask under SDPA only
+    outside tracing, and one model then attends differently): the pass would explain a
+    function the model does not compute. Run once per traced graph."""
+    if not isinstance(model, torch.nn.Module) or any(m.training for m in model.modules()):
+        return  # a plain function has no module to compare; training mode is random
+    tag, node = _last_module_output(graph)
+    if node is None:
+        return
+    name, _, call = tag.partition("@")
+    module = dict(model.named_modules()).get(name)
+    if module is None:
+        return
+    seen: list = []
+
+    def hook(mod, inputs, out):
+        seen.append(_first_float(out))
+
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception:  # the model fails untraced: the pass itself says so where it fails
+        return
+    finally:
+        handle.remove()
+    k = int(call) if call else 0
+    eager = seen[k] if k < len(seen) else None
+    ours = values.get(node)
+    if not isinstance(eager, torch.Tensor) or not isinstance(ours, torch.Tensor):
+        return
+    if eager.shape != ours.shape:
+        return
+    a, b = ours.detach().double(), eager.detach().double().to(ours.device)
+    scale = float(b.norm())
+    if not (scale > 0 and torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return
+    diff = float((a - b).norm()) / scale
+    if diff > _agreement(eager):
+        raise TracingError(
+            f"the traced model computes something else than the model itself: the output "
+            f"of {name!r} differs from the model's own by {diff:.2g} (relative to its "
+            "size), more than rounding explains. A library that takes another code path "
+            "while torch.export traces does this (Hugging Face attention masks under "
+            "SDPA, for one). Load the model with attn_implementation='eager', or report "
+            "the model."
+        )
+
+
+def _last_module_output(graph):
+    """The tag and node of the last module output marked in the graph (not an input)."""
+    last = (None, None)
+    for tag, node in graph.tags.items():
+        if tag.endswith(":input"):
+            continue
+        if last[1] is None or graph.ids[node] > graph.ids[last[1]]:
+            last = (tag, node)
+    return last
+
+
+def _first_float(out):
+    """The tensor of a module's output that tracing marks: the first float one."""
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, tuple | list) else ()
+    return next((x for x in items if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
+
+
+def _agreement(value: torch.Tensor) -> float:
+    """Relative difference rounding explains between a fused eager kernel and its
+    decomposition (a float64 model may compute parts in float32)."""
+    if value.dtype in (torch.float16, torch.bfloat16):
+        return 5e-2
+    if value.dtype == torch.float32:
+        tf32 = value.is_cuda and torch.backends.cuda.matmul.allow_tf32
+        return 5e-2 if tf32 else 1e-3
+    return 1e-5

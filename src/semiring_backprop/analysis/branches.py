@@ -189,6 +189,8 @@ def blocks(res, roles=None) -> list[Block]:
     out = []
     for a in attn:
         layer = _layer_of(a)
+        if not layer and len(attn) > 1:  # outside the numbered layers: a pooling head
+            continue  # (SigLIP's), not a block of the residual stream
         v = res.graph.tags.get(f"{layer}:input") if layer else _first_input(res)
         if v is None or v not in res._store:
             continue
