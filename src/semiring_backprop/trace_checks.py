@@ -216,10 +216,11 @@ def check_against_eager(graph, model, args, kwargs, values) -> None:
     module = dict(model.named_modules()).get(name)
     if module is None:
         return
-    seen: list = []
+    k, seen = int(call) if call else 0, []
 
-    def hook(mod, inputs, out):
-        seen.append(_first_float(out))
+    def hook(mod, inputs, out):  # a copy: the model may write into its output later
+        x = _first_float(out) if len(seen) == k else None
+        seen.append(x.detach().clone() if x is not None else None)
 
     handle = module.register_forward_hook(hook)
     try:
@@ -229,7 +230,6 @@ def check_against_eager(graph, model, args, kwargs, values) -> None:
         return
     finally:
         handle.remove()
-    k = int(call) if call else 0
     eager = seen[k] if k < len(seen) else None
     ours = values.get(node)
     if not isinstance(eager, torch.Tensor) or not isinstance(ours, torch.Tensor):
