@@ -628,3 +628,29 @@ def test_a_trace_that_computes_something_else_than_the_model_is_refused():
     ids = torch.tensor(IDS)
     res = sbp.backprop(bert, kwargs={"input_ids": ids}, output=lambda o: o.logits[0, -1, 5])
     assert res.graph.eager_checked
+
+
+def test_state_space_layers_are_not_read_as_attention():
+    """Mamba's mixer projects its input with ``in_proj`` into z / x / dt: not a fused
+    query / key / value. Jamba's table has its attention layer only; Mamba2 (running sums
+    over chunks: cumsum) is exact, and its table says there is no attention block."""
+    model, kwargs, key, output, res = _run("jamba")
+    table = res.layer_table()
+    qkv = table[table["branch"].isin(["query", "key", "value"])]
+    assert set(qkv["consumer"]) == {f"model.layers.1.self_attn.{p}_proj" for p in "qkv"}
+    torch.manual_seed(0)
+    config = T.Mamba2Config(vocab_size=V, hidden_size=16, state_size=4, num_hidden_layers=2,
+                            expand=2, conv_kernel=2, n_groups=1, num_heads=4, head_dim=8,
+                            chunk_size=4)  # fmt: skip
+    mamba2 = T.Mamba2ForCausalLM(config).to(F64).eval()
+    embeds = mamba2.get_input_embeddings()(torch.tensor(IDS)).detach()
+    output = lambda out: out.logits[0, -1, 5]  # noqa: E731
+    res = sbp.backprop(mamba2, kwargs={"inputs_embeds": embeds}, output=output,
+                       semirings=SEMIRINGS)  # fmt: skip
+    want = _autograd(mamba2, {"inputs_embeds": embeds}, "inputs_embeds", output)
+    torch.testing.assert_close(res.at("inputs_embeds", sbp.Real()), want, rtol=1e-6,
+                               atol=1e-6 * float(want.abs().max()))  # fmt: skip
+    best = float(res.at("inputs_embeds", sbp.MaxProduct()).hi.max())
+    assert math.isclose(res.top_path("inputs_embeds").value, best, rel_tol=1e-9)
+    with pytest.raises(sbp.NotFoundError, match="no attention block"):
+        res.layer_table()

@@ -115,7 +115,6 @@ UNSUPPORTED = {
     "native_layer_norm": "three outputs: rules cover single-output ops (layer_norm is fine)",
     "addmv": "no rule for aten.addmv",
     "addbmm": "no rule for aten.addbmm",
-    "cumsum": "no rule for aten.cumsum",
     "prod": "no rule for aten.prod",
     "scatter_add": "no rule for aten.scatter_add",
     "masked_select": "data-dependent output shape",

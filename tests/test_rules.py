@@ -397,6 +397,11 @@ CASES: dict[object, list] = {
         Traced(lambda x: F.avg_pool1d(x, 3, 2), lambda: (r(1, 2, 7),)),
     ],
     aten.avg_pool3d.default: [Traced(lambda x: F.avg_pool3d(x, 2, 1), lambda: (r(1, 1, 3, 3, 3),))],
+    aten.cumsum.default: [  # every input feeds the outputs from it on (Mamba2's scans)
+        Traced(lambda x: x.cumsum(-1) * x, lambda: (r(2, 5),)),
+        Traced(lambda x: x.cumsum(0), lambda: (r(4, 3),)),
+        Traced(lambda x: torch.tanh(x).cumsum(1).exp(), lambda: (r(2, 3, 4),)),
+    ],
     aten._adaptive_avg_pool2d.default: [
         Traced(lambda x: F.adaptive_avg_pool2d(x, (2, 3)), lambda: (r(1, 2, 5, 7),)),
         Traced(lambda x: F.adaptive_avg_pool1d(x, 3), lambda: (r(1, 2, 7),)),

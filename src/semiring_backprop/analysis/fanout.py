@@ -67,7 +67,9 @@ _READS = {  # (XLNet's weights are rel_attn.q, .k, .v)
     "value": {"w_v", "hook_v", "v"},
     "mlp": {"w_in", "w_gate", "hook_pre"},
 }
-_FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "in_proj", "w_pack"}
+# (not ``in_proj``: that is Mamba's mixer input, z / x / dt, far more often than an
+# attention's; nn.MultiheadAttention is known by its type)
+_FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "w_pack"}
 _TRANSPARENT = {mark_op, aten.clone.default, aten.alias.default}
 _SHIFT_OPS = {aten.add.Tensor, aten.sub.Tensor}
 #: ops that move every element of their input on, unchanged, in a module with no role of

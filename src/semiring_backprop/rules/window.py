@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..semirings.base import fmap, fmap2
-from .registry import register
+from .registry import reads_nothing, register
 
 aten = torch.ops.aten
 
@@ -301,3 +301,31 @@ register(aten._adaptive_avg_pool2d.default, "reduction")(
 register(aten._adaptive_avg_pool3d.default, "reduction")(
     _adaptive_avg_pool(3, aten._adaptive_avg_pool3d.default)
 )
+
+
+# -- running sums ------------------------------------------------------------------------
+
+
+@register(aten.cumsum.default, "reduction", reads=reads_nothing)
+def _cumsum(sr, g, op, x, dim, dtype=None):
+    """``out[i] = Σ_{j ≤ i} x[j]``: input ``j`` feeds every output from ``j`` on, each
+    edge of weight 1, so ``D(x)[j] = ⊕_{i ≥ j} g[i]``; the outputs are gathered per input
+    as a pooling window is (a map of ``n × n`` along ``dim``: Mamba2's scans run over
+    chunks of a few hundred)."""
+    if x.dim() == 0:
+        return [g]
+    d = dim % x.dim()
+    n = x.shape[d]
+    if n == 0:
+        return [sr.zero(x.shape, x)]
+
+    def make():
+        j = torch.arange(n, device=x.device)
+        q = j[:, None] + j[None, :]  # input j -> outputs j, j + 1, ..., n - 1
+        return torch.where(q < n, q, -1)
+
+    index = op.cached("map", make)
+    moved = fmap(lambda f: f.movedim(d, x.dim() - 1), g)  # the scanned dim last
+    lead = x.dim() - 1
+    out = sr.sum(_gather(sr, moved, index, lead), -1)
+    return [fmap(lambda f: f.movedim(x.dim() - 1, d), out)]
