@@ -296,7 +296,10 @@ class Backprop:
         kept = None if self.keep is None else resolve_keep(graph, self.keep)
         drop = None  # with keep=, values no rule reads are not kept through the forward
         if kept is not None:
-            drop = memory.unread_values(graph, engine.needed_nodes(graph, graph.output_node), kept)
+            held = set(kept)
+            if not getattr(graph, "eager_checked", False):  # what the trace check reads
+                held |= {n for n in (trace_checks.compared(graph),) if n is not None}
+            drop = memory.unread_values(graph, engine.needed_nodes(graph, graph.output_node), held)
         with torch.no_grad():
             values = forward.run(graph, args, kwargs, drop)
             self._check_examples(args, kwargs, values.get(graph.output_node))
@@ -308,7 +311,6 @@ class Backprop:
 
     def _check_trace(self, graph, args: tuple, kwargs: dict, values) -> None:
         if not getattr(graph, "eager_checked", False):  # once per traced graph
-            # (with keep=, a value the pass freed is not compared)
             trace_checks.check_against_eager(graph, self.model, args, kwargs, values)
             graph.eager_checked = True
 

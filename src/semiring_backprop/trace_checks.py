@@ -252,6 +252,11 @@ def check_against_eager(graph, model, args, kwargs, values) -> None:
         )
 
 
+def compared(graph):
+    """The node whose value :func:`check_against_eager` compares (``None``: none)."""
+    return _last_module_output(graph)[1]
+
+
 def _last_module_output(graph):
     """The tag and node of the last module output marked in the graph (not an input)."""
     last = (None, None)
