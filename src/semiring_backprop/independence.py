@@ -30,7 +30,7 @@ from .errors import InputError
 def check(model, output, args: tuple, kwargs: dict, batched: torch.Tensor) -> None:
     """Raise if an example's output alone differs from its output in the batch."""
     n = batched.shape[0] if batched.dim() == 1 else 0
-    if n < 2 or _training(model):  # training (allow_training): random edges, nothing compares
+    if n < 2 or in_training(model):
         return
     together = batched.detach().double().cpu()
     if not torch.isfinite(together).all():
@@ -72,12 +72,17 @@ def _alone(model, output, leaves, rows, spec, b: int) -> float | None:
 
 def _tolerance(value: torch.Tensor) -> float:
     """Relative difference allowed between one example alone and in a batch: another
-    batch size may sum in another order (and TF32 matmuls round float32 to 10 bits)."""
-    dtype = value.dtype
-    if dtype == torch.float32 and value.is_cuda and torch.backends.cuda.matmul.allow_tf32:
-        dtype = torch.bfloat16  # about TF32's precision and coarser: a safe bound
-    return 4 * math.sqrt(torch.finfo(dtype).eps)
+    batch size may sum in another order."""
+    return 4 * math.sqrt(torch.finfo(computed_in(value)).eps)
 
 
-def _training(model) -> bool:
+def computed_in(value: torch.Tensor) -> torch.dtype:
+    """The precision ``value``'s matmuls ran at: its dtype, except float32 on a GPU that
+    allows TF32 (10-bit mantissas), bounded by bfloat16's (coarser: a safe bound)."""
+    tf32 = value.is_cuda and torch.backends.cuda.matmul.allow_tf32
+    return torch.bfloat16 if value.dtype == torch.float32 and tf32 else value.dtype
+
+
+def in_training(model) -> bool:
+    """Any module in training mode (``allow_training``): random edges, no run compares."""
     return isinstance(model, torch.nn.Module) and any(m.training for m in model.modules())

@@ -15,6 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .errors import TracingError
+from .independence import computed_in, in_training
 
 
 @contextlib.contextmanager
@@ -207,8 +208,8 @@ def check_against_eager(graph, model, args, kwargs, values) -> None:
     while torch.export traces (transformers skips the attention mask under SDPA only
     outside tracing, and one model then attends differently): the pass would explain a
     function the model does not compute. Run once per traced graph."""
-    if not isinstance(model, torch.nn.Module) or any(m.training for m in model.modules()):
-        return  # a plain function has no module to compare; training mode is random
+    if not isinstance(model, torch.nn.Module) or in_training(model):
+        return  # a plain function has no module to compare
     tag, node = _last_module_output(graph)
     if node is None:
         return
@@ -279,9 +280,7 @@ def _first_float(out):
 def _agreement(value: torch.Tensor) -> float:
     """Relative difference rounding explains between a fused eager kernel and its
     decomposition (a float64 model may compute parts in float32)."""
-    if value.dtype in (torch.float16, torch.bfloat16):
+    dtype = computed_in(value)
+    if dtype in (torch.float16, torch.bfloat16):
         return 5e-2
-    if value.dtype == torch.float32:
-        tf32 = value.is_cuda and torch.backends.cuda.matmul.allow_tf32
-        return 5e-2 if tf32 else 1e-3
-    return 1e-5
+    return 1e-3 if dtype == torch.float32 else 1e-5
