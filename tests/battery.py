@@ -2881,6 +2881,13 @@ def _bar(total, progress):
     return tqdm(total=total, disable=not progress, desc="battery", leave=False)
 
 
+# Cases kept in modules of their own (tests/battery_*.py), one per area, register
+# themselves with ``case`` / ``clear`` / ``graceful`` of this module when imported.
+sys.modules.setdefault("battery", sys.modules[__name__])  # the same module when run as a script
+for _extra in sorted(Path(__file__).parent.glob("battery_*.py")):
+    __import__(_extra.stem)
+
+
 def main(argv=None) -> int:
     import argparse
 

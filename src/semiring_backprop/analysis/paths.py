@@ -305,7 +305,7 @@ def _pick_source(res, source, semiring, k, score):
     best = None
     for n in group:
         s = score(_raw(res, n, k)).cpu()
-        s = torch.where(mask, s, torch.full_like(s, -math.inf))
+        s = torch.where(mask.cpu(), s, torch.full_like(s, -math.inf))
         flat = int(s.reshape(-1).argmax())
         v = float(s.reshape(-1)[flat])
         if best is None or v > best[0]:
@@ -423,7 +423,7 @@ def top_paths(res, source, k: int, semiring=None) -> list[Path]:
     cands = []  # (log|value|, node, flat element, rank)
     for n in group:
         v = sr._pack(_raw(res, n, s_idx))[0].cpu()  # (..., K)
-        v = torch.where(mask[..., None], v, torch.full_like(v, -math.inf)).reshape(-1)
+        v = torch.where(mask.cpu()[..., None], v, torch.full_like(v, -math.inf)).reshape(-1)
         top, j = v.topk(min(k, v.numel()))
         for lv, flat in zip(top.tolist(), j.tolist()):
             cands.append((lv, n, flat // sr.k, flat % sr.k))
