@@ -271,16 +271,16 @@ def test_layer_table_per_head():
     plain = res.layer_table()
     table = res.layer_table(per_head=True)
     assert list(table.columns) == [
-        "layer", "sublayer", "token", "token_text", "consumer", "branch", "head", "value",
+        "layer", "sublayer", "token", "token_text", "consumer", "branch", "head_index", "value",
         "winner", "path", "semiring",
     ]  # fmt: skip
-    assert str(table["head"].dtype) == "Int64"
+    assert str(table["head_index"].dtype) == "Int64"
     qkv = table["branch"].isin(QKV)
-    assert table.loc[~qkv, "head"].isna().all() and table.loc[qkv, "head"].notna().all()
+    assert table.loc[~qkv, "head_index"].isna().all() and table.loc[qkv, "head_index"].notna().all()
     n_heads = MODELS[name]["heads"]
     keys = ["layer", "sublayer", "token", "semiring", "branch"]
     for key, rows in table[qkv].groupby(keys):
-        assert sorted(rows["head"]) == list(range(n_heads[key[-1]])), key
+        assert sorted(rows["head_index"]) == list(range(n_heads[key[-1]])), key
     # rows without heads are the same as in the plain table
     cols = [*keys, "consumer", "value", "path"]
     a = table.loc[~qkv, cols].reset_index(drop=True)
@@ -312,7 +312,7 @@ def test_branches_per_head_by_role_and_batch():
     res = result("llama-gqa", (sbp.MaxProduct(),))
     place = attention_point("llama-gqa")
     table = res.branches(place, per_head=True, by="role")
-    assert set(zip(table["role"], table["head"].fillna(-1))) >= {("query", 3), ("key", 1)}
+    assert set(zip(table["role"], table["head_index"].fillna(-1))) >= {("query", 3), ("key", 1)}
     # bucket_sum: every hidden unit goes to one (branch, head), so per token the heads'
     # buckets add up to the plain table's
     split = res.branches(place, aggregate="bucket_sum", per_head=True)
@@ -458,7 +458,7 @@ def test_unknown_head_count_is_refused_and_heads_gives_it():
     with pytest.raises(InputError, match="no count for"):
         res.branches("0:input", per_head=True, heads={"query": 2})
     table = res.branches("0:input", sbp.Real(), per_head=True, heads=2)
-    assert sorted(table.loc[table["role"] == "key", "head"].unique()) == [0, 1]
+    assert sorted(table.loc[table["role"] == "key", "head_index"].unique()) == [0, 1]
     same = res.branches("0:input", sbp.Real(), per_head=True,
                         heads={"query": 2, "key": 2, "value": 2})  # fmt: skip
     assert table.equals(same)
@@ -480,7 +480,7 @@ def test_unknown_head_count_is_refused_and_heads_gives_it():
     finally:
         for h in cut:
             h.remove()
-    rows = table[(table["role"] == "query") & (table["head"] == 1)]
+    rows = table[(table["role"] == "query") & (table["head_index"] == 1)]
     np.testing.assert_allclose(rows["value"].to_numpy(), g[0].sum(-1).numpy(), rtol=1e-9)
 
 

@@ -182,7 +182,9 @@ def test_explanation_strips_hold_every_quantity(views_ex):
     ex = views_ex
     page = ex.view().html()
     top = spans_of(strip_section(page, "top path"))
-    path_value = ex.result.aggregate(ex.source, sbp.MaxProduct()).hi[0]
+    ro = ex.result.aggregate(ex.source, sbp.MaxProduct())
+    hi, lo = ro.hi[0], ro.lo[0]  # the heavier extreme, with its sign
+    path_value = torch.where(hi.abs() >= lo.abs(), hi, lo)
     assert [s[2] for s in top] == ex.tokens
     for (title, *_), v in zip(top, path_value.tolist()):
         assert math.isclose(_value(title), v, rel_tol=1e-3)
@@ -355,8 +357,8 @@ def test_path_head_is_the_winning_head_of_its_token(token):
     first = next(r for r in runs if r.role)
     assert first.role == best["role"]
     if best["role"] in ("query", "key", "value"):
-        assert first.heads == (int(best["head"]),)
-        assert f"(head {int(best['head'])})" in str(views.path(path, res=res))
+        assert first.heads == (int(best["head_index"]),)
+        assert f"(head {int(best['head_index'])})" in str(views.path(path, res=res))
     else:
         assert first.heads == ()
 
@@ -433,14 +435,14 @@ def test_heatmap_shares_are_each_branchs_part_of_the_token_total(views_ex):
 def test_heatmap_shows_heads_where_the_table_has_them(views_ex):
     ex = views_ex
     table = ex.layers[ex.layers["semiring"] == "MaxProduct(neuron)"].copy()
-    table["head"] = pd.NA
+    table["head_index"] = pd.NA
     extra = table[table["branch"] == "query"].copy()
-    extra = pd.concat([extra.assign(head=0, value=extra["value"] * 0.5),
-                       extra.assign(head=1, value=extra["value"])])  # fmt: skip
+    extra = pd.concat([extra.assign(head_index=0, value=extra["value"] * 0.5),
+                       extra.assign(head_index=1, value=extra["value"])])  # fmt: skip
     both = pd.concat([table, extra], ignore_index=True)
     page = views.branches(both).html()
     assert "query head 0: " in page and "query head 1: " in page
-    plain = views.branches(table.drop(columns="head")).html()
+    plain = views.branches(table.drop(columns="head_index")).html()
     strip = lambda s: re.sub(r"; query head \d: [^;\n<]*", "", s)  # noqa: E731
     assert strip(page) == plain  # the shares are the branch rows', heads only on hover
 
@@ -455,7 +457,7 @@ def test_per_head_table_gives_the_branch_shares(views_ex, semiring):
     if "per_head" not in inspect.signature(res.layer_table).parameters:
         pytest.skip("this version has no per-head tables")
     heads = res.layer_table(per_head=True, tokens=[ex.tokens], by="role")
-    assert "head" in heads.columns
+    assert "head_index" in heads.columns
     rows, _, _ = views.shares(heads, semiring)
     plain = ex.layers[ex.layers["semiring"] == semiring].copy()
     total = plain.assign(w=plain["value"].abs().where(plain["path"], 0.0))
@@ -501,7 +503,8 @@ def test_terminal_colour_only_on_a_terminal_without_no_color(views_ex, monkeypat
     v.show(tty)
     assert "\x1b[" not in tty.getvalue()
     text = plain.getvalue()
-    values = ex.result.aggregate(ex.source, sbp.MaxProduct()).hi[0].tolist()
+    ro = ex.result.aggregate(ex.source, sbp.MaxProduct())
+    values = torch.where(ro.hi.abs() >= ro.lo.abs(), ro.hi, ro.lo)[0].tolist()  # signed
     for t, val in zip(ex.tokens, values):
         assert f"{t} {val:.4g}" in text  # each token with its value
 
@@ -564,9 +567,10 @@ def test_branch_tables_show_their_heatmap_and_stay_dataframes(batch):
                        semirings=[sbp.Entropy(), sbp.MaxProduct()])  # fmt: skip
     only = two.layer_table(semirings=[sbp.Entropy()])
     assert "no heatmap: branch shares need" in only._repr_html_()
-    # one fan-out point's table (no layers) shows its rows
+    # one fan-out point's table (no layers): one heatmap row, then its rows
     one = two.branches(0, sbp.MaxProduct())
-    assert type(one).__name__ == "BranchTable" and "<svg" not in one._repr_html_()
+    assert type(one).__name__ == "BranchTable" and "<svg" in one._repr_html_()
+    assert "<table" in one._repr_html_() and ">branches</text>" in one.view().html()
 
 
 def test_a_path_prints_with_the_branches_of_the_result_it_was_read_from(batch):

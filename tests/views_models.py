@@ -88,3 +88,51 @@ def views_ex(views_run):
     ).eval()
     ex.result_tokenizer = transformers.AutoTokenizer.from_pretrained(views_run.dir)
     return ex
+
+
+SIM_WORDS = "a man is playing guitar someone plays an instrument".split()
+SIM_TEXT = "a man is playing a guitar"
+SIM_PAIR = "someone plays an instrument"  # two tokens shorter: two [PAD] in the batch
+
+
+def save_sentence_model(directory, layers: int = 2, seed: int = 0) -> str:
+    """A tiny random BERT saved as a sentence-transformers directory (mean pooling,
+    Normalize), as all-MiniLM-L6-v2 is laid out; with :data:`SIM_TEXT` and
+    :data:`SIM_PAIR` the second text is padded by two positions. Returns the directory."""
+    import json
+    import os
+
+    import transformers
+
+    os.makedirs(directory, exist_ok=True)
+    vocab = SPECIAL + SIM_WORDS
+    path = os.path.join(directory, "vocab.txt")
+    with open(path, "w") as f:
+        f.write("\n".join(vocab) + "\n")
+    transformers.BertTokenizer(path).save_pretrained(directory)
+    cfg = transformers.BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+    )
+    torch.manual_seed(seed)
+    transformers.BertModel(cfg).save_pretrained(directory)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling",
+         "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize",
+         "type": "sentence_transformers.models.Normalize"},
+    ]  # fmt: skip
+    with open(os.path.join(directory, "modules.json"), "w") as f:
+        json.dump(modules, f)
+    os.makedirs(os.path.join(directory, "1_Pooling"), exist_ok=True)
+    with open(os.path.join(directory, "1_Pooling", "config.json"), "w") as f:
+        json.dump({"word_embedding_dimension": 16, "pooling_mode_cls_token": False,
+                   "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False,
+                   "pooling_mode_mean_sqrt_len_tokens": False}, f)  # fmt: skip
+    os.makedirs(os.path.join(directory, "2_Normalize"), exist_ok=True)
+    return str(directory)

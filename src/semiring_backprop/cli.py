@@ -99,6 +99,11 @@ def _explain_parser(sub):
         help="; ".join(f"{k}: {v}" for k, v in SEMIRINGS.items()),
     )
     e.add_argument("--granularity", choices=["neuron", "tensor"], default="neuron")
+    e.add_argument(
+        "--per-head",
+        action="store_true",
+        help="split the query, key and value branches by attention head (a head_index column)",
+    )
     e.add_argument("--kind", choices=["masked", "causal"], help="default: from the config")
     e.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     e.add_argument("--device", default="cpu")
@@ -140,6 +145,7 @@ def _explain(args) -> int:
             kind=args.kind,
             dtype=getattr(torch, args.dtype),
             device=args.device,
+            per_head=args.per_head,
         )
         print(ex.report())
         if args.out:

@@ -270,7 +270,7 @@ class Explanation:
     text: str
     target: str
     foil: str
-    tokens: list  #: the (first) text's tokens
+    tokens: list  #: the text's tokens (a sentence pair: both, as one input; similarity: the first)
     position: int | None  #: the explained position (None: a whole text)
     score: float  #: the explained scalar (lm: log p(target) - log p(foil))
     result: object = field(repr=False)
@@ -283,6 +283,12 @@ class Explanation:
     what: str = ""  #: the explained scalar in words
     examples: list | None = None  #: tokens of each example of the batch explained
     paths: list | None = None  #: the top gradient path from each example's tokens
+    #: the text pair's tokens (similarity: the second text's; a sentence pair: its second
+    #: segment's), padding left out; None without a pair
+    pair_tokens: list | None = None
+    #: per example, 1 where a position is a token and 0 at padding (the attention mask);
+    #: None where every position is a token. Tables, views and figures leave padding out
+    mask: list | None = None
 
     def _said(self) -> str:
         if self.what:
@@ -291,6 +297,13 @@ class Explanation:
             f"log p({self.target}) - log p({self.foil}) at position {self.position} "
             f"({self.tokens[self.position]!r})"
         )
+
+    def real_tokens(self, e: int) -> list:
+        """Example ``e``'s tokens, padding left out."""
+        row = (self.examples or [self.tokens])[e]
+        if self.mask is None:
+            return list(row)
+        return [t for t, m in zip(row, self.mask[e]) if m]
 
     def report(self) -> str:
         rows = self.examples or [self.tokens]
@@ -301,15 +314,21 @@ class Explanation:
             *(
                 [f"tokens: {' '.join(self.tokens)}"]
                 if len(rows) == 1
-                else [f"tokens of example {e}: {' '.join(r)}" for e, r in enumerate(rows)]
+                else [
+                    f"tokens of example {e}: {' '.join(self.real_tokens(e))}"
+                    for e in range(len(rows))
+                ]
             ),
             f"explained: {self._said()} = {self.score:.4f}",
         ]
+        if self.mask is not None:
+            lines.append("(padding, where the attention mask is 0, is no token: left out below)")
         if self.layers is not None and len(self.layers):
             lines += ["", _branch_text(self.layers)]
-        for e, path in enumerate(self.paths or ([self.path] if self.path is not None else [])):
-            which = f", example {e}" if len(rows) > 1 else ""
-            lines += ["", f"top gradient path (from {self.source}{which}):"]
+        from .views import start_of
+
+        for path in self.paths or ([self.path] if self.path is not None else []):
+            lines += ["", f"top gradient path {start_of(path, rows, self.mask)}:"]
             lines += ["  " + ln for ln in str(path).splitlines()]
         if self.entropy is not None:
             lines += ["", "per-token path entropy (nats; normalized = H / log #paths):"]
@@ -343,6 +362,8 @@ class Explanation:
             "text_pair": self.text_pair,
             "explained": self._said(),
             "examples": self.examples or [self.tokens],
+            "pair_tokens": self.pair_tokens,
+            "mask": self.mask,
             "source": self.source,
             "layers": None if self.layers is None else self.layers.to_dict("records"),
             "entropy": None if self.entropy is None else self.entropy.to_dict("records"),
@@ -379,15 +400,19 @@ class Explanation:
 
     def _figures(self, out, format: str = "png") -> list[str]:
         from . import plots
+        from .views import start_of
+        from .views.html import SKIP_NOTE
 
         files = []
+        n = len(self.examples or [self.tokens])
+        said = f"{self._said().replace(' - ', ' − ')} = {self.score:.4g}"
 
-        def save(fig, name, semiring):
-            said = f"{self._said().replace(' - ', ' − ')} = {self.score:.4g}"
-            plots.caption(fig, f'"{self.text}"\n{said}; {semiring}; {self.model_id}')
+        def save(fig, name, semiring, e, note=""):
+            head = f"{self._example_text(e, n)}\n{said}; {semiring}; {model_name(self.model_id)}"
+            plots.caption(fig, head + (f"\n{note}" if note else ""))
             files.append(str(plots.save(fig, out / f"{name}.{format}")))
 
-        n = len(self.examples or [self.tokens])
+        rows = self.examples or [self.tokens]
         for e in range(n):  # a batch (two texts): the figures of each example
             end = f"_{e}" if n > 1 else ""
             layers, entropy = _one_example(self.layers, e), _one_example(self.entropy, e)
@@ -396,16 +421,35 @@ class Explanation:
                 max_rows = layers[layers.semiring.str.startswith("MaxProduct")]
                 table = max_rows if len(max_rows) else layers
                 sr = table.semiring.iloc[0]
+                skip = SKIP_NOTE if str(sr).startswith(("MaxProduct", "MaxAbs", "TopK")) else ""
                 for sub in sorted(set(table.sublayer)):
                     fig = plots.branch_bars(table, sublayer=sub, semiring=sr)
-                    save(fig, f"branches_{sub}{end}", sr)
-                save(plots.token_heatmap(table, semiring=sr), f"token_heatmap{end}", sr)
+                    save(fig, f"branches_{sub}{end}", sr, e, skip)
+                save(plots.token_heatmap(table, semiring=sr), f"token_heatmap{end}", sr, e)
             if entropy is not None:
                 fig = plots.token_bars(entropy, value="entropy", title="path entropy per token")
-                save(fig, f"entropy{end}", "Entropy")
+                save(fig, f"entropy{end}", "Entropy", e)
             if path is not None:
-                save(plots.path_diagram(path), f"top_path{end}", path.semiring)
+                start = start_of(path, rows, self.mask).split(" (position")[0]
+                title = f"top path {start}, {path.semiring}: {path.value:.4g}"
+                save(plots.path_diagram(path, title=title), f"top_path{end}", path.semiring, e)
         return files
+
+    def _example_text(self, e: int, n: int) -> str:
+        """What example ``e`` of ``n`` is, in words: its own text, quoted."""
+        if n == 1:
+            return f'"{self.text}"'
+        if self.task == "similarity" and self.text_pair is not None and n == 2:
+            return f'"{(self.text, self.text_pair)[e]}" (text {"AB"[e]} of the pair)'
+        return f'"{" ".join(self.real_tokens(e))}" (example {e} of "{self.text}")'
+
+
+def model_name(model_id: str) -> str:
+    """A model's name for a caption: a local directory's last part, else the hub id."""
+    where = os.path.expanduser(str(model_id))
+    if os.path.isdir(where) or where.startswith(("/", "./", "../")):
+        return os.path.basename(os.path.normpath(where)) or str(model_id)
+    return str(model_id)
 
 
 def _one_example(table, e: int):
@@ -426,17 +470,24 @@ def _clean(x):
 
 
 def _branch_text(layers) -> str:
+    from .views.html import SELECTIVE, SKIP_NOTE
+
     table = layers[layers.semiring.str.startswith("MaxProduct")]
     if not len(table):
         table = layers[layers.semiring == layers.semiring.iloc[0]]
     sr = table.semiring.iloc[0]
+    value = "; values: the most positive path product, hi" if sr.startswith("MaxProduct") else ""
     out = [
         f"branches per layer ({sr}, ⊕ over each token's hidden units; winner: the branch "
-        "holding the token's best value)"
+        f"holding the token's best value{value})"
     ]
     keys = ["token", "token_text"]
     if "example" in table.columns:  # a batch: one row per example and token
         keys = ["example", *keys]
+    if "head_index" in table.columns:  # per head: query head 0 is its own column, "query.0"
+        heads = table["head_index"]
+        label = table["branch"].where(heads.isna(), table["branch"] + "." + heads.astype(str))
+        table = table.assign(branch=label)
     for (layer, sub), part in table.groupby(["layer", "sublayer"], sort=True):
         wide = part.pivot_table(index=keys, columns="branch", values="value", aggfunc=_oplus(sr))
         win = part[part.winner].set_index(keys)["branch"]
@@ -447,6 +498,10 @@ def _branch_text(layers) -> str:
         text = wide.to_string(index=False, float_format="%.3g", na_rep="-")
         out += ["  " + ln for ln in text.splitlines()]
     out.append("(- : no path through that branch reaches the output)")
+    if str(sr).startswith(SELECTIVE):
+        import textwrap
+
+        out += textwrap.wrap(SKIP_NOTE, 100)
     return "\n".join(out)
 
 
@@ -480,6 +535,7 @@ def explain(
     pooling=None,
     score: str = "logit",
     dim: int | None = None,
+    per_head: bool = False,
 ) -> Explanation:
     """Explain one scalar of a Hugging Face model; ``model`` is a hub id, a local
     directory, or a loaded model (then pass ``tokenizer`` too). ``task`` picks the
@@ -498,6 +554,10 @@ def explain(
       ``text_pair``, pooling read from a sentence-transformers checkpoint
       (``modules.json``) or given (``pooling="mean"``, ``"cls"``, ``"max"``,
       ``"lasttoken"``); ``dim=N``: dimension N of ``text``'s embedding instead.
+
+    ``per_head=True``: the layer table splits the query, key and value branches by
+    attention head (a ``head_index`` column). Padding (where the attention mask is 0) is
+    no token: it is left out of every table, view and figure.
 
     For example (``docs/targets.md`` runs each task on a small model)::
 
@@ -537,7 +597,11 @@ def explain(
         examples=rows,
     )  # fmt: skip
     ex.source = _embedding_path(model)
-    ex.layers = res.layer_table(tokens=rows if len(rows) > 1 else rows[0], by="role")
+    ex.mask = _mask_of(prep.inputs, rows)
+    ex.tokens, ex.pair_tokens = _tokens_of(ex, tokenizer, prep.inputs)
+    layers = res.layer_table(tokens=rows if len(rows) > 1 else rows[0], by="role",
+                             per_head=per_head)  # fmt: skip
+    ex.layers = layers if ex.mask is None else _without_padding(layers, ex.mask)
     maxes = [s for s in srs if isinstance(s, MaxProduct)]
     if maxes:
         sources = [(ex.source, (e,)) for e in range(len(rows))] if len(rows) > 1 else [ex.source]
@@ -553,7 +617,49 @@ def explain(
             ex.entropy = pd.concat(
                 [f.assign(example=e) for e, f in enumerate(frames)], ignore_index=True
             )[["example", *frames[0].columns]]
+        if ex.mask is not None:
+            ex.entropy = _without_padding(ex.entropy, ex.mask).reset_index(drop=True)
     return ex
+
+
+def _mask_of(inputs, rows) -> list | None:
+    """The attention mask as one list of 0/1 per example, or None where every position
+    of every example is a token."""
+    m = inputs.get("attention_mask")
+    if m is None or m.dim() != 2 or tuple(m.shape) != (len(rows), len(rows[0])):
+        return None
+    m = m.detach().cpu().long()
+    return None if bool((m != 0).all()) else (m != 0).long().tolist()
+
+
+def _without_padding(table, mask):
+    from .views.read import drop_padding
+    from .views.table import branch_table
+
+    out = drop_padding(table, mask)
+    if hasattr(table, "view"):  # a BranchTable stays one (with its mask, for its heatmap)
+        out = branch_table(out.reset_index(drop=True))
+        out.attrs["attention_mask"] = mask
+    return out
+
+
+def _tokens_of(ex, tokenizer, inputs) -> tuple[list, list | None]:
+    """``(tokens, pair_tokens)``: similarity, each text's own tokens (padding left out);
+    a sentence pair, the joint input's tokens and its second segment's."""
+    if ex.text_pair is None:
+        return ex.tokens, None
+    if ex.task == "similarity" and ex.examples and len(ex.examples) == 2:
+        return ex.real_tokens(0), ex.real_tokens(1)
+    types = inputs.get("token_type_ids")
+    if types is not None and bool((types[0] == 1).any()):
+        return ex.tokens, [t for t, k in zip(ex.tokens, types[0].tolist()) if k == 1]
+    try:
+        seq = tokenizer(ex.text, ex.text_pair).sequence_ids(0)
+    except (ValueError, AttributeError, TypeError):  # a slow tokenizer: no sequence ids
+        return ex.tokens, None
+    if len(seq) != len(ex.tokens):
+        return ex.tokens, None
+    return ex.tokens, [t for t, k in zip(ex.tokens, seq) if k == 1]
 
 
 def _check_head(model, task: str) -> None:

@@ -416,7 +416,8 @@ def save(fig: Figure, path: str | os.PathLike) -> str | os.PathLike:
 
 def caption(fig: Figure, text: str) -> Figure:
     """Name what the figure shows above it (the text, the target, the semiring): a
-    figure read apart from its report still says what it is about.
+    figure read apart from its report still says what it is about. The caption is
+    wrapped to the figure's width, never cut.
 
     Examples:
         >>> from semiring_backprop import plots
@@ -429,7 +430,8 @@ def caption(fig: Figure, text: str) -> Figure:
     """
     import textwrap
 
-    short = text if len(text) <= 300 else text[:299] + "…"
-    lines = [textwrap.fill(line, 110) for line in short.splitlines()]
+    # wrapped to the figure's width (never cut): about 0.6 em per character at 7 pt
+    chars = max(30, int(fig.get_figwidth() * 72 / (0.6 * 7)) - 4)
+    lines = [textwrap.fill(line, chars, break_long_words=True) for line in text.splitlines()]
     fig.suptitle("\n".join(lines), fontsize=7, color="#444444")
     return fig

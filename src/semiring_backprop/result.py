@@ -194,7 +194,8 @@ class Result:
         tried before the built-in names. ``by="role"``: one row per role, the ⊕ of the
         consumers that share it (a gated MLP's ``gate_proj`` and ``up_proj``).
 
-        ``per_head=True`` adds a ``head`` column and splits the query, key and value
+        ``per_head=True`` adds a ``head_index`` column (not ``head``: that would shadow
+        ``DataFrame.head()``) and splits the query, key and value
         branches by attention head: head ``h``'s row is the ⊕ over the paths through
         head ``h``'s columns of the projection's output (fused projections too). Under
         grouped-query attention the key and value heads are the K/V heads. The rows
@@ -212,7 +213,7 @@ class Result:
             27  bert.encoder.layer.0.attention.self.value  value  3.545691e-06   False
             >>> heads = res.branches("bert.encoder.layer.0:input", sbp.MaxProduct(),
             ...                      per_head=True)
-            >>> sorted(int(h) for h in heads["head"].dropna().unique())
+            >>> sorted(int(h) for h in heads["head_index"].dropna().unique())
             [0, 1]
         """
         from .analysis import branches
@@ -221,8 +222,9 @@ class Result:
         _check_roles(roles)
         from .views.table import branch_table
 
-        return branch_table(branches.branches(self, where, semiring, aggregate, roles, by=by,
-                                              per_head=per_head, heads=heads))  # fmt: skip
+        table = branches.branches(self, where, semiring, aggregate, roles, by=by,
+                                  per_head=per_head, heads=heads)  # fmt: skip
+        return _with_mask(self, branch_table(table))
 
     def layer_table(self, semirings=None, aggregate: str = "oplus", tokens=None, roles=None,
                     sublayers=("attention", "mlp"), by: str = "consumer",
@@ -231,7 +233,7 @@ class Result:
         ``consumer``, ``value``, ``winner``, ``path``, ``semiring``) for every attention block:
         branches at the block's input (skip/query/key/value) and at the input of its MLP
         sublayer (skip/mlp). ``tokens``: the token strings, for ``token_text``.
-        ``per_head``, ``heads``: a ``head`` column, as in
+        ``per_head``, ``heads``: a ``head_index`` column, as in
         [branches][semiring_backprop.Result.branches].
 
         Examples:
@@ -253,8 +255,9 @@ class Result:
             )
         from .views.table import branch_table
 
-        return branch_table(branches.layer_table(self, semirings, aggregate, tokens, roles,
-                                                 sublayers, by, per_head, heads))  # fmt: skip
+        table = branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers, by,
+                                     per_head, heads)  # fmt: skip
+        return _with_mask(self, branch_table(table))
 
     def _why_missing(self, where, node) -> str:
         val = node.meta.get("val")
@@ -305,6 +308,17 @@ class Result:
             'api-result.html'
         """
         return self.view(quantity, source=source, tokens=tokens).to_html(file)
+
+
+def _with_mask(res: Result, table):
+    """``table`` with the call's attention mask in ``attrs["attention_mask"]`` where it
+    pads: the rows stay (they index the tensors), and the table's views leave them out."""
+    from .views.read import token_mask
+
+    mask = token_mask(res)
+    if mask is not None:
+        table.attrs["attention_mask"] = mask
+    return table
 
 
 def _read_from(res: Result, path):

@@ -124,7 +124,7 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim, per_head=False):
                     **_position(idx, batched),
                     "consumer": e.consumer,
                     "role": e.role,
-                    **({"head": e.head} if per_head else {}),
+                    **({"head_index": e.head} if per_head else {}),
                     "value": float(stacked[(b, *idx)]),
                     "winner": bool(win[idx] == b) and bool(live[idx]),
                     "path": bool(has[(b, *idx)]),
@@ -133,7 +133,7 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim, per_head=False):
             )
     frame = pd.DataFrame(rows)
     if per_head:  # None where a branch has no heads (skip, mlp)
-        frame["head"] = frame["head"].astype("Int64")
+        frame["head_index"] = frame["head_index"].astype("Int64")
     return frame
 
 

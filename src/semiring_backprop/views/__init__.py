@@ -112,12 +112,15 @@ def _concat(views: list[View], title: str) -> View:
     )
 
 
-def tokens(res, quantity: str | None = None, *, source=None, tokens=None) -> View:
+def tokens(res, quantity: str | None = None, *, source=None, tokens=None, mask=None) -> View:
     """Token strips coloured by a per-token ``quantity`` (``"gradient"``, ``"top_path"``,
     ``"entropy"``, ``"normalized_entropy"``; None: every one the result has), read at
     ``source`` (default: the model's float input or its word embeddings). ``tokens``:
     the token strings, one list per example for a batch. Signed quantities use a
     diverging colour map centred at zero; the value shows on hover and under each token.
+    The top path is the heaviest path product with its sign (MaxProduct's ``hi`` or
+    ``lo``, whichever is larger in size; both on hover): red raises the output, blue
+    lowers it. Padding (``mask``, default the call's attention mask, 0) is left out.
 
     Examples:
         >>> print(sbp.views.tokens(res, "top_path", tokens=tokens))
@@ -127,10 +130,10 @@ def tokens(res, quantity: str | None = None, *, source=None, tokens=None) -> Vie
            cabinet 9.652e-05   [MASK] 0.5744   on 8.687e-05   the 9.146e-05   table 0.0001016
            [SEP] 0.0001117
     """
-    return _token_view(res, quantity, source, tokens)
+    return _token_view(res, quantity, source, tokens, mask=mask)
 
 
-def _token_view(res, quantity, source, labels, marks=None) -> View:
+def _token_view(res, quantity, source, labels, marks=None, mask=None) -> View:
     names = available(res) if quantity is None else [quantity]
     if not names:
         raise InputError(
@@ -140,7 +143,7 @@ def _token_view(res, quantity, source, labels, marks=None) -> View:
         )
     views = []
     for q in names:
-        tv = token_values(res, q, source, labels)
+        tv = token_values(res, q, source, labels, mask)
         tv.marks.update(marks or {})
         views.append(_strip(tv))
     return _concat(views, "tokens")
@@ -220,9 +223,13 @@ def paths(ps, title: str = "top paths", res=None) -> View:
     )
 
 
-def branches(table, semiring=None, title: str = "branches per layer and token") -> View:
-    """A layer table (``Result.layer_table``) as a layer x token heatmap of the branches'
-    shares of each token's total; per-head rows (a ``head`` column) show on hover.
+def branches(table, semiring=None, title: str = "branches per layer and token",
+             mask=None) -> View:  # fmt: skip
+    """A layer table (``Result.layer_table``; ``Result.branches``: one row) as a layer x
+    token heatmap of the branches' shares of each token's total; per-head rows (a
+    ``head_index`` column) show on hover. Rows at padding (``mask``, default the
+    table's attention mask, 0) are left out of the cells and the shares. Under a
+    selective semiring the skip branch wins almost by construction (the note says why).
 
     Examples:
         Tokens 4 to 7 of the sentence: at the mask, the residual (skip) branch carries
@@ -237,7 +244,7 @@ def branches(table, semiring=None, title: str = "branches per layer and token") 
           layer 0 attention   V 100%  V 100%  S 100%  V 100%
           layer 0 mlp         -       -       S 100%  -
     """
-    rows, name, heads = shares(table, semiring)
+    rows, name, heads = shares(table, semiring, mask)
     if not len(rows):
         raise InputError("the table has no rows to show")
     body = f"<h3>{_html.esc(title)}</h3>" + _html.heatmap(rows, heads, name)
@@ -315,8 +322,24 @@ def explanation(ex, quantity: str | None = None) -> View:
     parts = [View(top, lambda color: "\n".join(lines), "explanation")]
     rows = getattr(ex, "examples", None) or [ex.tokens]
     marks = {(0, ex.position): "the explained position"}
-    parts.append(_token_view(res, quantity, ex.source, rows, marks))
+    parts.append(_token_view(res, quantity, ex.source, rows, marks, getattr(ex, "mask", None)))
     return _explanation_rest(ex, parts, rows)
+
+
+def start_of(p, rows, mask=None) -> str:
+    """Where a path starts, in words: ``from 'guitar' (position 6 of example 0: a man is
+    playing a guitar) at embeddings.word_embeddings``; ``rows``: each example's tokens."""
+    src = p.steps[0]
+    where = src.module or src.node
+    idx = src.index
+    if idx is None or len(idx) < 2 or not rows:
+        return f"from {where}"
+    e, t = (int(idx[0]), int(idx[1])) if len(rows) > 1 or len(idx) > 2 else (0, int(idx[0]))
+    if e >= len(rows) or t >= len(rows[e]):
+        return f"from {where}"
+    real = [tok for j, tok in enumerate(rows[e]) if mask is None or mask[e][j]]
+    which = f" of example {e}: {' '.join(real)}" if len(rows) > 1 else ""
+    return f"from {rows[e][t]!r} (position {t}{which}) at {where}"
 
 
 def _other_target(ex, quantity, task) -> View:
@@ -340,17 +363,17 @@ def _other_target(ex, quantity, task) -> View:
              f"model {ex.model_id} ({task}); {ex._said()} = {_html.fmt(ex.score)}"]  # fmt: skip
     parts = [View(top, lambda color: "\n".join(lines), "explanation")]
     marks = {} if ex.position is None else {(0, ex.position): "the explained position"}
-    parts.append(_token_view(res, quantity, ex.source, rows, marks))
+    parts.append(_token_view(res, quantity, ex.source, rows, marks, getattr(ex, "mask", None)))
     return _explanation_rest(ex, parts, rows)
 
 
 def _explanation_rest(ex, parts, rows) -> View:
     res = ex.result
     paths = getattr(ex, "paths", None) or ([ex.path] if ex.path is not None else [])
-    for e, p in enumerate(paths):
-        which = f" (example {e}: {' '.join(rows[e])})" if len(paths) > 1 else ""
-        parts.append(path(p, f"top gradient path from {ex.source}{which}", res))
+    mask = getattr(ex, "mask", None)
+    for p in paths:
+        parts.append(path(p, f"top gradient path {start_of(p, rows, mask)}", res))
     layers = ex.layers
     if layers is not None and len(layers) and any(map(_has_shares, layers["semiring"].unique())):
-        parts.append(branches(layers))
+        parts.append(branches(layers, mask=mask))
     return _concat(parts, f"explanation: {ex.text}")

@@ -98,6 +98,8 @@ def role_chip(role: str) -> str:
 def color_bar(scale: Scale, what: str) -> str:
     lo, hi = scale.ends()
     mid = " · 0 in the middle" if scale.signed else ""
+    if scale.signed and what == "top path":
+        mid = " · blue: the heaviest path is negative (lowers the output), red: positive"
     return (
         f'<div class="bar"><span>{fmt(lo)}</span><span class="g" '
         f'style="background:{scale.gradient()}"></span><span>{fmt(hi)}</span>'
@@ -120,9 +122,12 @@ def strips(tv, title: str | None = None) -> str:
             out.append(f'<div class="note">example {i}</div>')
         spans = []
         for j, (v, t) in enumerate(zip(vals, toks)):
-            mark = tv.marks.get((i, j))
+            at = tv.position(i, j)
+            mark = tv.marks.get((i, at))
             cls = "tok" + (" mark" if mark else "")
-            hover = f"{t!r} (position {j}): {tv.quantity} = {fmt(v)}"
+            hover = f"{t!r} (position {at}): {tv.quantity} = {fmt(v)}"
+            if tv.notes is not None:
+                hover += f" ({tv.notes[i][j]})"
             if mark:
                 hover += f" ({mark})"
             if v is None:
@@ -138,7 +143,26 @@ def strips(tv, title: str | None = None) -> str:
             )
         out.append(f'<div class="strip">{"".join(spans)}</div>')
     out.append(color_bar(scale, tv.quantity.replace("_", " ")))
+    if tv.positions is not None:
+        out.append(f'<div class="note">{esc(PADDING_NOTE)}</div>')
     return "".join(out)
+
+
+#: semirings whose branch value is one heaviest path (the winner is that path's branch)
+SELECTIVE = ("MaxProduct", "MaxAbs", "TopK")
+#: said wherever a selective semiring's winning branch is shown
+SKIP_NOTE = (
+    "A skip win is close to built in: the residual (skip) edge has weight 1, while a path "
+    "through attention or the MLP is multiplied by several weights, mostly well below 1 in "
+    "size, so a token's single heaviest path keeps to the skip branch wherever it can; a "
+    "win says which one path is heaviest, not how much each branch carries in all (Real "
+    "and LogAbs sum over every path)."
+)
+#: said under a strip or table that left padding out
+PADDING_NOTE = (
+    "padding (positions where the attention mask is 0) is not shown: it is no token, "
+    "and no share or scale counts it"
+)
 
 
 # -- paths ----------------------------------------------------------------------------
@@ -270,6 +294,8 @@ def heatmap(rows, heads, semiring: str) -> str:
         "; the winning branch is outlined (← in the hover text); hover a token's column for "
         "its shares in every layer (the values are in the table)."
     )
+    if semiring.startswith(SELECTIVE):
+        note += " " + SKIP_NOTE
     if semiring == "Real":
         note += (
             " Real values are sums of signed gradients over a token's hidden units: they can "
@@ -294,7 +320,7 @@ def _heatmap_svg(part, heads, example) -> str:
     index = {t: j for j, t in enumerate(order)}
     labels = [texts[t] for t in order]
     levels = sorted(cells)
-    names = [f"layer {layer} {sub}" for layer, _, sub in levels]
+    names = [level_name(layer, sub) for layer, _, sub in levels]
     n = len(labels)
     cw = max(12, min(40, 900 // max(n, 1)))
     ch, left = 26, 12 + 7 * max(map(len, names), default=8)
@@ -358,6 +384,11 @@ def _heatmap_svg(part, heads, example) -> str:
     return "".join(out)
 
 
+def level_name(layer, sub) -> str:
+    """A heatmap row's name: ``layer 3 attention``, or the sublayer of a layer-less table."""
+    return f"layer {layer} {sub}" if layer != "" else str(sub)
+
+
 def _sub_order(s):
     return {"attention": 0, "mlp": 1}.get(s, 2)
 
@@ -368,7 +399,7 @@ def _head_text(heads, example) -> dict:
     if "example" in heads.columns:
         heads = heads[heads["example"] == example]
     out: dict = {}
-    cols = ["layer", "sublayer", "token", "branch", "head", "value"]
+    cols = ["layer", "sublayer", "token", "branch", "head_index", "value"]
     for layer, sub, tok, b, head, v in zip(*(heads[c].tolist() for c in cols)):
         out[(layer, sub, tok)] = out.get((layer, sub, tok), "") + f"; {b} head {head}: {fmt(v)}"
     return out

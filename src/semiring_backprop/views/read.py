@@ -19,7 +19,12 @@ QUANTITIES = {
         "gradient, summed over the token's hidden units (Real; signed terms can cancel)",
         True,
     ),
-    "top_path": ("product of the token's top gradient path (MaxProduct: ⊕ over its units)", True),
+    "top_path": (
+        "the heaviest path product from the token, with its sign: MaxProduct's most positive "
+        "(hi) or most negative (lo) path, whichever is larger in size, ⊕ over its units; red: "
+        "the heaviest path raises the output, blue: it lowers it",
+        True,
+    ),
     "entropy": ("path entropy in nats (Entropy, ⊕ over the token's units)", False),
     "normalized_entropy": ("path entropy / log #paths (Entropy, PathCount)", False),
 }
@@ -37,6 +42,14 @@ class TokenValues:
     source: str = ""
     marks: dict = field(default_factory=dict)  #: (example, position) -> why it is marked
     warning: str = ""  #: what the reader must know before reading the colours
+    #: examples x the positions shown (padding left out); None: every position
+    positions: list | None = None
+    #: examples x positions of hover notes (e.g. both path extremes), or None
+    notes: list | None = None
+
+    def position(self, i: int, j: int) -> int:
+        """The position in the input of the ``j``-th token shown of example ``i``."""
+        return j if self.positions is None else self.positions[i][j]
 
 
 def _find(res, kind):
@@ -87,13 +100,55 @@ def default_source(res) -> str:
     )
 
 
-def token_values(res, quantity: str, source=None, tokens=None) -> TokenValues:
-    """Per-token ``quantity`` at ``source`` (⊕ over the last dimension: hidden units)."""
+def token_mask(res, examples: int | None = None, positions: int | None = None):
+    """Which positions are tokens: ``mask[example][position]`` (False: padding, where the
+    traced call's attention mask is 0), or None where the call has no attention mask or
+    every position is a token. ``examples``, ``positions``: the shape the mask must have
+    (another shape: None)."""
+    g = res.graph
+    for key, node in g.user_inputs.items():
+        if "attention_mask" not in str(key):
+            continue
+        try:
+            m = res.values[node]
+        except Exception:  # not kept: no mask known, every position shown
+            return None
+        if not isinstance(m, torch.Tensor) or m.dim() != 2 or m.is_floating_point():
+            return None
+        if (examples, positions) != (None, None) and tuple(m.shape) != (examples, positions):
+            return None
+        m = m.detach().cpu().bool()
+        return None if bool(m.all()) else m.tolist()
+    return None
+
+
+def check_mask(mask, examples: int, positions: int) -> list | None:
+    """``mask`` (one list of 0/1 or bools per example) as lists of bools, checked
+    against the values' shape."""
+    if mask is None:
+        return None
+    if isinstance(mask, torch.Tensor):
+        mask = mask.detach().cpu().reshape(-1, mask.shape[-1]).tolist()
+    rows = [[bool(v) for v in row] for row in mask]
+    if len(rows) != examples or any(len(r) != positions for r in rows):
+        raise InputError(
+            f"mask= has {len(rows)} rows of {sorted({len(r) for r in rows})} positions, but "
+            f"the values hold {examples} examples of {positions} positions: give the "
+            "attention mask of the call (one row per example)"
+        )
+    return rows
+
+
+def token_values(res, quantity: str, source=None, tokens=None, mask=None) -> TokenValues:
+    """Per-token ``quantity`` at ``source`` (⊕ over the last dimension: hidden units).
+    Positions where ``mask`` (default: the traced call's attention mask) is 0 are
+    padding, not tokens: they are left out."""
     if quantity not in QUANTITIES:
         raise InputError(f"quantity must be one of {', '.join(QUANTITIES)}; got {quantity!r}")
     source = default_source(res) if source is None else source
     missing = None
     warning = ""
+    notes = None
     if quantity == "gradient":
         (sr,) = _need(res, quantity, Real)
         v = res.aggregate(source, sr)
@@ -103,8 +158,19 @@ def token_values(res, quantity: str, source=None, tokens=None) -> TokenValues:
         if sr is None:
             _need(res, quantity, MaxProduct)
         ro = res.aggregate(source, sr)
-        v = ro.hi if isinstance(sr, MaxProduct) else ro.value
-        missing = ~torch.isfinite(v) if isinstance(sr, MaxProduct) else ro.log == -math.inf
+        if isinstance(sr, MaxProduct):
+            hi, lo = ro.hi, ro.lo
+            missing = ~torch.isfinite(hi)
+            v = torch.where(hi.abs() >= lo.abs(), hi, lo)  # the heavier extreme, signed
+            notes = [
+                [f"most positive path {_fmt(a)}, most negative path {_fmt(b)}"
+                 for a, b in zip(r_hi, r_lo)]
+                for r_hi, r_lo in zip(_examples_by_positions(hi, source),
+                                      _examples_by_positions(lo, source))
+            ]  # fmt: skip
+        else:
+            v = ro.value
+            missing = ro.log == -math.inf
     else:
         (ent,) = _need(res, quantity, Entropy)
         ro = res.aggregate(source, ent)
@@ -125,7 +191,22 @@ def token_values(res, quantity: str, source=None, tokens=None) -> TokenValues:
     else:
         labels = per_example(tokens, n, t)
     desc, signed = QUANTITIES[quantity]
-    return TokenValues(quantity, desc, signed, values, labels, str(source), warning=warning)
+    if quantity == "top_path" and not isinstance(sr, MaxProduct):
+        desc, signed = "the largest |path product| from the token (MaxAbs, unsigned)", False
+    keep = check_mask(mask, n, t) if mask is not None else token_mask(res, n, t)
+    positions = None
+    if keep is not None:  # padding is no token: left out of the strip and of its scale
+        positions = [[j for j in range(t) if keep[i][j]] for i in range(n)]
+        values = [[values[i][j] for j in ps] for i, ps in enumerate(positions)]
+        labels = [[labels[i][j] for j in ps] for i, ps in enumerate(positions)]
+        if notes is not None:
+            notes = [[notes[i][j] for j in ps] for i, ps in enumerate(positions)]
+    return TokenValues(quantity, desc, signed, values, labels, str(source), warning=warning,
+                       positions=positions, notes=notes)  # fmt: skip
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}" if math.isfinite(v) else "none"
 
 
 def _cancels(g: torch.Tensor, total: torch.Tensor) -> str:
@@ -378,19 +459,29 @@ def pick_semiring(table, semiring=None) -> str:
     )
 
 
-def shares(table, semiring=None):
+def shares(table, semiring=None, mask=None):
     """The table's rows of one semiring with ``share``: each branch's part of the token's
     total, |value| / Σ |value| (log-space semirings: exp(value) / Σ exp(value)); rows
-    without a path count 0. Per-head rows (a ``head`` column) are kept for the tooltips
-    and left out of the shares where their branch has a row of its own."""
+    without a path count 0. Per-head rows (a ``head_index`` column) are kept for the
+    tooltips and left out of the shares where their branch has a row of its own. Rows at
+    padding (``mask``, default the table's ``attrs["attention_mask"]``, 0) are left out.
+    A table of one fan-out point (``Result.branches``: ``role``, no ``layer``) is one row."""
     import pandas as pd
 
+    if mask is None:
+        mask = table.attrs.get("attention_mask")
+    if "layer" not in table.columns and "role" in table.columns and "branch" not in table.columns:
+        table = table.rename(columns={"role": "branch"})
+        table.insert(0, "sublayer", "branches")
+        table.insert(0, "layer", "")
     for col in ("layer", "sublayer", "token", "branch", "value", "semiring"):
         if col not in table.columns:
             raise InputError(
-                f"the table has no {col!r} column: pass a table from Result.layer_table() "
-                "or Explanation.layers"
+                f"the table has no {col!r} column: pass a table from Result.layer_table(), "
+                "Result.branches() or Explanation.layers"
             )
+    if mask is not None and len(table):
+        table = drop_padding(table, mask)
     name = pick_semiring(table, semiring)
     if name.startswith("Entropy"):
         raise InputError("path entropy does not split into branch shares; pick a semiring")
@@ -402,8 +493,8 @@ def shares(table, semiring=None):
     if "path" not in rows.columns:
         rows["path"] = True
     heads = None
-    if "head" in rows.columns:
-        per_head = rows["head"].notna()
+    if "head_index" in rows.columns:
+        per_head = rows["head_index"].notna()
         heads = rows[per_head]
         whole = rows[~per_head]
         have = set(zip(whole["layer"], whole["sublayer"], whole["branch"]))
@@ -429,7 +520,7 @@ def shares(table, semiring=None):
 def _fold_heads(rows, name):
     """⊕ of per-head rows into one row per branch, for branches without a row of their own."""
     if not len(rows):
-        return rows.drop(columns="head")
+        return rows.drop(columns="head_index")
     keys = ["example", "layer", "sublayer", "token", "token_text", "branch", "semiring"]
     keys = [k for k in keys if k in rows.columns]
     agg = "sum" if name == "Real" else "max"
@@ -444,3 +535,15 @@ def _fold_heads(rows, name):
     if "winner" not in out.columns:
         out["winner"] = False
     return out
+
+
+def drop_padding(table, mask):
+    """``table`` without its rows at positions where ``mask[example][token]`` is 0
+    (padding is no token); ``mask``: one row of 0/1 per example."""
+    rows = [[bool(v) for v in row] for row in mask]
+    examples = table["example"] if "example" in table.columns else [0] * len(table)
+    keep = []
+    for e, t in zip(examples, table["token"]):
+        e, t = int(e), int(t)
+        keep.append(e >= len(rows) or t >= len(rows[e]) or rows[e][t])
+    return table[keep]

@@ -17,8 +17,9 @@ from ..errors import SemiringBackpropError
 class BranchTable(pd.DataFrame):
     """A tidy branch table (``Result.layer_table``, ``Result.branches``): a DataFrame in
     every way; in a notebook, the heatmap of branch shares above the rows, where the table
-    has layers and a semiring whose branches compete. ``.view()`` gives that heatmap as a
-    :class:`~semiring_backprop.views.View` (``.to_html(file)`` writes it)."""
+    has a semiring whose branches compete (``Result.branches``: one row). ``.view()``
+    gives that heatmap as a :class:`~semiring_backprop.views.View` (``.to_html(file)``
+    writes it); rows at padding (``attrs["attention_mask"]`` 0) are left out."""
 
     @property
     def _constructor(self):
@@ -28,12 +29,12 @@ class BranchTable(pd.DataFrame):
         """The heatmap of branch shares (see ``semiring_backprop.views.branches``)."""
         from . import branches
 
-        return branches(pd.DataFrame(self), semiring)
+        frame = pd.DataFrame(self)
+        frame.attrs = dict(self.attrs)  # the attention mask: padding is left out
+        return branches(frame, semiring)
 
     def _repr_html_(self) -> str:
         rows = pd.DataFrame(self)._repr_html_()
-        if "layer" not in self.columns:  # Result.branches: one fan-out point, no layers
-            return rows
         try:
             heat = self.view()._repr_html_()
         except SemiringBackpropError as e:  # e.g. only Entropy rows: say why, show rows

@@ -7,7 +7,7 @@ import os
 import shutil
 
 from .colors import ROLE_COLORS, ROLES, Scale, _rgb, text_color
-from .html import fmt, path_kind
+from .html import PADDING_NOTE, SELECTIVE, SKIP_NOTE, fmt, level_name, path_kind
 from .read import module_label
 
 _RESET = "\x1b[0m"
@@ -46,7 +46,7 @@ def strips(tv, color: bool = False, title: str | None = None) -> str:
             lines.append(f" example {i}:")
         line, used = "  ", 2
         for j, (v, t) in enumerate(zip(vals, toks)):
-            mark = "*" if tv.marks.get((i, j)) else ""
+            mark = "*" if tv.marks.get((i, tv.position(i, j))) else ""
             cell = f"{mark}{t} {fmt(v) if v is not None else 'no-path'}"
             if used + len(cell) + 2 > width and used > 2:
                 lines.append(line.rstrip())
@@ -55,6 +55,8 @@ def strips(tv, color: bool = False, title: str | None = None) -> str:
             line += shown + " "
             used += len(cell) + 3
         lines.append(line.rstrip())
+    if tv.positions is not None:
+        lines.append(f"  ({PADDING_NOTE})")
     if any(tv.marks.values()):
         why = next(m for m in tv.marks.values() if m)
         lines.append(f"  (* {why})")
@@ -111,7 +113,7 @@ def heatmap(rows, semiring: str, color: bool = False) -> str:
         keys = part[["layer", "sublayer"]].drop_duplicates().sort_values(["layer", "sublayer"])
         for layer, sub in zip(keys["layer"], keys["sublayer"]):
             cells = part[(part["layer"] == layer) & (part["sublayer"] == sub)]
-            line = f"  {f'layer {layer} {sub}':<20}"
+            line = f"  {level_name(layer, sub):<20}"
             for _, grp in cells.groupby("token", sort=True):
                 won = grp[grp["winner"].astype(bool)]
                 best = (won if len(won) else grp.sort_values("share", ascending=False)).iloc[0]
@@ -125,4 +127,12 @@ def heatmap(rows, semiring: str, color: bool = False) -> str:
                     shown = _paint(cell, c) + " " * (w - len(cell))
                 line += shown
             lines.append(line.rstrip())
+    if str(semiring).startswith(SELECTIVE):
+        lines += _wrap(SKIP_NOTE)
     return "\n".join(lines)
+
+
+def _wrap(text: str) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, _width() - 2, initial_indent="  ", subsequent_indent="  ")
