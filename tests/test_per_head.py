@@ -308,6 +308,30 @@ def test_layer_table_per_head():
         assert by[rows["winner"]].item() == by.max(), key
 
 
+def test_per_head_tables_view_and_keep_dataframe_head():
+    """A per-head table of one fan-out point or of every layer shows its heatmap (its
+    shares: the ⊕ of each branch's heads, against the plain table's), names its heads
+    on hover, and leaves ``DataFrame.head()`` to pandas (the column is ``head_index``)."""
+    import html
+
+    res = result("llama-gqa", (sbp.MaxProduct(),))
+    place = attention_point("llama-gqa")
+    for table in (res.branches(place, per_head=True), res.layer_table(per_head=True)):
+        assert "head_index" in table.columns and "head" not in table.columns
+        first = table.head(2)
+        assert len(first) == 2 and list(first.columns) == list(table.columns)
+        page = html.unescape(table.view().html())
+        assert "<svg" in page and "query head 3: " in page and "key head 1: " in page
+    one = res.branches(place, per_head=True)
+    plain = res.branches(place)
+    rows, _, _ = sbp.views.shares(one)
+    want = plain.assign(w=plain["value"].abs().where(plain["path"], 0.0))
+    want["share"] = want["w"] / want.groupby("token")["w"].transform("sum")
+    got = rows.set_index(["token", "branch"])["share"].sort_index()
+    want = want.rename(columns={"role": "branch"}).set_index(["token", "branch"])["share"]
+    np.testing.assert_allclose(got.to_numpy(), want.sort_index().to_numpy(), rtol=1e-9)
+
+
 def test_branches_per_head_by_role_and_batch():
     res = result("llama-gqa", (sbp.MaxProduct(),))
     place = attention_point("llama-gqa")

@@ -476,10 +476,9 @@ def _branch_text(layers) -> str:
     if not len(table):
         table = layers[layers.semiring == layers.semiring.iloc[0]]
     sr = table.semiring.iloc[0]
-    value = "; values: the most positive path product, hi" if sr.startswith("MaxProduct") else ""
     out = [
         f"branches per layer ({sr}, ⊕ over each token's hidden units; winner: the branch "
-        f"holding the token's best value{value})"
+        "holding the token's best value)"
     ]
     keys = ["token", "token_text"]
     if "example" in table.columns:  # a batch: one row per example and token
