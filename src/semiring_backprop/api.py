@@ -22,7 +22,7 @@ from . import (
     rules,
     trace_checks,
 )
-from .errors import InputError, OutOfMemoryError, is_out_of_memory
+from .errors import InputError, OutOfMemoryError, SemiringBackpropError, is_out_of_memory
 from .result import Result, resolve_keep
 from .semirings import Real, Semiring
 from .tracing import input_tensors, trace
@@ -301,10 +301,26 @@ class Backprop:
                 held |= {n for n in (trace_checks.compared(graph),) if n is not None}
             drop = memory.unread_values(graph, engine.needed_nodes(graph, graph.output_node), held)
         with torch.no_grad():
-            values = forward.run(graph, args, kwargs, drop)
-            self._check_examples(args, kwargs, values.get(graph.output_node))
+            values, confirm = forward.run_deferred(graph, args, kwargs, drop)
+            out = values.get(graph.output_node)
+            checks = self._traces.options["per_example"] or not getattr(
+                graph, "eager_checked", False
+            )
+            if checks or not (isinstance(out, torch.Tensor) and out.is_cuda):
+                values = confirm() or values  # the checks read values: they must be finite
+                confirm = None
+            self._check_examples(args, kwargs, out)
             self._check_trace(graph, args, kwargs, values)
-            store = engine.reverse(graph, values, self.semirings, graph.output_node, kept)
+            # on a GPU, the forward's check is read once the pass is queued (no wait for
+            # the device in between); a bad forward value is still what is reported
+            try:
+                store = engine.reverse(graph, values, self.semirings, graph.output_node, kept)
+            except SemiringBackpropError:
+                if confirm is not None:
+                    confirm()
+                raise
+            if confirm is not None:  # (kept values are never dropped: they stand)
+                confirm()
         if kept is not None:
             values = {n: v for n, v in values.items() if n in kept}
         return Result(graph, values, store, self.semirings, kept=kept)

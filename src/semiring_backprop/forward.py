@@ -37,6 +37,16 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
     ``node`` is computed, by a stand-in of the same shape, dtype and device that holds
     no memory (its elements are NaN: no rule reads them).
     """
+    values, confirm = run_deferred(graph, args, kwargs, drop)
+    return confirm() or values
+
+
+def run_deferred(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None):
+    """:func:`run` without reading its check for non-finite values: ``(values, confirm)``,
+    where ``confirm()`` reads it (one host synchronization on a GPU) and raises as
+    :func:`run` would, or returns new values where it had to run again to name the bad
+    one (None: the values are good). On a GPU the caller queues the reverse pass first
+    and confirms at the end, so the device never waits for the host in between."""
     given = input_tensors(args, kwargs)
     values: dict = {}
     for key, node in graph.user_inputs.items():
@@ -66,23 +76,36 @@ def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> di
     if isinstance(out, torch.Tensor) and _is_float(out):
         checked.append((graph.output_node, out.sum()))
     finite = torch.isfinite(torch.stack([s.float() for _, s in checked])) if checked else None
-    if finite is not None and not bool(finite.all()):  # look at every value, in graph order
-        _check_inputs(graph, values)
-        dropped = {n for nodes in drop.values() for n in nodes} if drop else set()
-        try:
-            for node, check in _plan(graph):
-                out = values[node]
-                # (a mask may hold -inf: _check_finite tells)
-                if check is not None and node not in dropped and _is_float(out):
-                    _check_finite(graph, node, out, map_arg(node.args, values.__getitem__))
-        except NonFiniteError:
-            if dropped:  # again with every value, to name the first bad one
-                return run(graph, args, kwargs)
-            raise
-        if dropped:  # the bad value may be one of those dropped: look again at every value
+    finite = None if finite is None else finite.all()
+
+    def confirm():
+        if finite is not None and not bool(finite):  # look at every value, in graph order
+            return _name_the_first(graph, args, kwargs, values, drop)
+        graph._static_checked = True
+        return None
+
+    return values, confirm
+
+
+def _name_the_first(graph, args, kwargs, values, drop):
+    """Raise for the first non-finite value; returns the values of a run that keeps
+    every value where a dropped one may be the culprit (that run raises)."""
+    _check_inputs(graph, values)
+    dropped = {n for nodes in drop.values() for n in nodes} if drop else set()
+    try:
+        for node, check in _plan(graph):
+            out = values[node]
+            # (a mask may hold -inf: _check_finite tells)
+            if check is not None and node not in dropped and _is_float(out):
+                _check_finite(graph, node, out, map_arg(node.args, values.__getitem__))
+    except NonFiniteError:
+        if dropped:  # again with every value, to name the first bad one
             return run(graph, args, kwargs)
+        raise
+    if dropped:  # the bad value may be one of those dropped: look again at every value
+        return run(graph, args, kwargs)
     graph._static_checked = True
-    return values
+    return None
 
 
 def _failed(graph, node, e, args=()) -> ForwardError:

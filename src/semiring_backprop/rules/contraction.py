@@ -33,6 +33,8 @@ def _live_matmul(sr, g, w, prep=None):
     x = g[0]
     if isinstance(g, Dense) or x.dim() != 2 or w.dim() != 2:
         return sr.matmul(g, w, prep)
+    if x.device.type != "cpu" and x.shape[0] * x.shape[1] * w.shape[-1] < LIVE_ROWS_ON_DEVICE:
+        return sr.matmul(g, w, prep)  # counting live rows waits for the device: not worth it
     live = _live_rows(x, _zero_of(sr, x))
     n_live = int(live.sum())
     if n_live == x.shape[0]:  # a path in every row, so at every element of the result
@@ -45,6 +47,13 @@ def _live_matmul(sr, g, w, prep=None):
     part = sr.matmul(tuple(f.index_select(0, rows) for f in g), w, prep)
     return fmap2(lambda o, p: o.index_copy(0, rows, p), out, part)
 
+
+#: on an accelerator, counting the live rows is a host synchronization (the device's
+#: queue drains while the host waits): only contractions of at least this many
+#: (row, inner, column) triples look for them first, where the rows skipped save more
+#: than the wait costs (a vocabulary-sized head read at one position of a long input:
+#: 1,024 x 1,024 x 50,257 for GPT-2 medium); smaller ones run on every row
+LIVE_ROWS_ON_DEVICE = 2**34
 
 _ZEROS: dict = {}
 

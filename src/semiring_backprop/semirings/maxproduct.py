@@ -175,7 +175,7 @@ class MaxProduct(Semiring):
                 )
             )
         swap = (hi < lo) & (hi != -INF)  # the zero (-inf, inf) is not swapped
-        if not bool(swap.any()):
+        if hi.device.type == "cpu" and not bool(swap.any()):  # (a device would wait)
             return _Normal(a)
         return _Normal(
             (
@@ -328,7 +328,8 @@ class MaxProduct(Semiring):
             if dense:
                 return swapped
             pen = (a[0].amax(-1, keepdim=True) * 0).nan_to_num_(nan=-INF)  # 0 or -inf
-            if not bool(pen.isneginf().any()):  # (one small check) a path in every row
+            # (one small check, on the CPU: a device would wait) a path in every row
+            if pen.device.type == "cpu" and not bool(pen.isneginf().any()):
                 return swapped
             return _Normal((swapped[0].add_(pen), swapped[1].sub_(pen)))
         nan = hi.amax(-1, keepdim=True) * 0  # NaN on rows without a path, 0 elsewhere
