@@ -138,6 +138,32 @@ def _llama1b(tokens, dtype, device):
     return model, output
 
 
+def _bert_base(tokens, dtype, device):
+    from transformers import BertConfig, BertForMaskedLM
+
+    model = BertForMaskedLM(BertConfig())  # BERT base: 12 layers, 768 hidden, 12 heads
+    pos = tokens // 2
+
+    def output(out):
+        lp = out.logits[0, pos].log_softmax(-1)
+        return lp[2024] - lp[2003]
+
+    return model, output
+
+
+def _gpt2_medium(tokens, dtype, device):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_embd=1024, n_layer=24, n_head=16)  # GPT-2 medium
+    model = GPT2LMHeadModel(cfg)
+
+    def output(out):
+        lp = out.logits[0, -1].log_softmax(-1)
+        return lp[389] - lp[318]
+
+    return model, output
+
+
 class _MLP(torch.nn.Module):
     def __init__(self, width=1024, depth=4):
         super().__init__()
@@ -160,6 +186,10 @@ CASES = {
     "gpt2": ("GPT-2 small", _gpt2, 64),
     "mlp": ("MLP 4x1024", _mlp, 1),
     "llama1b": ("Llama 1B shape", _llama1b, 64),
+    # the lengths researchers explain, for a GPU
+    "bert-base512": ("BERT 12L-768H-12A", _bert_base, 512),
+    "gpt2-medium1024": ("GPT-2 medium (24L-1024H-16A)", _gpt2_medium, 1024),
+    "llama1b512": ("Llama 1B shape (16L-2048H-32A, GQA 8)", _llama1b, 512),
 }
 
 
@@ -184,7 +214,9 @@ def _time(fn, reps, device):
     return statistics.median(times)
 
 
-def bench_case(name, reps, dtype, device, sets):
+def bench_case(name, reps, dtype, device, sets, share_trace=False, again=True):
+    """Rows of the table for one case, each yielded as soon as it is measured; the
+    last one repeats autograd's with its median over every round it ran in."""
     title, build, tokens = CASES[name]
     torch.manual_seed(0)
     model, output = build(tokens, dtype, device)
@@ -199,23 +231,29 @@ def bench_case(name, reps, dtype, device, sets):
     autograd()  # warm up
     t_ref = _time(autograd, reps, device)
     ref_peak = peak_bytes(autograd, device)
-    rows = [(title, tokens, "torch autograd", t_ref, 1.0, ref_peak, 1.0, None, 0)]
+    first_row = (title, tokens, "torch autograd", t_ref, 1.0, ref_peak, 1.0, None, 0)
+    yield first_row
     refs = []
+    shared = None  # --share-trace: one trace serves every set (the first call traces)
     for label in sets:
         semirings, options = SETS[label]
-        bp = sbp.Backprop(model, output, semirings, **options)
+        bp = sbp.Backprop(model, output, semirings, **options, _traces=shared)
+        if share_trace:
+            shared = bp._traces
         call = lambda bp=bp: bp(kwargs={"inputs_embeds": emb})  # noqa: E731
         t0 = time.perf_counter()
         res = call()  # traces (once per model and input shape), then runs
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
         first = time.perf_counter() - t0
         del res
         cache = bp._prepared.used if bp._prepared is not None else 0
         peak = peak_bytes(call, device)
         t, r, ref = _paired(autograd, call, reps, device)
         refs += ref
-        rows.append((title, tokens, label, t, r, peak, peak / max(rows[0][5], 1), first, cache))
+        yield (title, tokens, label, t, r, peak, peak / max(ref_peak, 1), first, cache)
     if "Real+MaxProduct+Entropy" in sets:  # keep=None, then what paths and tables read
-        bp = sbp.Backprop(model, output, SETS["Real+MaxProduct+Entropy"][0])
+        bp = sbp.Backprop(model, output, SETS["Real+MaxProduct+Entropy"][0], _traces=shared)
         bp(kwargs={"inputs_embeds": emb})
 
         def read():
@@ -231,19 +269,18 @@ def bench_case(name, reps, dtype, device, sets):
         peak = peak_bytes(read, device)
         label = "Real+MaxProduct+Entropy, a top path" + ("" if isinstance(model, _MLP) else
                                                          " and the layer table")  # fmt: skip
-        rows.append((title, tokens, label, t, t / rows[0][3], peak,
-                     peak / max(rows[0][5], 1), None, 0))  # fmt: skip
-    # sbp.backprop called again on the same model and output function: the trace is reused
-    again = lambda: sbp.backprop(model, kwargs={"inputs_embeds": emb}, output=output)  # noqa: E731
-    t0 = time.perf_counter()
-    again()
-    first = time.perf_counter() - t0
-    t, r, ref = _paired(autograd, again, reps, device)
-    refs += ref
-    rows.append((title, tokens, "sbp.backprop again (Real)", t, r, None, None, first, 0))
+        yield (title, tokens, label, t, t / t_ref, peak, peak / max(ref_peak, 1), None, 0)
+    if again:  # sbp.backprop called again on the same model and output: the trace is reused
+        again = lambda: sbp.backprop(model, kwargs={"inputs_embeds": emb}, output=output)  # noqa: E731
+        t0 = time.perf_counter()
+        again()
+        first = time.perf_counter() - t0
+        t, r, ref = _paired(autograd, again, reps, device)
+        refs += ref
+        yield (title, tokens, "sbp.backprop again (Real)", t, r, None, None, first, 0)
     if refs:  # autograd's time: every round it ran in
-        rows[0] = (*rows[0][:3], statistics.median(refs), *rows[0][4:])
-    return rows
+        yield (*first_row[:2], "torch autograd, median of every round", statistics.median(refs),
+               *first_row[4:])  # fmt: skip
 
 
 _COLD = """
@@ -328,6 +365,14 @@ def main(argv=None):
     p.add_argument("--malloc", default="tuned", choices=["tuned", "default"],
                    help="glibc malloc for both sides: tuned for reuse (what Backprop "
                    "sets up) or the defaults")  # fmt: skip
+    p.add_argument(
+        "--share-trace",
+        action="store_true",
+        help="one trace serves every set "
+        "(the first set's first call traces; saves minutes on large models)",
+    )
+    p.add_argument("--no-again", action="store_true", help="skip sbp.backprop's own call "
+                   "(a second, static trace)")  # fmt: skip
     p.add_argument("--sentences", type=int, default=0, help="also time N sentences (10-60)")
     p.add_argument("--sentences-sets", nargs="+", default=["Real"], choices=list(SETS))
     p.add_argument("--cold", nargs="*", default=["bert20"], help="cases whose first call is "
@@ -340,14 +385,15 @@ def main(argv=None):
     # work would have paid for it, in the middle of the rounds; the first calls in a
     # fresh process, below, run with that default)
     sbp.kernels.set_compile(True)
-    print(f"device: {args.device}, dtype: {args.dtype}, torch {torch.__version__}, "
+    name = torch.cuda.get_device_name(args.device) if "cuda" in args.device else "CPU"
+    print(f"device: {args.device} ({name}), dtype: {args.dtype}, torch {torch.__version__}, "
           f"threads: {torch.get_num_threads()}, malloc: {malloc}")  # fmt: skip
     print("| model | tokens | computed | time (s) | × autograd | peak mem (MB) | × autograd "
           "| first call incl. trace (s) | prepared weights (MB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.cases:
         for title, tokens, label, t, ratio, peak, mratio, first, cache in bench_case(
-            name, args.reps, dtype, args.device, args.sets
+            name, args.reps, dtype, args.device, args.sets, args.share_trace, not args.no_again
         ):
             f = "" if first is None else f"{first:.2f}"
             mem = "| | |" if peak is None else f"| {peak / 2**20:.0f} | {mratio:.2f} |"

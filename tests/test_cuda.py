@@ -102,7 +102,7 @@ def test_cuda_low_precision_real_is_autograd(name, dtype, tol):
         for field in _readouts(sr, res.value("inputs_embeds", sr)):
             if field.is_floating_point():
                 assert not field.isnan().any(), sr
-    hi = res.at("inputs_embeds", sbp.MaxProduct())
+    hi = res.at("inputs_embeds", sbp.MaxProduct()).hi
     assert bool((hi > -float("inf")).all())
 
 
@@ -122,9 +122,11 @@ def test_compiled_maxtimes_runs_as_a_gpu_kernel():
         kernels.set_compile(True)
         bp = sbp.Backprop(model, spec.output, semirings)
         compiled = bp(kwargs={"inputs_embeds": emb})
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            bp(kwargs={"inputs_embeds": emb})
-            torch.cuda.synchronize()
+        with warnings.catch_warnings():  # the profiler's own notes
+            warnings.simplefilter("ignore")
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                bp(kwargs={"inputs_embeds": emb})
+                torch.cuda.synchronize()
     finally:
         kernels.set_compile("auto")
     assert ("maxtimes", F64, "cuda") in kernels._COMPILED_KEYS
@@ -147,12 +149,21 @@ SYNC_SETS = {
 }
 
 
+#: where a call may wait for the device: the trace lookup, before the call queues
+#: anything (it compares samples of the weights with the trace's), and the checks for
+#: non-finite values (the forward's and the pass's), read once at the end, after every
+#: kernel of the call is queued
+END_CHECKS = ("graph", "confirm", "_first_overflow")
+
+
 @pytest.mark.parametrize("label", list(SYNC_SETS))
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
-def test_a_traced_pass_makes_no_host_synchronization(name, label):
+def test_a_traced_pass_waits_for_the_device_only_at_its_end(name, label):
     """Once traced, a call (forward values and the reverse pass, ``keep=`` the input)
-    queues work without waiting for the GPU: torch's sync debug mode raises at any
-    operation that would synchronize."""
+    queues its work without waiting for the GPU: torch's sync debug mode reports every
+    operation that synchronizes, and each must be one of the checks read at the end."""
+    import traceback
+
     spec, model, emb = _spec_model(name, torch.float32)
     model, emb = model.cuda(), emb.cuda()
     bp = sbp.Backprop(model, spec.output, SYNC_SETS[label], keep=("inputs_embeds",))
@@ -160,13 +171,24 @@ def test_a_traced_pass_makes_no_host_synchronization(name, label):
     want = [f.clone() for sr in SYNC_SETS[label]
             for f in _readouts(sr, want.value("inputs_embeds", sr))]  # fmt: skip
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
+    waits = []
+
+    def seen(message, *args, **kwargs):
+        if "synchroniz" in str(message):
+            waits.append([f.name for f in traceback.extract_stack()])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        try:
+            torch.cuda.set_sync_debug_mode("warn")  # (it warns that it is a prototype)
             res = bp(kwargs={"inputs_embeds": emb})
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waits = [w for w in waits if "set_sync_debug_mode" not in w]
+    elsewhere = [w[-6:] for w in waits if not any(c in w for c in END_CHECKS)]
+    assert not elsewhere, elsewhere
+    assert len(waits) <= 3, waits
     got = [f for sr in SYNC_SETS[label] for f in _readouts(sr, res.value("inputs_embeds", sr))]
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)

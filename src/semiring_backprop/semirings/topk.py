@@ -100,7 +100,7 @@ class TopK(Semiring):
 
     def one(self, shape, like):
         v = torch.full((*shape, self.k), -INF, dtype=like.dtype, device=like.device)
-        v[..., 0] = 0
+        v[..., 0].fill_(0)  # (an assignment of 0 would copy a host scalar: a device waits)
         return self._make(v)
 
     def tag(self, a, node_id):
