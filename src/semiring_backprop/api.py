@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dis
-import functools
-import types
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 
@@ -21,6 +19,7 @@ from . import (
     memory,
     rules,
     trace_checks,
+    trace_keys,
 )
 from .errors import InputError, OutOfMemoryError, SemiringBackpropError, is_out_of_memory
 from .result import Result, resolve_keep
@@ -326,9 +325,12 @@ class Backprop:
         return Result(graph, values, store, self.semirings, kept=kept)
 
     def _check_trace(self, graph, args: tuple, kwargs: dict, values) -> None:
-        if not getattr(graph, "eager_checked", False):  # once per traced graph
-            trace_checks.check_against_eager(graph, self.model, args, kwargs, values)
-            graph.eager_checked = True
+        if getattr(graph, "eager_checked", False):  # once per traced graph
+            return
+        with _LOCK:  # not while another thread traces (its hooks are on the modules)
+            if not getattr(graph, "eager_checked", False):
+                trace_checks.check_against_eager(graph, self.model, args, kwargs, values)
+                graph.eager_checked = True
 
     def _check_examples(self, args: tuple, kwargs: dict, out) -> None:
         per_example = self._traces.options["per_example"]
@@ -360,23 +362,27 @@ class _Traces:
 
     def set_prepared(self, samples=None) -> None:
         """A fresh store of prepared weights, for every graph (``samples``: the model's
-        :func:`_samples` now, if known)."""
+        ``trace_keys.samples`` now, if known)."""
         self.prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
         if self.prepared is not None:
-            self.samples = _samples(self.model) if samples is None else samples
+            self.samples = trace_keys.samples(self.model) if samples is None else samples
         for graphs in self.graphs.values():
             for graph in graphs:
                 graph.prepared = self.prepared
 
     def graph(self, args: tuple, kwargs: dict):
+        with _LOCK:  # two threads' first calls: one traces, the other finds its graph
+            return self._graph(args, kwargs)
+
+    def _graph(self, args: tuple, kwargs: dict):
         model = self.model
-        key = _signature(args, kwargs)
-        stamp = _stamp(model)
-        if stamp != self.stamp:  # new or modified weights or modules: every trace is stale
+        key = trace_keys.signature(args, kwargs)
+        stamp = trace_keys.stamp(model)
+        if stamp != self.stamp:  # the model or what its code reads changed: all are stale
             self.graphs, self.stamp = {}, stamp
             self.set_prepared()
         elif self.prepared is not None:  # writes the version counter does not see
-            samples = _samples(model)
+            samples = trace_keys.samples(model)
             if not torch.equal(samples, self.samples):
                 self.set_prepared(samples)
         given = input_tensors(args, kwargs)
@@ -400,6 +406,9 @@ class _Traces:
         return graph
 
 
+#: held while a kept trace is looked up or made (by every thread, for every model: tracing
+#: patches torch's global state, so two traces at once would break each other)
+_LOCK = threading.RLock()
 #: model -> {(output key, options): _Traces}, most recently used last
 _KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _KEPT_PER_MODEL = 8  # output functions per model
@@ -409,170 +418,23 @@ _GRAPHS_PER_SIGNATURE = 8  # input shapes per output function
 def _kept_traces(model, output, options) -> _Traces | None:
     """The traces :func:`backprop` keeps for this model and output function (made on
     first use), or None where they cannot be keyed safely."""
-    try:
-        key = (_function_key(output), tuple(sorted(options.items())))
-        hash(key)
-        per_model = _KEPT.setdefault(model, {})
-    except (_Unkeyed, TypeError):  # not comparable by value, or no weak reference
-        return None
-    try:
-        traces = per_model.pop(key)
-    except KeyError:
-        traces = _Traces(model, output, options, 0, False, weak=True, limit=_GRAPHS_PER_SIGNATURE)
-    traces.output = output  # the same code and constants; this call's object
-    per_model[key] = traces  # most recently used last
-    while len(per_model) > _KEPT_PER_MODEL:
-        del per_model[next(iter(per_model))]
+    with _LOCK:  # the dict of kept traces is shared by every thread
+        try:
+            key = (trace_keys.function_key(output), tuple(sorted(options.items())))
+            hash(key)
+            per_model = _KEPT.setdefault(model, {})
+        except (trace_keys.Unkeyed, TypeError):  # not comparable by value, or no weak reference
+            return None
+        try:
+            traces = per_model.pop(key)
+        except KeyError:
+            limit = _GRAPHS_PER_SIGNATURE
+            traces = _Traces(model, output, options, 0, False, weak=True, limit=limit)
+        traces.output = output  # the same code and constants; this call's object
+        per_model[key] = traces  # most recently used last
+        while len(per_model) > _KEPT_PER_MODEL:
+            del per_model[next(iter(per_model))]
     return traces
-
-
-class _Unkeyed(Exception):
-    """A value an output function reads cannot be compared by value."""
-
-
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-
-
-def _function_key(fn, depth=0):
-    """What decides what ``fn`` computes: its code and the values it reads (closure,
-    defaults, the globals its code names), by value; raises ``_Unkeyed`` where one of
-    them cannot be compared by value."""
-    if fn is None:
-        return None
-    if depth > 3:
-        raise _Unkeyed
-    if isinstance(fn, functools.partial):
-        return ("partial", _function_key(fn.func, depth + 1), _value_key(fn.args, depth),
-                _value_key(fn.keywords, depth))  # fmt: skip
-    if isinstance(fn, types.BuiltinFunctionType | torch._ops.OpOverloadPacket):
-        return ("builtin", fn)
-    if callable(getattr(type(fn), "_trace_key", None)):  # a target object, by its value
-        return ("object", type(fn), fn._trace_key())
-    if not isinstance(fn, types.FunctionType):
-        raise _Unkeyed  # a callable object or a bound method: its state is not known
-    code = fn.__code__
-    glob = tuple(
-        (name, _value_key(fn.__globals__[name], depth))
-        for name in sorted(_globals_read(code)) if name in fn.__globals__
-    )  # fmt: skip
-    cells = tuple(_value_key(c.cell_contents, depth) for c in fn.__closure__ or ())
-    defaults = (_value_key(fn.__defaults__, depth), _value_key(fn.__kwdefaults__, depth))
-    return ("function", code, glob, cells, defaults)
-
-
-@functools.lru_cache(maxsize=256)
-def _globals_read(code: types.CodeType) -> frozenset:
-    """The global names ``code`` reads, nested functions and comprehensions included
-    (``co_names`` alone also lists attribute names)."""
-    names = set()
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            names.add(ins.argval)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _globals_read(c)
-    return frozenset(names)
-
-
-def _value_key(v, depth):
-    if isinstance(v, _SCALARS):
-        return (type(v).__name__, v)
-    if isinstance(v, tuple | list):
-        return (type(v).__name__, tuple(_value_key(x, depth) for x in v))
-    if isinstance(v, dict):
-        return ("dict", tuple((_value_key(k, depth), _value_key(x, depth)) for k, x in v.items()))
-    if isinstance(v, torch.Tensor):
-        if v.numel() > 64 or v.requires_grad or v.is_meta or v.layout != torch.strided:
-            raise _Unkeyed
-        return ("tensor", v.dtype, v.device, tuple(v.shape), tuple(v.flatten().tolist()))
-    if isinstance(v, types.ModuleType | type):
-        return ("object", v)  # held by the key: modules and classes live long anyway
-    if isinstance(v, types.FunctionType | functools.partial | types.BuiltinFunctionType):
-        return _function_key(v, depth + 1)
-    raise _Unkeyed
-
-
-def _signature(args, kwargs):
-    """What every graph traced for these inputs shares: structure, tensor ranks, dtypes
-    and devices, and the values of non-tensor arguments (sizes are checked by
-    ``Graph.accepts``)."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    sig, first = [], {}
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor):  # and which inputs are one tensor (mha(x, x, x))
-            sig.append(("T", leaf.dim(), leaf.dtype, leaf.device, first.setdefault(id(leaf), i)))
-        else:
-            try:
-                hash(leaf)
-                sig.append(("V", type(leaf).__name__, leaf))
-            except TypeError:
-                sig.append(("I", id(leaf)))
-    return (str(spec), tuple(sig))
-
-
-def _stamp(model):
-    """What the trace of ``model`` depends on besides the inputs: every module (identity
-    and class), its mode, its hooks and its plain attributes (numbers, strings, flags,
-    also those of an attribute object such as a config), and every parameter and buffer
-    (identity, storage, in-place version)."""
-    if not isinstance(model, torch.nn.Module):
-        return (id(model),)
-    stamp, seen = [], {}
-    for m in model.modules():  # one walk (parameters() and buffers() walk it again)
-        stamp.append((id(m), type(m), m.training, *map(tuple, _hooks(m))))
-        for t in (*m._parameters.values(), *m._buffers.values()):
-            if t is not None:
-                # inference tensors (made under torch.inference_mode) have no version
-                # counter; the sampled elements (_samples) still see writes to them
-                version = None if t.is_inference() else t._version
-                stamp.append((id(t), t.data_ptr(), version))
-        stamp.append(_plain(m.__dict__, seen))
-    return tuple(stamp)
-
-
-#: elements of every parameter and buffer compared for writes torch's version counter
-#: does not see (what prepared weights are checked by)
-SAMPLES = 64
-
-
-def _samples(model) -> torch.Tensor:
-    """64 evenly spaced elements of every float parameter and buffer, as their bits."""
-    if not isinstance(model, torch.nn.Module):
-        return torch.zeros(0, dtype=torch.int64)
-    groups: dict = {}  # (dtype, device) -> the sampled views (one copy per group)
-    for t in (*model.parameters(), *model.buffers()):
-        if t.is_floating_point() and t.numel() and t.layout == torch.strided and not t.is_meta:
-            flat = t.detach().reshape(-1) if t.is_contiguous() else t.detach().flatten()
-            step = max(1, flat.numel() // SAMPLES)
-            groups.setdefault((t.dtype, t.device), []).append(flat[::step][:SAMPLES])
-    parts = [torch.cat(views).to(torch.float64).cpu() for views in groups.values()]
-    return torch.cat(parts).view(torch.int64) if parts else torch.zeros(0, dtype=torch.int64)
-
-
-def _hooks(m):
-    return (m._forward_hooks, m._forward_pre_hooks, m._forward_hooks_with_kwargs,
-            m._forward_pre_hooks_with_kwargs)  # fmt: skip
-
-
-def _plain(attrs: dict, seen: dict, depth: int = 0) -> tuple:
-    """The plain values in ``attrs`` (one level into other objects, each once)."""
-    out = []
-    for name, v in attrs.items():
-        if isinstance(v, _SCALARS):
-            out.append((name, v))
-        elif isinstance(v, tuple) and all(isinstance(x, _SCALARS) for x in v):
-            out.append((name, v))
-        elif (
-            depth == 0
-            and hasattr(v, "__dict__")
-            and not isinstance(
-                v, torch.nn.Module | torch.Tensor | types.FunctionType | types.MethodType | type
-            )
-        ):
-            if id(v) not in seen:  # a config shared by every layer: once
-                seen[id(v)] = _plain(vars(v), seen, 1)
-            out.append((name, id(v), seen[id(v)]))
-    return tuple(out)
 
 
 def _check_output(graph, per_example: bool):

@@ -8,7 +8,13 @@ import weakref
 
 import torch
 
-from .errors import InputError, NonFiniteError, NotFoundError, SemiringBackpropError
+from .errors import (
+    InputError,
+    NonFiniteError,
+    NotFoundError,
+    PathMismatchError,
+    SemiringBackpropError,
+)
 from .semirings.base import Semiring, overflowed
 
 
@@ -39,6 +45,28 @@ class Result:
         self._store = store
         #: the nodes whose values were kept (``Backprop(keep=...)``); None: all of them
         self.kept = kept
+
+    def __deepcopy__(self, memo):
+        """A copy of the values, sharing the traced graph (never changed after tracing;
+        torch.export's program holds fake tensors, which cannot be copied)."""
+        import copy
+
+        memo[id(self.graph)] = self.graph
+        memo.update((id(n), n) for n in self.graph.nodes)  # the values' keys
+        new = Result.__new__(Result)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            setattr(new, k, copy.deepcopy(v, memo))
+        return new
+
+    def __reduce__(self):
+        raise InputError(
+            "a Result cannot be pickled: it holds the traced graph (torch.export's program, "
+            "with fake tensors and compiled code). Save what you read from it instead: "
+            "tensors from res.at(...) with torch.save, tables (res.layer_table(), "
+            "res.branches(...)) as DataFrames (to_parquet / to_csv), paths with "
+            "path.to_json(file); or keep the Result in memory (copy.deepcopy works)."
+        )
 
     def _require_all(self, what: str):
         if self.kept is not None:
@@ -161,7 +189,14 @@ class Result:
         from .analysis import paths
 
         self._require_all("top_path")
-        return _read_from(self, paths.top_path(self, source, semiring, sign))
+        try:
+            return _read_from(self, paths.top_path(self, source, semiring, sign))
+        except PathMismatchError as e:
+            why = _underflow(self, source, semiring)
+            if why is None:
+                raise
+            said = str(e).split(" The result does not hold together")[0]  # not "changed"
+            raise PathMismatchError(f"{why} ({said})") from None
 
     def top_paths(self, source, k: int, semiring: Semiring | None = None) -> list:
         """The ``k`` heaviest distinct paths by |product| from ``source`` (needs ``TopK``).
@@ -319,6 +354,36 @@ def _with_mask(res: Result, table):
     if mask is not None:
         table.attrs["attention_mask"] = mask
     return table
+
+
+def _underflow(res: Result, source, semiring) -> str | None:
+    """Why a MaxProduct path does not reproduce its stored value, where the cause is
+    that path products fell below the dtype's smallest normal number (a deep float32
+    chain of small weights): they are stored as plain numbers, unlike MaxAbs's logs."""
+    from .semirings import MaxProduct
+
+    semiring = MaxProduct() if semiring is None else semiring
+    if not isinstance(semiring, MaxProduct) or semiring not in res.semirings:
+        return None
+    where = source[0] if isinstance(source, tuple) and len(source) == 2 else source
+    try:
+        hi, lo = res.value(where, semiring)[:2]
+    except SemiringBackpropError:
+        return None
+    if not hi.is_floating_point() or hi.dtype == torch.float64:
+        return None
+    tiny = torch.finfo(hi.dtype).tiny
+    small = ((hi.abs() < tiny) & torch.isfinite(hi)) | ((lo.abs() < tiny) & torch.isfinite(lo))
+    if not bool(small.any()):
+        return None
+    return (
+        f"the path products underflow {hi.dtype}: {semiring.name} keeps products as plain "
+        f"numbers, and below {tiny:.3g} (the smallest normal {hi.dtype} number; a deep "
+        "chain of small weights gets there) they lose their digits or become 0, so the "
+        "path read back does not match the stored value. Explain the model in float64 "
+        "(model.double() and float64 inputs), or use MaxAbs(), LogAbs() or TopK(k), which "
+        "keep log |product| and cannot underflow"
+    )
 
 
 def _read_from(res: Result, path):

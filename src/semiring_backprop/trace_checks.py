@@ -1,7 +1,12 @@
 """What is checked around a trace, so that a model traces exactly or fails clearly.
 
 - custom ``torch.autograd.Function``s: the trace holds their forward's ops, so their
-  backward must be the derivative of those (:func:`check_functions`);
+  backward must be the derivative of those (:func:`check_functions`); a reentrant
+  ``torch.utils.checkpoint`` is traced as the function it checkpoints;
+- what changes gradients outside the ops, which the pass never runs: backward hooks
+  on modules (:func:`refuse_backward_hooks`) and ``tensor.register_hook`` in forward;
+  ``tensor.data`` in forward is read as ``tensor.detach()`` (:func:`watch_tensor_code`);
+- TorchScript, which torch.export cannot trace (:func:`refuse_script`);
 - inputs longer than the model's positions (:func:`too_long`);
 - a model or output function that fails without tracing too (:func:`eager_failure`):
   the user's error, said as such instead of as a tracing failure.
@@ -10,6 +15,8 @@
 from __future__ import annotations
 
 import contextlib
+import sys
+import threading
 
 import torch
 from torch.utils import _pytree as pytree
@@ -24,8 +31,12 @@ def watch_functions(seen: list, check=None):
     own are what their forward says); with ``check``, call ``check(cls, apply, args)``
     in its place."""
     original = torch.autograd.Function.__dict__["apply"]
+    from torch.utils.checkpoint import CheckpointFunction
 
     def apply(cls, *args, **kwargs):
+        if cls is CheckpointFunction:  # reentrant checkpoint(fn, *args): its forward runs
+            fn, _, *inputs = args  # fn under no_grad; traced, it is fn (the same values)
+            return fn(*inputs)
         if cls.__module__.startswith("torch."):
             return original.__func__(cls, *args, **kwargs)
         seen.append(cls)
@@ -111,6 +122,115 @@ def _compare_backward(cls, apply, fargs) -> str | None:
         if not torch.allclose(a, b, rtol=1e-3, atol=1e-5 * max(scale, 1e-30)):
             err = float((a - b).abs().max())
             return f"input {i}: largest difference {err:.3g} against {scale:.3g}"
+    return None
+
+
+def refuse_script(model) -> None:
+    """TorchScript (``torch.jit.script`` / ``torch.jit.trace``) is compiled code that
+    torch.export cannot trace: say so, and what to pass instead."""
+    if isinstance(model, torch.nn.Module):
+        found = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    else:
+        found = [("", model)] if isinstance(model, torch.jit.ScriptFunction) else []
+    if found:
+        name, m = found[0]
+        where = f"its submodule {name!r}" if name else "the model"
+        raise TracingError(
+            f"{where} is TorchScript ({type(m).__name__}, made by torch.jit.script or "
+            "torch.jit.trace), which torch.export cannot trace. Explain the original "
+            "nn.Module or function, the one passed to torch.jit.script / torch.jit.trace."
+        )
+
+
+def refuse_backward_hooks(model) -> None:
+    """Backward hooks change or record the gradient where autograd runs them; the pass
+    runs no autograd, so a hook that scales the gradient would be ignored (the answer
+    differs from autograd's) and one that records it would record nothing."""
+    mod = torch.nn.modules.module
+    if getattr(mod, "_global_backward_hooks", None) or getattr(
+        mod, "_global_backward_pre_hooks", None
+    ):
+        raise TracingError(
+            "a global module backward hook is registered (torch.nn.modules.module."
+            "register_module_full_backward_hook / _pre_hook): the pass does not run backward "
+            "hooks, so what it does to the gradient would be missing. Remove it (its "
+            "handle's .remove()) before explaining, and apply its change to the result."
+        )
+    if not isinstance(model, torch.nn.Module):
+        return
+    for name, m in model.named_modules():
+        hooks = [*m._backward_hooks.values(), *m._backward_pre_hooks.values()]
+        if hooks:
+            kind = ("register_full_backward_pre_hook" if m._backward_pre_hooks
+                    else "register_full_backward_hook" if m._is_full_backward_hook
+                    else "register_backward_hook")  # fmt: skip
+            raise TracingError(
+                f"module {name or '(the model)'!r} ({type(m).__name__}) has a backward hook "
+                f"({kind}: {_name_of(hooks[0])}): the pass does not run backward hooks, so "
+                "what the hook does to the gradient would be missing (a hook that records "
+                "gradients would record none). Remove it (the handle's .remove()) before "
+                "explaining, and apply its change to the result yourself."
+            )
+
+
+def _name_of(fn) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__
+
+
+@contextlib.contextmanager
+def watch_tensor_code(model, refusals: list):
+    """While the model is traced: ``tensor.register_hook`` (a gradient hook the pass
+    never runs) is recorded in ``refusals`` as an error naming the module that called
+    it; ``tensor.data`` read by the model's code is ``tensor.detach()`` (the same values
+    and, as in autograd, no gradient through it; torch.export cannot trace ``.data``)."""
+    owner = threading.get_ident()
+    original_hook = torch.Tensor.__dict__["register_hook"]
+    data = torch._C.TensorBase.data
+
+    def register_hook(self, hook):
+        if threading.get_ident() == owner:
+            where = _calling_module(model)
+            refusals.append(TracingError(
+                f"the model's forward calls tensor.register_hook ({_name_of(hook)}"
+                f"{' in module ' + repr(where) if where is not None else ''}): a gradient hook "
+                "runs in autograd's backward, which the pass does not run, so what it does "
+                "to the gradient would be missing. Remove the hook from forward (or make it "
+                "conditional on a flag you turn off) before explaining."
+            ))  # fmt: skip
+        return original_hook(self, hook)
+
+    def get_data(self):
+        if threading.get_ident() == owner and not _called_by_torch():
+            return self.detach()
+        return data.__get__(self)
+
+    def set_data(self, value):
+        data.__set__(self, value)
+
+    torch.Tensor.register_hook = register_hook
+    torch.Tensor.data = property(get_data, set_data)
+    try:
+        yield refusals
+    finally:
+        torch.Tensor.register_hook = original_hook
+        del torch.Tensor.data  # torch.Tensor inherits it from TensorBase again
+
+
+def _called_by_torch() -> bool:
+    caller = sys._getframe(2).f_globals.get("__name__", "")
+    return caller == "torch" or caller.startswith("torch.")
+
+
+def _calling_module(model) -> str | None:
+    """The path of the innermost module of ``model`` whose code is on the stack."""
+    names = {id(m): n for n, m in model.named_modules()} if isinstance(
+        model, torch.nn.Module) else {}  # fmt: skip
+    frame = sys._getframe(2)
+    while frame is not None:
+        me = frame.f_locals.get("self")
+        if me is not None and id(me) in names:
+            return names[id(me)] or "(the model)"
+        frame = frame.f_back
     return None
 
 
@@ -218,8 +338,11 @@ def check_against_eager(graph, model, args, kwargs, values) -> None:
     if module is None:
         return
     k, seen = int(call) if call else 0, []
+    owner = threading.get_ident()
 
     def hook(mod, inputs, out):  # a copy: the model may write into its output later
+        if threading.get_ident() != owner:  # another thread running the model
+            return
         x = _first_float(out) if len(seen) == k else None
         seen.append(x.detach().clone() if x is not None else None)
 

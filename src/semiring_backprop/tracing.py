@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -28,8 +29,11 @@ from .trace_checks import (
     check_functions,
     eager_failure,
     experts_hint,
+    refuse_backward_hooks,
+    refuse_script,
     too_long,
     watch_functions,
+    watch_tensor_code,
 )
 
 mark_op = torch.ops.semiring_backprop.mark.default
@@ -70,6 +74,7 @@ def _install_marks(model: torch.nn.Module):
     """Hooks that mark each module's first float input and first float output."""
     calls: dict[str, int] = {}
     handles = []
+    owner = threading.get_ident()  # another thread running the model is not traced
 
     def tag_for(name):
         n = calls.get(name, 0)
@@ -77,6 +82,8 @@ def _install_marks(model: torch.nn.Module):
 
     def pre(name):
         def hook(mod, args, kwargs):
+            if threading.get_ident() != owner:
+                return None
             tag = tag_for(name) + ":input"
             i, x = _first_float(args)
             if x is None:
@@ -92,6 +99,8 @@ def _install_marks(model: torch.nn.Module):
 
     def post(name):
         def hook(mod, args, kwargs, out):
+            if threading.get_ident() != owner:
+                return None
             tag = tag_for(name)
             calls[name] = calls.get(name, 0) + 1
             if isinstance(out, torch.Tensor):
@@ -121,17 +130,53 @@ def _install_marks(model: torch.nn.Module):
     return handles
 
 
-def _check_mode(model, allow_training: bool):
+def _check_mode(model, program, allow_training: bool):
+    """A model in training mode is explained as it is unless its trace holds an op
+    whose result depends on the mode: a random one (dropout) or batch statistics."""
     if not isinstance(model, torch.nn.Module) or allow_training:
         return
     training = [n or type(model).__name__ for n, m in model.named_modules() if m.training]
-    if training:
-        raise TrainingModeError(
-            f"{type(model).__name__} is in training mode ({training[0]!r} and "
-            f"{len(training) - 1} more modules): dropout would make the gradient graph "
-            "random. Call model.eval() first, or pass allow_training=True to explain "
-            "the training-mode function as it is."
-        )
+    if not training:
+        return
+    node = next(
+        (n for gm in program.graph_module.modules() if isinstance(gm, torch.fx.GraphModule)
+         for n in gm.graph.nodes if _mode_dependent(n)),
+        None,
+    )  # fmt: skip
+    if node is None:  # the training-mode function is the eval-mode one
+        return
+    stack = node.meta.get("nn_module_stack") or {}
+    path, cls = next(reversed(stack.values()), ("", None))
+    cls = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1])
+    owner = f" in {path!r} ({cls})" if path else ""
+    what = ("draws random numbers (dropout would make the gradient graph random)"
+            if "batch_norm" not in str(node.target)
+            else "normalizes by the batch's statistics (the examples would interact)")  # fmt: skip
+    raise TrainingModeError(
+        f"{type(model).__name__} is in training mode ({training[0]!r} and "
+        f"{len(training) - 1} more modules), and its {node.target}{owner} {what}. "
+        "Call model.eval() first, or pass allow_training=True to explain the "
+        "training-mode function as it is."
+    )
+
+
+_DROPOUT_P = 1  # the probability argument of aten.dropout and its kin
+
+
+def _mode_dependent(node) -> bool:
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    name = node.target.name()
+    if "batch_norm" in name:  # (input, weight, bias, running_mean, running_var, training, ...)
+        return len(node.args) > 5 and node.args[5] is True
+    if torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    p = node.args[_DROPOUT_P] if "dropout" in name and len(node.args) > 1 else None
+    return not (isinstance(p, int | float) and p == 0)  # dropout(p=0) is the identity
+
+
+#: held while tracing: torch.export and the checks around it patch torch's global state
+_LOCK = threading.RLock()
 
 
 def trace(
@@ -162,34 +207,46 @@ def trace(
         >>> g.accepts(dict(longer)), g.accepts({k: v.repeat(2, 1) for k, v in enc.items()})
         (True, False)
     """
+    with _LOCK:
+        return _trace(model, args, kwargs, output, whole, allow_training, dynamic)
+
+
+def _trace(model, args, kwargs, output, whole, allow_training, dynamic) -> Graph:
     kwargs = dict(kwargs or {})
     args = tuple(args) if isinstance(args, tuple | list) else (args,)
     if output is None:
         output = _identity
     if not callable(model):
         raise InputError(f"model must be an nn.Module or a callable, got {type(model).__name__}")
-    _check_mode(model, allow_training)
+    refuse_script(model)
+    refuse_backward_hooks(model)
     long = too_long(model, args, kwargs, learned_only=True)
     if long:  # before torch.export, which would fail deep inside with fake tensors
         raise InputError(long)
     table = decompositions.table(tuple(whole))
     handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
     functions: list = []
+    refusals: list = []  # what the model's code did that the pass cannot follow
     try:
         with warnings.catch_warnings():
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            with watch_functions(functions):
+            with watch_functions(functions), watch_tensor_code(model, refusals):
                 program = _export(_Explained(model, output), args, kwargs, dynamic)
+            if refusals:
+                raise refusals[0]
+            _check_mode(model, program, allow_training)
             if functions:
                 check_functions(_Explained(model, output), args, kwargs, functions)
             _detach_no_grad_blocks(program)
             program = program.run_decompositions(table)
             _select_by_indices(program)
             _drop_identity_restrides(program)
-    except (TracingError, InputError):
+    except (TracingError, InputError, TrainingModeError):
         raise
     except Exception as e:  # torch raises many types; say what failed and what to try
+        if refusals:  # the cause, said plainly
+            raise refusals[0] from None
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         long = too_long(model, args, kwargs)
         if long:
