@@ -24,13 +24,11 @@ pd = pytest.importorskip("pandas")
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
-from test_views import spans_of, strip_section  # noqa: E402
-from views_models import SIM_PAIR, SIM_TEXT, save_sentence_model  # noqa: E402
-
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import cli, plots, views  # noqa: E402
 from semiring_backprop import explain as explain_mod  # noqa: E402
-from semiring_backprop.views.html import SKIP_NOTE  # noqa: E402
+from test_views import spans_of, strip_section  # noqa: E402
+from views_models import SIM_PAIR, SIM_TEXT, save_sentence_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")
 SOURCE = "embeddings.word_embeddings"
@@ -110,7 +108,7 @@ def test_padding_is_left_out_of_tables_and_report(sim):
 
 
 def test_padding_is_left_out_of_every_view(sim):
-    ex, res = sim.ex, sim.ex.result
+    res = sim.ex.result
     spans = spans_of(sim.page)
     assert spans and "[PAD]" not in {s[2] for s in spans}
     top = spans_of(strip_section(sim.page, "top path"))
@@ -183,6 +181,8 @@ def test_path_diagrams_name_their_start_token(sim):
 
 
 def test_skip_wins_is_said_to_be_built_in(sim):
+    from semiring_backprop.views.html import SKIP_NOTE
+
     won = sim.ex.layers[sim.ex.layers.winner & sim.ex.layers.semiring.str.startswith("MaxP")]
     assert (won.branch == "skip").mean() > 0.5  # what the sentence explains
     flat = lambda s: re.sub(r"\s+", " ", s)  # noqa: E731
@@ -214,7 +214,9 @@ def test_cli_per_head_table(sim):
     assert isinstance(layers.head(3), pd.DataFrame) and len(layers.head(3)) == 3
     qkv = layers[layers.branch.isin(["query", "key", "value"])]
     heads = sorted(int(h) for h in qkv.head_index.unique())
-    assert heads == list(range(transformers.AutoConfig.from_pretrained(sim.dir).num_attention_heads))
+    assert heads == list(
+        range(transformers.AutoConfig.from_pretrained(sim.dir).num_attention_heads)
+    )
     assert "query.0" in sim.text and "value.1" in sim.text
     assert "head 1:" in sim.page  # the heatmap names heads on hover
     # ⊕ over a branch's heads is the branch (MaxProduct: the max of hi)

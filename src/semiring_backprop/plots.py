@@ -425,8 +425,8 @@ def caption(fig: Figure, text: str) -> Figure:
         >>> fig = plots.caption(plots.branch_bars(table),
         ...                     "the keys to the cabinet [MASK] on the table; "
         ...                     "log p(are) - log p(is); MaxProduct")
-        >>> fig.texts[0].get_text()
-        'the keys to the cabinet [MASK] on the table; log p(are) - log p(is); MaxProduct'
+        >>> fig.texts[0].get_text().splitlines()     # wrapped to the 4-inch figure's width
+        ['the keys to the cabinet [MASK] on the table; log p(are) - log', 'p(is); MaxProduct']
     """
     import textwrap
 
