@@ -123,12 +123,15 @@ def tokens(res, quantity: str | None = None, *, source=None, tokens=None, mask=N
     lowers it. Padding (``mask``, default the call's attention mask, 0) is left out.
 
     Examples:
+        Every token's heaviest path lowers this output (its most negative path outweighs
+        its most positive one: at the mask, -0.6758 against 0.5744):
+
         >>> print(sbp.views.tokens(res, "top_path", tokens=tokens))
-        top path (product of the token's top gradient path (MaxProduct: ⊕ over its units);
-        at bert.embeddings.word_embeddings)
-           [CLS] 0.0001177   the 8.478e-05   keys 0.0001151   to 9.244e-05   the 9.022e-05
-           cabinet 9.652e-05   [MASK] 0.5744   on 8.687e-05   the 9.146e-05   table 0.0001016
-           [SEP] 0.0001117
+        top path (the heaviest path product from the token, with its sign: ... blue: it
+        lowers it; at bert.embeddings.word_embeddings)
+           [CLS] -0.0001229   the -8.856e-05   keys -0.0001202   to -9.657e-05   the -9.424e-05
+           cabinet -0.0001008   [MASK] -0.6758   on -9.074e-05   the -9.554e-05
+           table -0.0001061   [SEP] -0.0001167
     """
     return _token_view(res, quantity, source, tokens, mask=mask)
 
@@ -243,6 +246,7 @@ def branches(table, semiring=None, title: str = "branches per layer and token",
                               the     cabinet [MASK]  on
           layer 0 attention   V 100%  V 100%  S 100%  V 100%
           layer 0 mlp         -       -       S 100%  -
+          A skip win is close to built in: ...
     """
     rows, name, heads = shares(table, semiring, mask)
     if not len(rows):
@@ -292,7 +296,7 @@ def explanation(ex, quantity: str | None = None) -> View:
         model BertForMaskedLM (masked LM); log p(are) - log p(is) at position 6 ([MASK]) = 0.1618
         <BLANKLINE>
         top path ...
-           cabinet 9.652e-05   *[MASK] 0.5744   on 8.687e-05   the 9.146e-05   table 0.0001016
+           cabinet -0.0001008   *[MASK] -0.6758   on -9.074e-05   the -9.554e-05   table -0.0001061
         ...
           (* the explained position)
         ...
