@@ -4,7 +4,9 @@ Every experiment writes into its own directory. A trained model is saved there w
 training history and reloaded on a rerun; per-example results go to JSON lines, one line
 as soon as it is computed, and a rerun skips the lines already written. Whole files
 (models, histories, configs, tables) are written under a temporary name and renamed, so
-a file that exists is complete; one run at a time holds a directory (:func:`lock`).
+a file that exists is complete (:func:`atomic_write`: the temporary file is made anew in a
+private directory, never through a planted link); one run at a time holds a directory
+(:func:`lock`).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import json
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import MISSING, asdict, fields
 from pathlib import Path
 
 import torch
 
+from .._files import atomic_write
 from .._threads import TRAIN, threads
 from ..errors import InputError
 
@@ -157,20 +160,6 @@ def trained(model, path: Path, fit) -> tuple[torch.nn.Module, list[dict]]:
     return model.eval(), history
 
 
-def atomic_write(path: Path, write: Callable[[Path], object]) -> Path:
-    """``write(tmp)`` into a temporary file beside ``path``, then rename it to ``path``
-    (atomic on POSIX and Windows): a reader sees the old file or the whole new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
 def write_csv(frame, path: Path) -> Path:
     return atomic_write(path, lambda tmp: frame.to_csv(tmp, index=False))
 
@@ -182,7 +171,7 @@ def lock(out: Path) -> Iterator[None]:
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        f = open(out / ".lock", "a+")  # noqa: SIM115  (held for the run)
+        f = os.fdopen(_open_own(out / ".lock", os.O_RDWR), "r+")
     except OSError as e:
         raise InputError(f"cannot write into output directory {str(out)!r}: {e.strerror}") from None
     try:
@@ -207,6 +196,20 @@ def lock(out: Path) -> Iterator[None]:
         yield
     finally:
         f.close()  # releases the lock
+
+
+def _open_own(path: Path, flags: int) -> int:
+    """``os.open`` of a file of this package's own, created if missing; a symbolic link
+    there (planted: none of ours is one) is refused, never written through."""
+    try:
+        return os.open(path, flags | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError:
+        if os.path.islink(path):
+            raise InputError(
+                f"{path} is a symbolic link, not a file this package wrote; it is not written "
+                "through: remove the link (or write into another output directory)"
+            ) from None
+        raise
 
 
 class Records:
@@ -265,7 +268,7 @@ class Records:
         return key in self._done
 
     def add(self, row: dict):
-        with self.path.open("a") as f:
+        with os.fdopen(_open_own(self.path, os.O_WRONLY | os.O_APPEND), "a") as f:
             f.write(json.dumps(_plain(row)) + "\n")
         self.rows.append(row)
         self._done.add(row.get(self.key))
@@ -279,12 +282,22 @@ class Records:
 def same_settings(out: Path, config, free=()) -> None:
     """Write ``config.json`` into ``out``; if an earlier run left one there whose settings
     differ (other than the ``free`` fields, which only choose what to compute or
-    report), its records would be stale: raise instead of mixing them."""
+    report), its records would be stale: raise instead of mixing them. Files in ``out``
+    without a ``config.json`` (deleted, or another program's) are refused too: their
+    settings are unknown. Hidden files (``.lock``, ``.DS_Store``) are no results."""
     path = out / "config.json"
     now = json.loads(json.dumps(asdict(config)))  # tuples as JSON lists
     # settings count only where a run left results under them (a run that failed
     # before computing anything does not block a corrected one)
-    results = out.is_dir() and any(p.name not in NOT_RESULTS for p in out.iterdir())
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    results = [n for n in held if n not in NOT_RESULTS and not n.startswith(".")]
+    if results and not path.exists():
+        shown = ", ".join(results[:5]) + (", ..." if len(results) > 5 else "")
+        raise InputError(
+            f"{out} holds files ({shown}) but no config.json, so the settings of any results "
+            "among them are unknown, and a run now would mix its results with them; write "
+            "into a new (or empty) output directory, or delete these files to start over"
+        )
     if path.exists() and results:
         try:
             before = json.loads(path.read_text())

@@ -2,11 +2,15 @@
 
 Results are written as they are computed: each batch's three tables become one Parquet
 file each (``examples/``, ``tokens/``, ``branches/``, under one shard name), written
-under a temporary name and renamed; then the shard's line in ``done.jsonl`` commits it.
-A rerun reads ``done.jsonl``, deletes shards that were written but never committed (a
-run killed between the two), and explains only the examples no committed line names:
-no row is lost or written twice. A rerun with other settings is refused
-(:func:`~semiring_backprop.experiments.common.same_settings`).
+under a temporary name and renamed; then the shard's line in ``done.jsonl`` commits it,
+with each example's content key and each file's size and hash (:mod:`.store`). A rerun
+checks the directory against the data and itself (:func:`.store.check`: examples that
+changed, shards damaged, shards never committed), and explains only the examples no
+line holds: no row is lost, written twice, or kept under an id whose example is now
+another. A rerun with other settings, or into a directory of results without its
+``config.json``, is refused
+(:func:`~semiring_backprop.experiments.common.same_settings`). A disk that fills up
+stops the run with one error that says what was kept; the rerun resumes.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import torch
 
 from ..errors import ForwardError, InputError, NonFiniteError
 from ..experiments.common import Records, atomic_write, lock, same_settings
+from . import store
 from .compute import Explainer, Item, prepare
 from .readers import iter_examples, read_examples, split_rows
 
 log = logging.getLogger(__name__)
 
-TABLES = ("examples", "tokens", "branches")
+TABLES = store.TABLES
 DEFAULT_SEMIRINGS = ("max", "entropy", "real")
 #: how a branch's value is read over the hidden units (:meth:`Result.layer_table`)
 AGGREGATIONS = ("oplus", "bucket_sum")
@@ -171,21 +176,26 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
     out = Path(out)
     started = time.perf_counter()
     with lock(out):
-        same_settings(out, settings, free=FREE)
-        records = Records(out / "done.jsonl", key="shard")
-        _drop_uncommitted(out, records)
-        done = {i for r in records.rows for i in (*r.get("ids", ()), *r.get("skipped", {}))}
-        todo = [ex for ex in chosen if ex.id not in done]
-        if todo:
-            source = _Source(model, tokenizer, settings, device)
-            n_new = _explain(todo, source, records, out, settings, address, progress,
-                             prepare)  # fmt: skip
-        else:
+        records = None
+        try:
+            same_settings(out, settings, free=FREE)
+            records = Records(out / "done.jsonl", key="shard")
+            done = store.check(out, records, every)
+            todo = [ex for ex in chosen if ex.id not in done]
             n_new = 0
-        elapsed = time.perf_counter() - started
-        from .report import summarize
+            if todo:
+                source = _Source(model, tokenizer, settings, device)
+                n_new = _explain(todo, source, records, out, settings, address, progress,
+                                 prepare)  # fmt: skip
+            elapsed = time.perf_counter() - started
+            from .report import summarize
 
-        return summarize(out, settings, chosen, malformed, records, n_new, elapsed, figures)
+            return summarize(out, settings, chosen, malformed, records, n_new, elapsed,
+                             figures)  # fmt: skip
+        except OSError as e:
+            if not store.full(e):
+                raise
+            raise _disk_full(out, e, records, chosen) from None
 
 
 def _names(value) -> tuple:
@@ -331,29 +341,41 @@ def explain_batch(explainer: Explainer, group: list[Item]) -> dict:
 
 
 def _commit(out: Path, records: Records, group: list[Item], tables: dict) -> None:
-    """Write a batch's shards, then the line in ``done.jsonl`` that commits them."""
+    """Write a batch's shards, then the line in ``done.jsonl`` that commits them (with
+    each example's content key, and each file's size and hash)."""
     skipped = tables.get("skipped", {})
     for where, reason in skipped.items():
         log.warning("example %s: skipped: %s", where, reason)
     ids = [it.example.id for it in group if it.example.id not in skipped]
-    name = None
+    keys = {it.example.id: store.content_key(it.example) for it in group}
+    name, files = None, {}
     if ids:
         name = f"{len(records.rows):06d}-{uuid.uuid4().hex[:8]}"
         for table in TABLES:
             frame = tables[table]
             path = out / table / f"{name}.parquet"
             atomic_write(path, lambda tmp, f=frame: f.to_parquet(tmp, index=False))
-    records.add({"shard": name, "ids": ids, "skipped": skipped})
+            files[table] = store.file_record(path)
+    records.add({"shard": name, "ids": ids, "skipped": skipped, "keys": keys, "files": files})
 
 
-def _drop_uncommitted(out: Path, records: Records) -> None:
-    committed = {r["shard"] for r in records.rows if r.get("shard")}
-    for table in TABLES:
-        for f in sorted((out / table).glob("*.parquet")) if (out / table).is_dir() else ():
-            if f.stem not in committed:
-                log.warning("%s was written by a run that stopped before committing it; "
-                            "deleting it (its examples are explained again)", f)  # fmt: skip
-                f.unlink()
+def _disk_full(out: Path, e: OSError, records, chosen) -> InputError:
+    """One error for a full disk: what was kept, and that the rerun resumes."""
+    what = f" while writing {e.filename}" if getattr(e, "filename", None) else ""
+    if records is None:
+        kept = "nothing was explained yet"
+    else:
+        done = store.current(records.rows, records.path)
+        n = sum(1 for ex in chosen if ex.id in done)
+        kept = (
+            f"{n} of the {len(chosen)} examples are committed in {out / 'done.jsonl'} and "
+            "kept (a file cut off by the full disk is not: it was never committed)"
+        )
+    return InputError(
+        f"the disk is full ({e.strerror or e}){what}, in the run into {out}: {kept}. Free "
+        "some space (or write into a directory on another disk) and run the same command "
+        "again: it resumes with the examples left"
+    )
 
 
 def skipped_examples(out) -> dict:
@@ -362,24 +384,28 @@ def skipped_examples(out) -> dict:
     out = Path(out)
     if not (out / "done.jsonl").exists():
         raise InputError(f"{out} holds no run (no done.jsonl): run semiring-backprop run first")
-    return {i: why for r in Records(out / "done.jsonl", key="shard").rows
-            for i, why in (r.get("skipped") or {}).items()}  # fmt: skip
+    records = Records(out / "done.jsonl", key="shard")
+    return {i: d.skipped for i, d in store.current(records.rows, records.path).items()
+            if d.skipped is not None}  # fmt: skip
 
 
 def load_results(out, columns: dict | None = None) -> dict:
     """The committed tables of a run directory: ``{"examples", "tokens", "branches"}``
-    as pandas DataFrames (shards in commit order); ``columns``: ``{table: [names]}``
-    reads only those columns of a table."""
+    as pandas DataFrames (shards in commit order; of an example explained again, only
+    its last result); ``columns``: ``{table: [names]}`` reads only those columns of a
+    table. Each file is checked against the size and hash its commit recorded: a file
+    missing, cut off or changed is an error that names it (a rerun explains its
+    examples again)."""
     import pandas as pd
 
     out = Path(out)
     if not (out / "done.jsonl").exists():
         raise InputError(f"{out} holds no run (no done.jsonl): run semiring-backprop run first")
     records = Records(out / "done.jsonl", key="shard")
-    names = [r["shard"] for r in records.rows if r.get("shard")]
+    shards = store.live(records.rows, store.current(records.rows, records.path))
     tables = {}
     for table in TABLES:
         cols = (columns or {}).get(table)
-        frames = [pd.read_parquet(out / table / f"{n}.parquet", columns=cols) for n in names]
+        frames = [store.read_shard(out, table, name, row, ids, cols) for name, row, ids in shards]
         tables[table] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return tables

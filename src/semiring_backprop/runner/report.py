@@ -6,7 +6,8 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from ..experiments.common import write_json
+from ..experiments.common import atomic_write, write_json
+from .store import current
 
 #: malformed rows listed in the summary (all are counted)
 LISTED = 100
@@ -19,11 +20,8 @@ def summarize(out: Path, settings, chosen, malformed, records, n_new: int, elaps
     needed = ["semiring", "aggregation", "layer", "sublayer", "branch", "value", "winner", "path"]
     tables = load_results(out, columns={"branches": needed})  # the largest: what is read
     wanted = {ex.id for ex in chosen}
-    skipped: dict = {}
-    for r in records.rows:
-        for i, reason in (r.get("skipped") or {}).items():
-            if i in wanted:
-                skipped[i] = reason
+    now = current(records.rows, records.path)  # the last word on each example
+    skipped = {i: d.skipped for i, d in now.items() if i in wanted and d.skipped is not None}
     reasons: dict = {}
     for reason in skipped.values():
         key = reason.splitlines()[0][:200]
@@ -150,7 +148,7 @@ def branch_figures(branches, out: Path) -> list[str]:
         fig.suptitle(f"branches per layer ({name}, over the data set)")
         fig.tight_layout()
         path = out / f"{name}.png"
-        fig.savefig(path, dpi=110)
+        atomic_write(path, lambda tmp, fig=fig: fig.savefig(tmp, dpi=110))
         plt.close(fig)
         files.append(str(path))
     return files

@@ -79,6 +79,28 @@ def document(body: str, title: str) -> str:
     )
 
 
+def write_document(file, page: str) -> str:
+    """Write ``page`` to ``file`` (folders made as needed), whole or not at all; returns
+    the path. The page goes into a temporary file made anew in a private directory beside
+    ``file`` and is renamed over it, so no link planted there (``report.html.part``, or
+    ``report.html`` itself) is written through."""
+    import os
+
+    from .._files import atomic_write
+    from ..errors import InputError
+
+    file = os.fspath(file)
+    if os.path.isdir(file):
+        raise InputError(f"{file!r} is a directory; give a file name such as report.html")
+    try:
+        atomic_write(file, lambda tmp: tmp.write_text(page, encoding="utf-8"))
+    except OSError as e:
+        raise InputError(
+            f"cannot write {file!r}: {e.strerror or e}; give a file in a folder you can write to"
+        ) from None
+    return file
+
+
 def fragment(body: str, style: bool = True) -> str:
     """``body`` in the scoped container (with the style sheet, for notebooks)."""
     css = f"<style>{CSS}</style>" if style else ""
