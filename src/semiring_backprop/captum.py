@@ -54,6 +54,34 @@ except ImportError:
 
 __all__ = ["SemiringAttribution"]
 
+
+def _method(fn):
+    """An attribution method as Captum shapes its own: wrapped (there, by its usage
+    logger), the plain function as ``__wrapped__``, which ``NoiseTunnel`` calls."""
+
+    @functools.wraps(fn)
+    def method(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+
+    return method
+
+
+def _unknown_options(other: dict) -> str:
+    names = ", ".join(f"{k}=" for k in other)
+    if "baselines" in other:
+        return (
+            "SemiringAttribution takes no baselines=: it reads the paths at the input itself, "
+            "as Saliency and InputXGradient read the gradient there. For attributions "
+            "relative to a baseline use a Captum method that takes one (IntegratedGradients, "
+            "GradientShap, DeepLift); to average over noisy inputs wrap this method in "
+            "NoiseTunnel"
+        )
+    return (
+        f"SemiringAttribution.attribute takes inputs, target and additional_forward_args; "
+        f"not {names}: drop it"
+    )
+
+
 #: semirings whose readout is a path product (or a sum of them): times the input, it is
 #: that input's share of the output along those paths (``InputXGradient`` for Real)
 _PRODUCTS = (Real, MaxProduct)
@@ -114,18 +142,25 @@ class SemiringAttribution(GradientAttribution):
     def multiplies_by_inputs(self) -> bool:
         return self._multiply_by_inputs
 
-    def attribute(self, inputs, target=None, additional_forward_args=None):
+    @_method
+    def attribute(self, inputs, target=None, additional_forward_args=None, **other):
         """Per-input-element values, shaped as ``inputs`` (a tuple where it is one).
 
         ``target``: as in Captum: an int (or a tuple of ints) indexing every example's
         output, a tensor or list with one per example, or None for a model whose output
-        is one number per example.
+        is one number per example. No ``baselines``: the paths are read at the input
+        itself, as ``Saliency`` and ``InputXGradient`` read the gradient there.
+        Captum's ``NoiseTunnel`` takes the method as it takes ``Saliency``
+        (``NoiseTunnel(SemiringAttribution(model)).attribute(x, nt_type="smoothgrad",
+        target=1)``: the mean over noisy copies of the input).
 
         Examples:
             >>> from semiring_backprop.captum import SemiringAttribution
             >>> SemiringAttribution(mlp, sbp.Entropy()).attribute(x, target=1).shape
             torch.Size([1, 4])
         """
+        if other:
+            raise InputError(_unknown_options(other))
         is_tuple = isinstance(inputs, tuple)
         xs = inputs if is_tuple else (inputs,)
         for i, x in enumerate(xs):

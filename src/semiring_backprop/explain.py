@@ -27,6 +27,7 @@ import torch
 
 from .api import backprop
 from .errors import InputError, LoadError
+from .loading import Kept, check_tokenizer, weights_error
 from .semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
 from .trace_checks import max_positions
 
@@ -41,6 +42,17 @@ SEMIRINGS = {
 
 
 def semirings_for(names, granularity: str = "neuron") -> list:
+    """Semiring objects for names of :data:`SEMIRINGS` (a list, or one name)."""
+    if isinstance(names, str):  # one name, not its letters
+        names = (names,)
+    names = tuple(names)
+    if len(names) > 1 and all(isinstance(n, str) and len(n) == 1 for n in names):
+        spelled = "".join(names)
+        raise InputError(
+            f"semirings {names!r} are the letters of {spelled!r}: give a list of names, "
+            f"semirings=[{spelled!r}]"
+            + ("" if spelled in SEMIRINGS else f" ({', '.join(SEMIRINGS)})")
+        )
     out = []
     for name in names:
         if name not in SEMIRINGS:
@@ -82,6 +94,7 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
+    check_tokenizer(model_id, tokenizer)
     archs = " ".join(config.architectures or [])
     if kind == "causal" and "MaskedLM" in archs and not getattr(config, "is_decoder", False):
         raise InputError(
@@ -108,9 +121,12 @@ def from_pretrained(cls, where: str, model_id: str, dtype):
         return cls.from_pretrained(
             where, dtype=dtype, output_loading_info=True, trust_remote_code=False
         )
-    except (OSError, ValueError) as e:
-        raise LoadError(_load_hint(model_id, e)) from None
     except Exception as e:
+        said = weights_error(model_id, where, e)
+        if said is not None:
+            raise said from None
+        if isinstance(e, OSError | ValueError):
+            raise LoadError(_load_hint(model_id, e)) from None
         if type(e).__name__ != "SafetensorError":
             raise
         raise LoadError(
@@ -224,6 +240,8 @@ def check_device(device) -> torch.device:
 def encode(tokenizer, model, text: str, kind: str) -> tuple[dict, int]:
     """Model inputs and the position whose prediction is explained."""
     enc = tokenizer(text, return_tensors="pt")
+    if kind != "masked":
+        enc = _drop_end_tokens(tokenizer, text, enc)
     ids = enc["input_ids"]
     if ids.shape[1] == 0:
         raise InputError(f"the text {text!r} gives no tokens: give a sentence to explain")
@@ -256,6 +274,21 @@ def encode(tokenizer, model, text: str, kind: str) -> tuple[dict, int]:
     else:
         pos = ids.shape[1] - 1
     return {k: v.to(model.device) for k, v in enc.items() if k != "token_type_ids"}, pos
+
+
+def _drop_end_tokens(tokenizer, text: str, enc) -> dict:
+    """``enc`` without the special tokens a tokenizer appends after the text (an end
+    token: ``add_eos_token``): a causal LM's next word follows the text, not its end."""
+    ids = enc["input_ids"]
+    n = ids.shape[1]
+    added = n - len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    special = set(tokenizer.all_special_ids)
+    end = n
+    while end > 0 and n - end < added and int(ids[0, end - 1]) in special:
+        end -= 1
+    if end == n:
+        return enc
+    return {k: v[:, :end] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in enc.items()}
 
 
 # -- the explanation ------------------------------------------------------------------
@@ -558,6 +591,12 @@ def explain(
     attention head (a ``head_index`` column). Padding (where the attention mask is 0) is
     no token: it is left out of every table, view and figure.
 
+    A model given by name is kept (the last two, keyed on the name, the task, kind,
+    dtype, device and, for a local directory, its files' sizes and times): a second
+    call on it reuses the model, its trace and compiled kernels, and takes a fraction
+    of the first call's time. :func:`clear_loaded` frees them; a model loaded yourself
+    and passed with ``tokenizer=`` is reused the same way.
+
     For example (``docs/targets.md`` runs each task on a small model)::
 
         explain("bert-base-uncased", "the keys to the cabinet [MASK] here", "are", "is")
@@ -570,11 +609,7 @@ def explain(
         raise InputError(f"task {task!r}: choose one of {', '.join(targets.TASKS)}")
     if isinstance(model, str | FilePath):
         model_id = str(model)
-        check_device(device)
-        if task == "lm":
-            model, tokenizer, kind = load(model_id, kind, dtype, device)
-        else:
-            model, tokenizer = tasks.load_task(model_id, task, dtype, device)
+        model, tokenizer, kind = _load_kept(model_id, task, kind, dtype, check_device(device))
     elif tokenizer is None:
         raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")
     else:
@@ -659,6 +694,33 @@ def _tokens_of(ex, tokenizer, inputs) -> tuple[list, list | None]:
     if len(seq) != len(ex.tokens):
         return ex.tokens, None
     return ex.tokens, [t for t, k in zip(ex.tokens, seq) if k == 1]
+
+
+_KEPT = Kept(size=2)
+
+
+def _load_kept(model_id, task, kind, dtype, device):
+    """``(model, tokenizer, kind)`` for a checkpoint given by name: the one loaded by an
+    earlier call when nothing it was loaded from has changed (so its trace and compiled
+    kernels serve again), else loaded now and kept."""
+    from . import tasks
+
+    key = _KEPT.key(model_id, task if task != "lm" else "lm", kind, dtype, str(device))
+    kept = _KEPT.get(key)
+    if kept is not None:
+        return kept
+    if task == "lm":
+        kept = load(model_id, kind, dtype, device)
+    else:
+        kept = (*tasks.load_task(model_id, task, dtype, device), kind)
+    _KEPT.put(key, kept)
+    return kept
+
+
+def clear_loaded() -> None:
+    """Forget the models ``explain`` keeps (the last two loaded by name), freeing
+    their memory."""
+    _KEPT.clear()
 
 
 def _check_head(model, task: str) -> None:

@@ -83,7 +83,14 @@ class WordChoice:
 class ClassLabel:
     """A sequence classifier's ``logits[example, label]`` (``score="logit"``) or its
     log-probability (``"logprob"``); with ``foil``, the margin ``label - foil`` (the
-    same for both scores).
+    same for both scores, unless ``multi_label``).
+
+    ``multi_label=True`` (a head with ``config.problem_type ==
+    "multi_label_classification"``, as ``explain`` reads it): the labels are
+    independent, a label's probability is ``sigmoid(logit)``, and ``"logprob"`` is
+    ``logsigmoid(logit)`` (with ``foil``, the difference of the two). A head with one
+    output and softmax probabilities is refused under ``"logprob"``: the log-softmax of
+    one number is always 0.
 
     Examples:
         The MLP's two outputs read as the logits of a two-class classifier:
@@ -100,6 +107,7 @@ class ClassLabel:
     foil: int | None = None
     score: str = "logit"
     example: int = 0
+    multi_label: bool = False
 
     def __post_init__(self):
         _check_score(self.score)
@@ -128,6 +136,8 @@ class TokenLabel:
     foil: int | None = None
     score: str = "logit"
     example: int = 0
+    multi_label: bool = False  #: labels independent: probability sigmoid(logit)
+    multi_label: bool = False
 
     def __post_init__(self):
         _check_score(self.score)
@@ -150,8 +160,23 @@ def _check_score(score):
         raise InputError(f"score={score!r}: choose one of {', '.join(SCORES)}")
 
 
+_ONE_OUTPUT = (
+    "score='logprob' on a head with one output: the log-softmax of one number is always 0, "
+    "so nothing would be explained. Explain its logit (score='logit', --score logit); "
+    "a one-logit binary classifier whose probability is sigmoid(logit) is a multi-label "
+    "head: set config.problem_type = 'multi_label_classification' (or multi_label=True)"
+)
+
+
 def _label_score(logits, t):
-    values = logits.log_softmax(-1) if t.score == "logprob" and t.foil is None else logits
+    if t.score == "logit":
+        values = logits
+    elif t.multi_label:  # independent labels: p = sigmoid(logit)
+        values = torch.nn.functional.logsigmoid(logits)
+    elif logits.shape[-1] == 1:
+        raise InputError(_ONE_OUTPUT)
+    else:  # a margin of log-softmaxes is the margin of logits
+        values = logits if t.foil is not None else logits.log_softmax(-1)
     value = values[t.label]
     return value if t.foil is None else value - values[t.foil]
 

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from .errors import InputError, LoadError
+from .loading import check_tokenizer
 from .targets import (
+    _ONE_OUTPUT,
     POOLING,
     TASKS,
     ClassLabel,
@@ -201,6 +203,7 @@ def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu"):
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise LoadError(_load_hint(model_id, e)) from None
+    check_tokenizer(model_id, tokenizer)
     model, info = from_pretrained(cls, where, model_id, dtype)
     if task == "similarity":  # the pooler's output is not what a sentence embedding pools
         info = {**info, "missing_keys": [k for k in info.get("missing_keys") or ()
@@ -227,8 +230,9 @@ class Prepared:
 
 
 def check_ids(tokenizer, model, ids, what: str = "the text") -> None:
-    """Refuse, before tracing, ids past the model's vocabulary and an input longer
-    than the model's positions (both numbers named)."""
+    """Refuse, before tracing, ids past the model's vocabulary, a text whose every
+    word is unknown to the tokenizer, and an input longer than the model's positions
+    (the numbers named)."""
     from .trace_checks import max_positions
 
     rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
@@ -239,6 +243,17 @@ def check_ids(tokenizer, model, ids, what: str = "the text") -> None:
             f"), but the model's vocabulary has {rows} entries (ids 0..{rows - 1}): the "
             "tokenizer is not this model's own. Save the model and its tokenizer from one "
             "checkpoint"
+        )
+    unk = tokenizer.unk_token_id
+    special = set(tokenizer.all_special_ids) - {unk}
+    words = [i for i in ids.flatten().tolist() if i not in special]
+    if unk is not None and words and all(i == unk for i in words):
+        shown = " ".join(tokenizer.convert_ids_to_tokens(ids.flatten().tolist()))
+        raise InputError(
+            f"no word of {what} is in the tokenizer's vocabulary: each reads as "
+            f"{tokenizer.unk_token!r} ({shown}). The tokenizer is not this model's own, or "
+            "its vocabulary files are missing: "
+            "save the model's tokenizer with it (tokenizer.save_pretrained(DIR))"
         )
     limit = max_positions(model)
     if limit is not None and ids.shape[-1] > limit:
@@ -306,15 +321,21 @@ def _prepare_labels(task, model, tokenizer, text, pair, label, foil, position, s
     j = None if foil is None else label_index(model.config, foil)
     if i == j:
         raise InputError(f"label {label!r} and foil {foil!r} are the same label ({i})")
+    multi = getattr(model.config, "problem_type", None) == "multi_label_classification"
+    outputs = getattr(model.config, "num_labels", None)
+    if score == "logprob" and outputs == 1 and not multi:
+        raise InputError(_ONE_OUTPUT)
     name = names.get(i, str(i))
     fname = None if j is None else names.get(j, str(j))
     f = "log p" if score == "logprob" else "logit"
     said = f"{f}({name})" if j is None else f"{f}({name}) - {f}({fname})"
+    if multi and score == "logprob":
+        said += " (multi-label: p = sigmoid(logit))"
     if task == "token":
-        t = TokenLabel(position, i, j, score)
+        t = TokenLabel(position, i, j, score, multi_label=multi)
         said += f" at position {position} ({tokens[position]!r})"
     else:
-        t = ClassLabel(i, j, score)
+        t = ClassLabel(i, j, score, multi_label=multi)
     return Prepared(inputs, t, [tokens], position, said + predicted, name, fname)
 
 

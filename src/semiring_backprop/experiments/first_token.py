@@ -293,6 +293,19 @@ def agreement_text(summary: dict) -> str:
     return "; ".join(parts)
 
 
+#: what the demo's block titles mean, printed above the table
+LEGEND = """Each block's title says how the values were computed:
+  oplus        a branch's value is the oplus (here: the max) over the token's hidden
+               units: the value of the single best path through that branch;
+  bucket_sum   each hidden unit goes to the branch its best path leaves through, and
+               a branch's value is the sum over the units it won;
+  neuron       granularity: the exact best path, every number of every tensor its own
+               node of the graph;
+  tensor       granularity: the paper's variant (what its figures show): sums inside
+               each op, a max only where one tensor feeds several ops.
+"""
+
+
 def demo(out="runs/demo", progress: bool = True, print_fn=print) -> dict:
     """``first-token-repeated --quick``: train three models (about 70 s in all on 2
     cores), explain 200 validation examples with each, print the branch table with a
@@ -311,7 +324,8 @@ def demo(out="runs/demo", progress: bool = True, print_fn=print) -> dict:
       "path value (MaxProduct)")  # fmt: skip
     p("at the attention input, split over its consumers (skip / query / key / value), mean")
     p("per token class over the models ± their standard deviation ('-': that branch never")
-    p("reaches the output from such a token):\n")
+    p("reaches the output from such a token).\n")
+    p(LEGEND)
     p(table_text(result["summary"]))
     p("\nReading (mean over models): " + reading(result["summary"]))
     p("Models agreeing (top branch per model): " + agreement_text(result["summary"]) + ".")
