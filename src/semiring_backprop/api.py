@@ -70,9 +70,11 @@ def backprop(
     function's closure, defaults and globals hold (numbers, strings, small tensors and
     containers of them, compared by value; modules and functions by identity); an
     output function that reads anything else (a large tensor, a model) is traced on
-    every call. The model is traced again when its parameters or buffers are replaced
-    or modified in place, its modules are replaced, its hooks or train/eval mode change,
-    or a plain attribute of a module (a norm's ``eps``, a scale) changes.
+    every call; of a module or class it reads a global of (``settings.IDX``,
+    ``Knobs.IDX``), the attributes its code names are compared too (torch's and other
+    libraries' modules by identity). The model is traced again when anything its code
+    reads changes, as [Backprop][semiring_backprop.Backprop] says
+    (``semiring_backprop.trace_keys`` lists it).
     [clear_traces][semiring_backprop.clear_traces] drops every kept trace.
 
     Examples:
@@ -124,8 +126,17 @@ class Backprop:
     What the trace depends on is checked on every call: it is traced again when the
     model's parameters or buffers are replaced or modified in place (torch's version
     counter: optimizer steps, ``load_state_dict``, ``with torch.no_grad(): p.mul_(2)``),
-    its modules are replaced, its hooks or train/eval mode change, or a plain
-    attribute of a module (a norm's ``eps``, a scale) changes. Writes that bypass the
+    its modules are replaced, its hooks or train/eval mode change, or an attribute of
+    a module changes: a number or flag (a norm's ``eps``), a tensor that is not a
+    parameter (replaced or written in place), a list, tuple, dict or set (by content,
+    up to 1024 items, 4 levels deep: ``m.opts['scale'] = -5``), an object's attributes
+    (a config, two levels deep), or a function (``m.forward = ...``). Code changes are
+    seen too: a method of a module's class replaced (``nn.Tanh.forward = ...``), and,
+    in the model's own code (not torch's, transformers' or the standard library's), a
+    global its functions read (``SCALE = 3``, and ``settings.SCALE`` of a module or
+    class it names), their closures and defaults, and the functions they call. Not
+    seen: deeper state of objects (compared by identity), and the installed libraries'
+    module state (``torch.nn.functional.gelu = ...``). Writes that bypass the
     version counter (through ``p.data`` or a NumPy view of ``p``) are read by the pass
     itself, which computes with the parameters' memory; the weights prepared from them
     (``weight_cache``) are checked by 64 evenly spaced elements of every parameter and

@@ -153,7 +153,9 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 
 class TrainingModeError(SemiringBackpropError):
-    """The model is in training mode, which makes edges random (dropout).
+    """The model is in training mode, and its trace holds an op whose result depends on
+    the mode: a random one (dropout makes edges random) or batch statistics. A model in
+    training mode without such ops (Linear and Tanh layers) is explained as it is.
 
     Examples:
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.Dropout(0.1)).double()
@@ -161,9 +163,10 @@ class TrainingModeError(SemiringBackpropError):
         ...     sbp.backprop(net, (x,), output=lambda y: y.sum())
         ... except sbp.TrainingModeError as e:
         ...     print(e)
-        Sequential is in training mode ('Sequential' and 2 more modules): dropout would make
-        the gradient graph random. Call model.eval() first, or pass allow_training=True to
-        explain the training-mode function as it is.
+        Sequential is in training mode ('Sequential' and 2 more modules), and in that mode
+        '1' (Dropout) applies aten.dropout.default which draws random numbers (dropout: the
+        gradient graph would be random). Call model.eval() first, or pass
+        allow_training=True to explain the training-mode function as it is.
     """
 
 

@@ -147,16 +147,19 @@ def _check_mode(model, program, allow_training: bool):
         return
     stack = node.meta.get("nn_module_stack") or {}
     path, cls = next(reversed(stack.values()), ("", None))
+    path = path.removeprefix("model").removeprefix(".")  # the tracing wrapper's name
     cls = getattr(cls, "__name__", str(cls).rsplit(".", 1)[-1])
-    owner = f" in {path!r} ({cls})" if path else ""
-    what = ("draws random numbers (dropout would make the gradient graph random)"
-            if "batch_norm" not in str(node.target)
-            else "normalizes by the batch's statistics (the examples would interact)")  # fmt: skip
+    where = f"{path!r} ({cls})" if path else "the model"
+    what = (
+        "with the batch's statistics (the examples would interact)"
+        if "batch_norm" in str(node.target)
+        else "which draws random numbers (dropout: the gradient graph would be random)"
+    )
     raise TrainingModeError(
         f"{type(model).__name__} is in training mode ({training[0]!r} and "
-        f"{len(training) - 1} more modules), and its {node.target}{owner} {what}. "
-        "Call model.eval() first, or pass allow_training=True to explain the "
-        "training-mode function as it is."
+        f"{len(training) - 1} more modules), and in that mode {where} applies "
+        f"{node.target} {what}. Call model.eval() first, or pass allow_training=True to "
+        "explain the training-mode function as it is."
     )
 
 
