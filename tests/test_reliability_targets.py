@@ -191,6 +191,17 @@ def test_a_causal_lm_is_explained_after_the_text_not_after_its_end_token(root):
     assert ex.score == pytest.approx(want, abs=1e-5)
 
 
+def test_only_the_end_tokens_the_tokenizer_added_are_dropped(root):
+    """An end token typed in the text stays (it is the text); the appended one goes."""
+    d = _llama_with_end_token(root / "llama-eos-typed")
+    tok = transformers.AutoTokenizer.from_pretrained(d)
+    for text, want in [("the keys", ["<s>", "the", "keys"]),
+                       ("the keys </s>", ["<s>", "the", "keys", "</s>"])]:  # fmt: skip
+        enc = explain_mod._drop_end_tokens(tok, text, tok(text, return_tensors="pt"))
+        assert tok.convert_ids_to_tokens(enc["input_ids"][0].tolist()) == want
+        assert enc["attention_mask"].shape == enc["input_ids"].shape
+
+
 # -- 3. errors that say what to do ---------------------------------------------------------
 
 

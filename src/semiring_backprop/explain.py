@@ -279,15 +279,14 @@ def encode(tokenizer, model, text: str, kind: str) -> tuple[dict, int]:
 def _drop_end_tokens(tokenizer, text: str, enc) -> dict:
     """``enc`` without the special tokens a tokenizer appends after the text (an end
     token: ``add_eos_token``): a causal LM's next word follows the text, not its end."""
-    ids = enc["input_ids"]
-    n = ids.shape[1]
-    added = n - len(tokenizer(text, add_special_tokens=False)["input_ids"])
-    special = set(tokenizer.all_special_ids)
-    end = n
-    while end > 0 and n - end < added and int(ids[0, end - 1]) in special:
-        end -= 1
-    if end == n:
+    full = enc["input_ids"][0].tolist()
+    plain = tokenizer(text, add_special_tokens=False)["input_ids"]
+    n, m = len(full), len(plain)
+    # the text's own tokens sit between what the tokenizer put before and after them
+    after = next((k for k in range(n - m + 1) if full[n - m - k : n - k] == plain), 0)
+    if not after or not set(full[n - after :]) <= set(tokenizer.all_special_ids):
         return enc
+    end = n - after
     return {k: v[:, :end] if torch.is_tensor(v) and v.dim() == 2 else v for k, v in enc.items()}
 
 
@@ -576,7 +575,8 @@ def explain(
     * ``"lm"``: ``log p(target) - log p(foil)`` at the mask (masked LM) or the next
       position (causal LM); a word of several tokens counts as the sum of its pieces'
       log-probabilities (consecutive masks; teacher-forced next tokens). No ``foil``:
-      ``log p(target)``.
+      ``log p(target)``. End tokens a tokenizer appends (``add_eos_token``) are
+      dropped: a causal LM's next word follows the text.
     * ``"classification"``: the logit (``score="logprob"``: log-probability) of the
       label ``target`` (a name from ``config.id2label`` or an index; default: the
       predicted label), or the margin to the label ``foil``; ``text_pair``: the second
@@ -590,6 +590,9 @@ def explain(
     ``per_head=True``: the layer table splits the query, key and value branches by
     attention head (a ``head_index`` column). Padding (where the attention mask is 0) is
     no token: it is left out of every table, view and figure.
+
+    ``semirings``: names from :data:`SEMIRINGS` (a list, or one name such as
+    ``"max"``).
 
     A model given by name is kept (the last two, keyed on the name, the task, kind,
     dtype, device and, for a local directory, its files' sizes and times): a second
