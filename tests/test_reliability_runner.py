@@ -25,7 +25,12 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from semiring_backprop.errors import InputError  # noqa: E402
 from semiring_backprop.experiments import common  # noqa: E402
-from semiring_backprop.runner import load_results, run, skipped_examples  # noqa: E402
+from semiring_backprop.runner import (  # noqa: E402
+    load_results,
+    prepare,
+    run,
+    skipped_examples,
+)
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 
@@ -147,6 +152,14 @@ def test_a_skipped_example_fixed_is_no_longer_counted_skipped(bert_dir, tmp_path
     rows[1] = {**rows[1], "foil": "zebra"}  # not in the vocabulary: skipped
     data = _write(tmp_path / "d.jsonl", rows)
     assert _run(bert_dir, data, tmp_path / "out")["skipped"] == 1
+    seen = []  # a rerun of the same data prepares nothing again: the skip is kept
+
+    def counting(ex, *a):
+        seen.append(ex.id)
+        return prepare(ex, *a)
+
+    assert _run(bert_dir, data, tmp_path / "out", prepare=counting)["skipped"] == 1
+    assert seen == []
     rows[1] = {**rows[1], "foil": "is"}
     _write(data, rows)
     r = _run(bert_dir, data, tmp_path / "out")

@@ -290,7 +290,8 @@ def _explain(todo, source: _Source, records, out: Path, settings, address, progr
                 "it must return a runner.Item, or the reason the example is skipped (a str)"
             )
     if skipped:
-        records.add({"shard": None, "ids": [], "skipped": skipped})
+        keys = {ex.id: store.content_key(ex) for ex in todo if ex.id in skipped}
+        records.add({"shard": None, "ids": [], "skipped": skipped, "keys": keys})
     groups = batches(items, settings.batch_size)
     bar = tqdm(total=len(items), desc="examples", unit="ex", disable=not progress, leave=False)
     n = 0
