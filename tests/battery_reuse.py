@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import battery
 import semiring_backprop as sbp
-from battery import _fresh_agrees, _reused, autograd, case, clear, close, graceful, out01
+from battery import autograd, clear, close, graceful, out01
 
 F64 = torch.float64
 SCALE = 1.0  # a global Scaled.forward reads
@@ -362,17 +362,3 @@ def _(env):
 def _(env):
     model = nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5), nn.Linear(3, 2)).train()
     return battery._bp(env, model=model)
-
-
-# battery.py's two cases of a module left in training mode expected a refusal; the
-# battery's Net (Linear, LayerNorm, Tanh) has no op that depends on the mode, so since
-# issue 29 it is explained as it is: the same cases, judged against autograd instead.
-_NOW_GRACEFUL = {
-    "api.reuse-after-swap-to-a-training-module": lambda net: setattr(net, "act", nn.ReLU()),
-    "api.reuse-after-train": lambda net: net.fc1.train(),
-}
-battery.CASES[:] = [c for c in battery.CASES if c.name not in _NOW_GRACEFUL]
-for _name, _change in _NOW_GRACEFUL.items():
-    case(_name, "graceful", check=_fresh_agrees, what=f"a reused Backprop after {_name[4:]}")(
-        lambda env, change=_change: _reused(env, change)
-    )
