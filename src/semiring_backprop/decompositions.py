@@ -275,8 +275,120 @@ _RESAMPLING = (
 _NEVER_DECOMPOSE = (aten.detach.default,)
 
 
-def table(whole: tuple[str, ...] = ()) -> dict:
-    """The decomposition table for ``ExportedProgram.run_decompositions``."""
+# -- paper mode: the graph as the paper's library (brunoflow) builds it ----------------
+#
+# brunoflow differs from the decompositions above in four ways, each of which changes
+# tensor-granularity values (DESIGN §1, paper mode): its layer norm computes
+# var = E[x²] - E[x]²; its GELU is one pointwise op; its softmax is exp(log_softmax)
+# with a logsumexp whose max carries an edge to the row's (first) argmax; and every
+# selection (indexing, the max's backward) is dense: the elements it does not select
+# receive 0 (a path of weight 0), not "no path". Here a selection is a product with a
+# one-hot mask summed over the selected dim, which gives exactly that.
+
+
+def _one_hot(n, index, dim, ndim, like):
+    """``1.0`` where the position along ``dim`` equals ``index`` (broadcastable), else 0."""
+    shape = [1] * ndim
+    shape[dim] = n
+    positions = torch.arange(n, device=like.device).view(shape)
+    return (positions == index).to(like.dtype)
+
+
+def _paper_max(x, dim):
+    """The max along ``dim`` (kept): brunoflow's ``reduce_max``, an edge of weight 1 to
+    the first argmax and of weight 0 to every other element of the row."""
+    idx = x.argmax(dim, keepdim=True)
+    # masked (-inf) scores, which have no edges, kept finite: 0 · -inf would be NaN
+    finite = x.clamp(min=torch.finfo(x.dtype).min)
+    return (finite * _one_hot(x.shape[dim], idx, dim, x.dim(), x)).sum(dim, keepdim=True)
+
+
+def _paper_logsumexp(x, dim):
+    m = _paper_max(x, dim)
+    return torch.log(torch.exp(x - m).sum(dim, keepdim=True)) + m
+
+
+def paper_log_softmax(x, dim, dtype=None):
+    if dtype is not None:
+        x = x.to(dtype)
+    return x - _paper_logsumexp(x, _dims(x, dim)[0])
+
+
+def paper_softmax(x, dim, dtype=None):
+    return torch.exp(paper_log_softmax(x, dim, dtype))
+
+
+def _paper_softmax(x, dim, half_to_float=False):
+    return paper_softmax(x, dim)
+
+
+def _paper_log_softmax(x, dim, half_to_float=False):
+    return paper_log_softmax(x, dim)
+
+
+def paper_logsumexp(x, dim, keepdim=False):
+    dims = _dims(x, dim)
+    if len(dims) != 1:
+        return logsumexp(x, dims, keepdim)
+    out = _paper_logsumexp(x, dims[0])
+    return out if keepdim else out.squeeze(dims)
+
+
+def paper_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    """brunoflow's ``LayerNorm``: ``(x - E[x]) / sqrt(E[x²] - E[x]² + eps)``, means as
+    sums divided by n, then ``weight * x_norm + bias``."""
+    dims = list(range(x.dim() - len(normalized_shape), x.dim()))
+    n = math.prod(x.shape[d] for d in dims)
+    mean = x.sum(dims, keepdim=True) / n
+    var = (x**2).sum(dims, keepdim=True) / n - mean**2
+    y = (x - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        y = weight * y
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+def paper_select(x, dim, index):
+    """``x.select(dim, index)`` as brunoflow's ``getitem``: every element of ``x`` has an
+    edge, of weight 1 where selected and 0 elsewhere."""
+    if not x.is_floating_point():
+        return NotImplemented  # (integer ids, masks: no paths either way)
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    index = index + n if index < 0 else index
+    return (x * _one_hot(n, index, dim, x.dim(), x)).sum(dim)
+
+
+def paper_gather(x, dim, index, sparse_grad=False):
+    """``x.gather(dim, index)`` as a dense selection (see :func:`paper_select`), where the
+    index has the input's shape but along ``dim``."""
+    dim = dim % max(x.dim(), 1)
+    same = x.dim() == index.dim() and all(
+        a == b for d, (a, b) in enumerate(zip(x.shape, index.shape)) if d != dim
+    )
+    if not x.is_floating_point() or not same:
+        return NotImplemented
+    n = x.shape[dim]
+    mask = _one_hot(n, index.unsqueeze(dim), dim, x.dim() + 1, x)  # [.., n, k, ..]
+    return (x.unsqueeze(dim + 1) * mask).sum(dim)
+
+
+_PAPER = {
+    aten.softmax.int: paper_softmax,
+    aten._softmax.default: _paper_softmax,
+    aten.log_softmax.int: paper_log_softmax,
+    aten._log_softmax.default: _paper_log_softmax,
+    aten.logsumexp.default: paper_logsumexp,
+    aten.layer_norm.default: paper_layer_norm,
+    aten.select.int: paper_select,
+    aten.gather.default: paper_gather,
+}
+
+
+def table(whole: tuple[str, ...] = (), paper: bool = False) -> dict:
+    """The decomposition table for ``ExportedProgram.run_decompositions`` (``paper``:
+    brunoflow's graph, see above; GELU then stays one pointwise op)."""
     unknown = set(whole) - set(KEEPABLE)
     if unknown:
         raise InputError(
@@ -295,4 +407,11 @@ def table(whole: tuple[str, ...] = ()) -> dict:
     t.update(get_decompositions(list(_RESAMPLING)))
     for op in _NEVER_DECOMPOSE:
         t.pop(op, None)
+    if paper:
+        t.update({op: fn for op, fn in _PAPER.items() if _kept_name(op) not in whole})
+        t.pop(aten.gelu.default, None)
     return t
+
+
+def _kept_name(op) -> str | None:
+    return next((name for name, ops in _OURS.items() if name and op in ops), None)

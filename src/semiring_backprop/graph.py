@@ -39,6 +39,8 @@ class Graph:
     head_attrs: dict = field(default_factory=dict)
     #: prepared contraction weights kept across calls (``rules.Prepared``), if any
     prepared: object = None
+    #: traced with the paper's library's decompositions (DESIGN §1, paper mode)
+    paper: bool = False
     nodes: list = field(init=False)
 
     def __post_init__(self):

@@ -191,8 +191,13 @@ def trace(
     whole: tuple[str, ...] = (),
     allow_training: bool = False,
     dynamic: bool = True,
+    paper: bool = False,
 ) -> Graph:
     """Trace ``output(model(*args, **kwargs))`` to a [Graph][semiring_backprop.Graph].
+
+    With ``paper``, composite ops are decomposed as the paper's library (brunoflow)
+    built them (DESIGN §1, paper mode; ``decompositions``): tensor-granularity
+    semirings then compute what it computed.
 
     With ``dynamic`` (default), every dimension of every tensor input may vary:
     torch.export keeps those it can symbolic (a sequence length, usually) and fixes the
@@ -211,10 +216,10 @@ def trace(
         (True, False)
     """
     with _LOCK:
-        return _trace(model, args, kwargs, output, whole, allow_training, dynamic)
+        return _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper)
 
 
-def _trace(model, args, kwargs, output, whole, allow_training, dynamic) -> Graph:
+def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=False) -> Graph:
     kwargs = dict(kwargs or {})
     args = tuple(args) if isinstance(args, tuple | list) else (args,)
     if output is None:
@@ -226,7 +231,7 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic) -> Graph
     long = too_long(model, args, kwargs, learned_only=True)
     if long:  # before torch.export, which would fail deep inside with fake tensors
         raise InputError(long)
-    table = decompositions.table(tuple(whole))
+    table = decompositions.table(tuple(whole), paper=paper)
     handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
     functions: list = []
     refusals: list = []  # what the model's code did that the pass cannot follow
@@ -279,6 +284,7 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic) -> Graph
     if isinstance(model, torch.nn.Module):
         graph.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
         graph.head_attrs = head_attrs(model)
+    graph.paper = paper
     return graph
 
 
