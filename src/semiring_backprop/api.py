@@ -39,6 +39,7 @@ def backprop(
     allow_training: bool = False,
     per_example: bool = False,
     reuse: bool = True,
+    paper: bool = False,
 ) -> Result:
     """Semiring backpropagation of ``output(model(*args, **kwargs))``.
 
@@ -61,6 +62,8 @@ def backprop(
             examples must not interact: every call runs each one alone and raises if
             its output differs from its output in the batch (``independence``).
         reuse: reuse the trace of an earlier call (see below); ``False`` traces anew.
+        paper: trace the graph as the paper's library (brunoflow) built it (DESIGN §1,
+            paper mode): with ``MaxProduct("tensor")`` the values are brunoflow's.
 
     A call traces the model for these inputs' shapes; a later call with the same model
     object, an output function of the same code and equal constants, the same
@@ -97,7 +100,8 @@ def backprop(
         >>> r.aggregate("bert.embeddings.word_embeddings", sbp.MaxProduct()).hi.shape
         torch.Size([1, 11])
     """
-    options = {"whole": tuple(whole), "allow_training": allow_training, "per_example": per_example}
+    options = {"whole": tuple(whole), "allow_training": allow_training,
+               "per_example": per_example, "paper": bool(paper)}  # fmt: skip
     traces = _kept_traces(model, output, options) if reuse else None
     return Backprop(
         model, output, semirings, keep=keep, weight_cache=0, dynamic=False, **options,
@@ -184,6 +188,7 @@ class Backprop:
         per_example: bool = False,
         weight_cache: int = 2**30,
         dynamic: bool = True,
+        paper: bool = False,
         _traces: _Traces | None = None,
     ):
         if isinstance(semirings, Semiring):
@@ -206,7 +211,7 @@ class Backprop:
             keep = (keep,)
         self.keep = None if keep is None else tuple(keep)
         options = {"whole": tuple(whole), "allow_training": allow_training,
-                   "per_example": per_example}  # fmt: skip
+                   "per_example": per_example, "paper": bool(paper)}  # fmt: skip
         self._traces = _traces or _Traces(model, output, options, int(weight_cache), dynamic)
 
     @property
@@ -405,6 +410,7 @@ class _Traces:
         graph = trace(
             model, args, kwargs, self.output, whole=opts["whole"],
             allow_training=opts["allow_training"], dynamic=self.dynamic,
+            paper=opts.get("paper", False),
         )  # fmt: skip
         _check_output(graph, opts["per_example"])
         graph.prepared = self.prepared
