@@ -111,3 +111,21 @@ def test_the_default_is_not_brunoflow():
     ref = _array(example["nodes"][path]["hi"])
     got = _ours(res, path)["hi"].reshape(ref.shape)
     assert not _close(got, ref, np.abs(ref).max()).all()
+
+
+def test_paper_aggregate_is_winner_take_all():
+    """aggregate="paper": per token, the best hidden unit's value (brunoflow's) goes to
+    the branch that wins that unit, and every other branch has 0."""
+    example, res = _explain("classifier", 0)
+    where = "bert.encoder.layer.0.attention:input"
+    sr = SEMIRINGS[0]
+    paper = res.branches(where, sr, aggregate="paper")
+    oplus = res.branches(where, sr, aggregate="oplus")
+    best = _array(example["nodes"]["bert.embeddings.LayerNorm"]["hi"])[0].max(-1)
+    for t, rows in paper.groupby("token"):
+        assert (rows["value"] != 0).sum() <= 1
+        assert rows["value"].sum() == pytest.approx(best[t], rel=1e-4, abs=1e-6)
+        won = rows.loc[rows["winner"], "role"].tolist()
+        assert won == oplus.loc[(oplus["token"] == t) & oplus["winner"], "role"].tolist()
+    with pytest.raises(sbp.InputError, match="selective"):
+        res.branches(where, SEMIRINGS[1], aggregate="paper")

@@ -225,6 +225,11 @@ class Result:
         ``aggregate="oplus"``: ⊕ over each token's hidden units, per branch (``winner``
         marks the branch holding the token's best value). ``"bucket_sum"``: each hidden
         unit's value is added to the branch that wins it (selective semirings only).
+        ``"paper"``: the paper's bars (its ``compute_oplus_max_grad``): the token's best
+        hidden unit (the argmax of D over them) gives its value to the branch that wins
+        that unit's ⊕, and every other branch has 0 (zeros are values here: the paper
+        averaged them in); with ``MaxProduct("tensor")`` and ``paper=True`` this is the
+        paper's quantity. Ties (a 0 from two branches) go to the first branch listed.
         ``roles``: ``{"module regex": "query", ...}`` or a function of the module path,
         tried before the built-in names. ``by="role"``: one row per role, the ⊕ of the
         consumers that share it (a gated MLP's ``gate_proj`` and ``up_proj``).

@@ -23,11 +23,15 @@ aten = torch.ops.aten
 # -- readouts and tables --------------------------------------------------------------
 
 
-def _rank(sr, value) -> torch.Tensor:
-    """What bucket_sum ranks branches by (the quantity ⊕ selects on)."""
+#: how a branch's per-unit values become one number per token (Result.branches)
+AGGREGATES = ("oplus", "bucket_sum", "paper")
+
+
+def _rank(sr, value, aggregate="bucket_sum") -> torch.Tensor:
+    """What bucket_sum and paper rank branches by (the quantity ⊕ selects on)."""
     if not sr.selective:
         raise InputError(
-            f"aggregate='bucket_sum' assigns each hidden unit to the branch that wins its ⊕; "
+            f"aggregate={aggregate!r} gives each hidden unit to the branch that wins its ⊕; "
             f"that needs a selective semiring (MaxProduct, MaxAbs, TopK), not {sr}"
         )
     return sr.rank(value)
@@ -39,8 +43,10 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
     (with ``per_head``, the query, key and value branches per head: :func:`head_parts`)."""
     import pandas as pd
 
-    if aggregate not in ("oplus", "bucket_sum"):
-        raise InputError(f"aggregate must be 'oplus' or 'bucket_sum', got {aggregate!r}")
+    if aggregate not in AGGREGATES:
+        raise InputError(
+            f"aggregate must be one of {', '.join(map(repr, AGGREGATES))}, got {aggregate!r}"
+        )
     if heads is not None and not per_head:
         raise InputError("heads= gives the head counts of per-head tables: add per_head=True")
     if semiring is None:
@@ -103,15 +109,23 @@ def _per_token(res, sr, values, ents, aggregate, hidden_dim, per_head=False):
         has = has.reshape(*stacked.shape, -1).any(-1)
         live = has.any(0)
     else:
-        score = torch.stack([_rank(sr, val) for val in values])  # (branches, *shape)
+        score = torch.stack([_rank(sr, val, aggregate) for val in values])  # (branches, *shape)
         best = score.argmax(0)
         total = values[0]
         for val in values[1:]:
             total = sr.plus(total, val)
         unit = sr.scalar(total)
         hd = hidden_dim % unit.dim()
-        stacked = torch.stack([torch.where(best == b, unit, 0).sum(hd) for b in range(len(values))])
-        win = stacked.argmax(0)
+        if aggregate == "paper":  # the token's best unit, to the branch that wins it
+            top = sr.rank(total).argmax(hd, keepdim=True)
+            win = best.gather(hd, top).squeeze(hd)
+            value = unit.gather(hd, top).squeeze(hd)
+            stacked = torch.stack([torch.where(win == b, value, 0) for b in range(len(values))])
+        else:
+            stacked = torch.stack(
+                [torch.where(best == b, unit, 0).sum(hd) for b in range(len(values))]
+            )
+            win = stacked.argmax(0)
         live = (total[0] != zero).reshape(*unit.shape, -1).any(-1).any(hd)
         has = torch.stack([(v[0] != zero).reshape(*unit.shape, -1).any(-1).any(hd)
                            for v in values])  # fmt: skip
@@ -280,10 +294,12 @@ def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
             if sub not in b.points:
                 continue
             srs = list(semirings or res.semirings)
-            if aggregate == "bucket_sum":
+            if aggregate != "oplus":
                 srs = [sr for sr in srs if getattr(sr, "selective", False)]
             if not srs:
-                raise InputError("aggregate='bucket_sum' needs a selective semiring (MaxProduct…)")
+                raise InputError(
+                    f"aggregate={aggregate!r} needs a selective semiring (MaxProduct…)"
+                )
             f = branches(res, b.points[sub], srs, aggregate, roles, by=by, per_head=per_head,
                          heads=heads)  # fmt: skip
             f.insert(0, "sublayer", sub)
