@@ -374,11 +374,6 @@ def test_html_pages_are_not_written_through_links(tmp_path):
         html.write_document(tmp_path, "x")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="View.to_html (views/__init__.py, not this change's file) still writes through "
-    "FILE.part itself: it is to call views.html.write_document(file, page)",
-)
 def test_view_to_html_is_not_written_through_a_link(tmp_path):
     from semiring_backprop.views import View
 

@@ -246,10 +246,17 @@ def test_one_semiring_name_is_a_name_not_its_letters(tmp_path):
     assert semirings_for("max") == semirings_for(["max"])
     with pytest.raises(InputError, match=r"letters of 'max'.*semirings=\['max'\]"):
         semirings_for(("m", "a", "x"))
-    # run turns its argument into a tuple (the letters): refused, saying how to give it
-    with pytest.raises(InputError, match=r"letters of 'max'"):
-        sbp.run("unused", examples=[{"text": "a", "target": "b", "foil": "c"}],
-                out=tmp_path / "out", semirings="max", progress=False)  # fmt: skip
+    # run takes one name too: the same tables as the list of that one name
+    d = _save_bert(tmp_path / "mlm", transformers.BertForMaskedLM)
+    examples = [{"text": MASKED_TEXT, "target": "are", "foil": "is"}]
+    tables = []
+    for name, given in (("one", "max"), ("list", ["max"])):
+        sbp.run(d, examples=examples, out=tmp_path / name, semirings=given, progress=False)
+        tables.append(sbp.load_results(tmp_path / name)["tokens"])
+    assert any("max" in c for c in tables[0].columns), list(tables[0].columns)
+    assert not any("entropy" in c for c in tables[0].columns), list(tables[0].columns)
+    pd = pytest.importorskip("pandas")
+    pd.testing.assert_frame_equal(tables[0], tables[1])
 
 
 def test_explain_takes_one_semiring_name(root):

@@ -193,15 +193,17 @@ def _directory(text: str) -> str:
 def _writable(out) -> None:
     """``--out`` as a directory this process can write into (made if missing)."""
     import os
+    import tempfile
     from pathlib import Path
 
     from .errors import InputError
 
-    probe = Path(out) / f".write-test-{os.getpid()}"
     try:
-        probe.parent.mkdir(parents=True, exist_ok=True)
-        probe.touch()
-        probe.unlink()
+        Path(out).mkdir(parents=True, exist_ok=True)
+        # a new file of a random name, made exclusively: no planted link is followed
+        fd, probe = tempfile.mkstemp(prefix=".write-test-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise InputError(
             f"--out {str(out)!r}: cannot write there ({e.strerror}); give a directory you "

@@ -411,22 +411,22 @@ class Explanation:
         out = FilePath(out)
         out.mkdir(parents=True, exist_ok=True)
         written = []
-        path = out / "explanation.json"
-        path.write_text(json.dumps(_clean(self.to_dict()), indent=2))
-        written.append(str(path))
-        if self.layers is not None:
-            self.layers.to_csv(out / "layers.csv", index=False)
-            written.append(str(out / "layers.csv"))
-        if self.entropy is not None:
-            self.entropy.to_csv(out / "entropy.csv", index=False)
-            written.append(str(out / "entropy.csv"))
-        if self.path is not None:
-            self.path.to_frame().to_csv(out / "top_path.csv", index=False)
-            written.append(str(out / "top_path.csv"))
+        from ._files import atomic_write  # whole or not at all, never through a link
+
+        page = json.dumps(_clean(self.to_dict()), indent=2)
+        files = {"explanation.json": lambda tmp: tmp.write_text(page)}
+        top = None if self.path is None else self.path.to_frame()
+        for name, table in (("layers.csv", self.layers), ("entropy.csv", self.entropy),
+                            ("top_path.csv", top)):  # fmt: skip
+            if table is not None:
+                files[name] = lambda tmp, t=table: t.to_csv(tmp, index=False)
         for e, path in enumerate(self.paths or []):  # a batch: each example's own, too
             if len(self.paths) > 1:
-                path.to_frame().to_csv(out / f"top_path_{e}.csv", index=False)
-                written.append(str(out / f"top_path_{e}.csv"))
+                files[f"top_path_{e}.csv"] = lambda tmp, p=path: p.to_frame().to_csv(
+                    tmp, index=False
+                )
+        for name, write in files.items():
+            written.append(str(atomic_write(out / name, write)))
         written += self._figures(out, format)
         return written
 

@@ -19,9 +19,7 @@ Examples:
 
 from __future__ import annotations
 
-import os
 import sys
-from pathlib import Path as FilePath
 
 from ..errors import InputError, SemiringBackpropError
 from . import html as _html
@@ -70,23 +68,7 @@ class View:
 
     def to_html(self, file) -> str:
         """Write the page to ``file`` (folders made as needed); returns the path."""
-        file = os.fspath(file)
-        if os.path.isdir(file):
-            raise InputError(f"{file!r} is a directory; give a file name such as report.html")
-        page = self.html()
-        parent = os.path.dirname(file)
-        tmp = FilePath(file + ".part")
-        try:
-            if parent:
-                os.makedirs(parent, exist_ok=True)
-            tmp.write_text(page, encoding="utf-8")  # whole or not at all
-            os.replace(tmp, file)
-        except OSError as e:
-            raise InputError(
-                f"cannot write {file!r}: {e.strerror or e}; give a file in a folder you can "
-                "write to"
-            ) from None
-        return file
+        return _html.write_document(file, self.html())
 
     def text(self, color: bool = False) -> str:
         """The terminal text (``color``: with ANSI colours)."""
