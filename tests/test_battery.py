@@ -44,7 +44,8 @@ def test_case_ends_as_declared(case, env, forkserver):
 
 def test_the_battery_is_large_and_covers_every_area():
     areas = {c.name.split(".")[0] for c in battery.CASES}
-    assert areas == {"api", "result", "data", "runs", "cli"}
+    # (reuse: what a kept trace may serve; targets: what is explained and loaded)
+    assert areas == {"api", "result", "data", "runs", "cli", "reuse", "targets"}
     assert len(battery.CASES) >= 150
     assert len({c.name for c in battery.CASES}) == len(battery.CASES)
     assert all(c.expect in battery.GOOD for c in battery.CASES)
