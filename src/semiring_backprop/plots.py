@@ -408,9 +408,10 @@ def save(fig: Figure, path: str | os.PathLike) -> str | os.PathLike:
         raise InputError(f"cannot save a figure as {suffix!r}: use .png, .svg or .pdf")
     import matplotlib
 
-    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    from ._files import atomic_write  # whole or not at all, never through a link
+
     with matplotlib.rc_context({"svg.fonttype": "none", "pdf.fonttype": 42}):  # text stays text
-        fig.savefig(path, dpi=120, format=suffix)
+        atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format=suffix))
     return path
 
 

@@ -123,8 +123,9 @@ class Path:
         """
         text = json.dumps(self.to_dict(), **kwargs)
         if file is not None:
-            with open(file, "w") as f:
-                f.write(text)
+            from .._files import atomic_write  # whole or not at all, never through a link
+
+            atomic_write(file, lambda tmp: tmp.write_text(text))
         return text
 
     def compact(self, strip: str | None = None, marks: bool = False) -> str:

@@ -503,6 +503,8 @@ def figure(rows: list[dict], summary: dict, path) -> str:
     ax.set_xlabel("online code length (MDL, bits)")
     ax.set_ylabel("mean path entropy at the input tokens (nats)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from .._files import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
     plt.close(fig)
     return str(path)

@@ -386,6 +386,8 @@ def figure(by_sentence, by_width, path) -> str:
     right.set_title("MLP on the 4-feature task")
     right.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from .._files import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
     plt.close(fig)
     return str(path)

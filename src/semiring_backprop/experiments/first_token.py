@@ -236,7 +236,9 @@ def figure(summary: dict, path) -> str:
     axes[0][0].legend(title="branch")
     fig.suptitle("FirstTokenRepeatedOnce: top gradient path value by attention branch")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from .._files import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120))
     plt.close(fig)
     return str(path)
 

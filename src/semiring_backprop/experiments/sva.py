@@ -154,9 +154,9 @@ def synthetic_agreement(path, n: int = 500, seed: int = 0) -> Path:
             "template": f"the N1 [PREP the N]* {MASK} ...",
         }
         lines.append(json.dumps(line))
-    path = Path(path)
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    from .._files import atomic_write
+
+    return atomic_write(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
 
 def vocabulary(examples) -> list[str]:

@@ -218,7 +218,9 @@ def branch_figure(summary: dict, path) -> str:
     import matplotlib.pyplot as plt
 
     fig = branch_plot(summary)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    from .._files import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight"))
     plt.close(fig)
     return str(path)
 
@@ -246,6 +248,8 @@ def attractor_figure(entropy, summary: dict, path) -> str:
     if len(entropy):
         ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
+    from .._files import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight"))
     plt.close(fig)
     return str(path)
