@@ -98,7 +98,17 @@ def _explain_parser(sub):
         choices=list(SEMIRINGS),
         help="; ".join(f"{k}: {v}" for k, v in SEMIRINGS.items()),
     )
-    e.add_argument("--granularity", choices=["neuron", "tensor"], default="neuron")
+    e.add_argument(
+        "--granularity",
+        choices=["neuron", "tensor"],
+        help="neuron (default) or tensor; --paper computes at tensor granularity",
+    )
+    e.add_argument(
+        "--paper",
+        action="store_true",
+        help="paper mode: trace as the paper's library (brunoflow) did, at tensor granularity, "
+        "and print the paper's per-token branch table (winner-take-all, zeros kept) beside ours",
+    )
     e.add_argument(
         "--per-head",
         action="store_true",
@@ -146,6 +156,7 @@ def _explain(args) -> int:
             dtype=getattr(torch, args.dtype),
             device=args.device,
             per_head=args.per_head,
+            paper=args.paper,
         )
         print(ex.report())
         if args.out:

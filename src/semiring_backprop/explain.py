@@ -68,6 +68,13 @@ def semirings_for(names, granularity: str = "neuron") -> list:
     return list(dict.fromkeys(out))
 
 
+#: what paper mode's report says it computed
+PAPER_NOTE = (
+    "paper mode: traced as the paper's library (brunoflow) built its graph, tensor "
+    "granularity; two branch tables follow: ours, then the paper's quantity"
+)
+
+
 # -- loading --------------------------------------------------------------------------
 
 
@@ -321,6 +328,13 @@ class Explanation:
     #: per example, 1 where a position is a token and 0 at padding (the attention mask);
     #: None where every position is a token. Tables, views and figures leave padding out
     mask: list | None = None
+    #: paper mode (``explain(..., paper=True)``): traced as the paper's library built its
+    #: graph, at tensor granularity; ``paper_layers`` holds the paper's quantity beside
+    #: ``layers`` (ours)
+    paper: bool = False
+    #: the paper's per-token branch table (``layer_table(aggregate="paper")``: brunoflow's
+    #: values, winner-take-all per token, zeros kept); None outside paper mode
+    paper_layers: object = field(repr=False, default=None)
 
     def _said(self) -> str:
         if self.what:
@@ -355,8 +369,12 @@ class Explanation:
         ]
         if self.mask is not None:
             lines.append("(padding, where the attention mask is 0, is no token: left out below)")
+        if self.paper:
+            lines.append(PAPER_NOTE)
         if self.layers is not None and len(self.layers):
-            lines += ["", _branch_text(self.layers)]
+            lines += ["", _branch_text(self.layers, ours=self.paper)]
+        if self.paper_layers is not None and len(self.paper_layers):
+            lines += ["", _branch_text(self.paper_layers, paper=True)]
         from .views import start_of
 
         for path in self.paths or ([self.path] if self.path is not None else []):
@@ -398,6 +416,10 @@ class Explanation:
             "mask": self.mask,
             "source": self.source,
             "layers": None if self.layers is None else self.layers.to_dict("records"),
+            "paper": self.paper,
+            "paper_layers": None
+            if self.paper_layers is None
+            else self.paper_layers.to_dict("records"),
             "entropy": None if self.entropy is None else self.entropy.to_dict("records"),
             "top_path": None if self.path is None else self.path.to_dict(),
             "top_paths": [p.to_dict() for p in self.paths or ([self.path] if self.path else [])],
@@ -417,7 +439,8 @@ class Explanation:
         files = {"explanation.json": lambda tmp: tmp.write_text(page)}
         top = None if self.path is None else self.path.to_frame()
         for name, table in (("layers.csv", self.layers), ("entropy.csv", self.entropy),
-                            ("top_path.csv", top)):  # fmt: skip
+                            ("top_path.csv", top),
+                            ("paper_layers.csv", self.paper_layers)):  # fmt: skip
             if table is not None:
                 files[name] = lambda tmp, t=table: t.to_csv(tmp, index=False)
         for e, path in enumerate(self.paths or []):  # a batch: each example's own, too
@@ -501,17 +524,28 @@ def _clean(x):
     return x
 
 
-def _branch_text(layers) -> str:
+def _branch_text(layers, ours: bool = False, paper: bool = False) -> str:
+    """The branch table as text. ``ours`` (paper mode): the heading says it is ours;
+    ``paper``: the table is ``aggregate="paper"``'s, and the heading says so."""
     from .views.html import SELECTIVE, SKIP_NOTE
 
     table = layers[layers.semiring.str.startswith("MaxProduct")]
     if not len(table):
         table = layers[layers.semiring == layers.semiring.iloc[0]]
     sr = table.semiring.iloc[0]
-    out = [
-        f"branches per layer ({sr}, ⊕ over each token's hidden units; winner: the branch "
-        "holding the token's best value)"
-    ]
+    if paper:
+        head = (
+            f"the paper's quantity, branches per layer ({sr} in paper mode: brunoflow's "
+            "computation; winner-take-all per token: the token's best hidden unit gives its "
+            "value to the branch that wins that unit, every other branch has 0, zeros kept)"
+        )
+    else:
+        head = (
+            ("ours, " if ours else "")
+            + f"branches per layer ({sr}, ⊕ over each token's hidden units; winner: the branch "
+            "holding the token's best value)"
+        )
+    out = [head]
     keys = ["token", "token_text"]
     if "example" in table.columns:  # a batch: one row per example and token
         keys = ["example", *keys]
@@ -529,7 +563,7 @@ def _branch_text(layers) -> str:
         text = wide.to_string(index=False, float_format="%.3g", na_rep="-")
         out += ["  " + ln for ln in text.splitlines()]
     out.append("(- : no path through that branch reaches the output)")
-    if str(sr).startswith(SELECTIVE):
+    if str(sr).startswith(SELECTIVE) and not paper:
         import textwrap
 
         out += textwrap.wrap(SKIP_NOTE, 100)
@@ -555,7 +589,7 @@ def explain(
     *,
     tokenizer=None,
     semirings=("max", "entropy"),
-    granularity: str = "neuron",
+    granularity: str | None = None,
     kind: str | None = None,
     dtype=torch.float32,
     device="cpu",
@@ -567,6 +601,7 @@ def explain(
     score: str = "logit",
     dim: int | None = None,
     per_head: bool = False,
+    paper: bool = False,
 ) -> Explanation:
     """Explain one scalar of a Hugging Face model; ``model`` is a hub id, a local
     directory, or a loaded model (then pass ``tokenizer`` too). ``task`` picks the
@@ -592,7 +627,14 @@ def explain(
     no token: it is left out of every table, view and figure.
 
     ``semirings``: names from :data:`SEMIRINGS` (a list, or one name such as
-    ``"max"``).
+    ``"max"``). ``granularity``: ``"neuron"`` (the default) or ``"tensor"``.
+
+    ``paper=True``: paper mode (DESIGN §1): the model is traced as the paper's library
+    (brunoflow) built its graph, at tensor granularity (so max-product values are
+    brunoflow's; ``granularity="neuron"`` is refused), and beside ``layers`` (ours: ⊕
+    over each token's hidden units, per branch) ``paper_layers`` holds the paper's
+    per-token table (``aggregate="paper"``: the token's best hidden unit gives its value
+    to the branch that wins it, every other branch 0, zeros kept; needs ``"max"``).
 
     A model given by name is kept (the last two, keyed on the name, the task, kind,
     dtype, device and, for a local directory, its files' sizes and times): a second
@@ -621,11 +663,18 @@ def explain(
         _check_head(model, task)
         model = model.eval()
     model_id = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    if paper and granularity not in (None, "tensor"):
+        raise InputError(
+            f"paper=True computes what the paper's library did, at tensor granularity; "
+            f"granularity={granularity!r} contradicts it (leave it out, or drop paper=True)"
+        )
+    granularity = granularity or ("tensor" if paper else "neuron")
     srs = semirings_for(semirings, granularity)
     prep = tasks.prepare(task, model, tokenizer, text, target, foil, kind=kind,
                          text_pair=text_pair, position=position, pooling=pooling,
                          score=score, dim=dim, model_id=model_id)  # fmt: skip
-    res = backprop(model, kwargs=prep.inputs, output=prep.target, semirings=srs)
+    res = backprop(model, kwargs=prep.inputs, output=prep.target, semirings=srs,
+                   paper=bool(paper))  # fmt: skip
     value = float(res.values[res.graph.output_node])
     rows = prep.examples
     ex = Explanation(
@@ -640,6 +689,12 @@ def explain(
                              per_head=per_head)  # fmt: skip
     ex.layers = layers if ex.mask is None else _without_padding(layers, ex.mask)
     maxes = [s for s in srs if isinstance(s, MaxProduct)]
+    ex.paper = bool(paper)
+    if paper and maxes and len(layers):  # the paper's quantity, beside ours
+        table = res.layer_table(semirings=maxes[:1], aggregate="paper",
+                                tokens=rows if len(rows) > 1 else rows[0], by="role",
+                                per_head=per_head)  # fmt: skip
+        ex.paper_layers = table if ex.mask is None else _without_padding(table, ex.mask)
     if maxes:
         sources = [(ex.source, (e,)) for e in range(len(rows))] if len(rows) > 1 else [ex.source]
         ex.paths = [res.top_path(where, maxes[0]) for where in sources]

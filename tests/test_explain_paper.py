@@ -1,0 +1,154 @@
+"""``explain(..., paper=True)`` and ``semiring-backprop explain --paper`` (issue 30).
+
+Oracles: an independent ``sbp.backprop(model, ..., paper=True)`` on the same saved model
+and the same input, with the explained scalar recomputed from the model's own logits; the
+paper's winner-take-all rule checked from that pass's values at the attention input (the
+best hidden unit's value, once per token); the printed words of the report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pd = pytest.importorskip("pandas")
+
+import semiring_backprop as sbp  # noqa: E402
+from semiring_backprop import cli  # noqa: E402
+from semiring_backprop.explain import explain  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
+
+WORDS = "the keys to cabinet is are on table a dog cat".split()
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+TEXT = "the keys to the cabinet [MASK] on the table"
+MASK = 6  # [CLS] the keys to the cabinet [MASK] ...
+EMBEDDINGS = "bert.embeddings.LayerNorm"  # layer 0's attention input
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory, _offline_quiet):
+    d = tmp_path_factory.mktemp("bert_paper")
+    (d / "vocab.txt").write_text("\n".join(SPECIAL + WORDS) + "\n")
+    transformers.BertTokenizer(str(d / "vocab.txt")).save_pretrained(d)
+    cfg = transformers.BertConfig(vocab_size=len(SPECIAL + WORDS), hidden_size=16,
+                                  num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=16)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(cfg).save_pretrained(d)
+    return str(d)
+
+
+@pytest.fixture(scope="module")
+def paper_run(bert_dir):
+    return explain(bert_dir, TEXT, "are", "is", semirings=["max"], paper=True)
+
+
+@pytest.fixture(scope="module")
+def oracle(bert_dir):
+    """The same scalar, by a plain ``sbp.backprop(paper=True)`` on the same model."""
+    tok = transformers.BertTokenizer.from_pretrained(bert_dir)
+    model = transformers.BertForMaskedLM.from_pretrained(bert_dir).eval()
+    enc = tok(TEXT, return_tensors="pt")
+    t, f = tok.convert_tokens_to_ids(["are", "is"])
+    assert tok.convert_ids_to_tokens(enc["input_ids"][0])[MASK] == "[MASK]"
+
+    def score(out):
+        logp = torch.log_softmax(out.logits[0, MASK], -1)
+        return logp[t] - logp[f]
+
+    with torch.no_grad():
+        want = float(score(model(**enc)))
+    kwargs = {k: v for k, v in enc.items()}
+    sr = sbp.MaxProduct("tensor")
+    res = sbp.backprop(model, kwargs=kwargs, output=score, semirings=[sr], paper=True)
+    plain = sbp.backprop(model, kwargs=kwargs, output=score, semirings=[sr])
+    return res, plain, want, sr
+
+
+def test_paper_mode_values_equal_backprop_paper(paper_run, oracle):
+    res, plain, want, sr = oracle
+    ex = paper_run
+    assert ex.paper and ex.result.graph.paper
+    assert ex.score == pytest.approx(want, rel=1e-5, abs=1e-6)
+    assert ex.result.semirings == [sr]  # tensor granularity
+    got, ref = ex.result.at(EMBEDDINGS, sr), res.at(EMBEDDINGS, sr)
+    torch.testing.assert_close(got.hi, ref.hi, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got.lo, ref.lo, rtol=1e-5, atol=1e-7)
+    # the switch changes the graph: without paper mode the values differ
+    assert not torch.allclose(plain.at(EMBEDDINGS, sr).hi, ref.hi, rtol=1e-3)
+
+
+def test_both_branch_tables_equal_the_independent_pass(paper_run, oracle):
+    res, _, _, sr = oracle
+    ex = paper_run
+    keys = ["layer", "sublayer", "token", "branch"]
+    for table, agg in ((ex.layers, "oplus"), (ex.paper_layers, "paper")):
+        want = res.layer_table(semirings=[sr], aggregate=agg, by="role")
+        got = pd.DataFrame(table).sort_values(keys).reset_index(drop=True)
+        want = want.sort_values(keys).reset_index(drop=True)
+        assert got[keys].values.tolist() == want[keys].values.tolist()
+        assert got["value"].tolist() == pytest.approx(want["value"].tolist(), rel=1e-5, abs=1e-7)
+        assert got["winner"].tolist() == want["winner"].tolist()
+
+
+def test_paper_table_is_winner_take_all_at_the_best_unit(paper_run, oracle):
+    """Layer 0's attention: per token one branch holds the token's best hidden unit's
+    value (the max of the pass's hi over the attention input's units), the others 0."""
+    res, _, _, sr = oracle
+    best = res.at(EMBEDDINGS, sr).hi[0].max(-1).values
+    table = paper_run.paper_layers
+    first = table[(table.sublayer == "attention") & (table.layer == table.layer.min())]
+    assert set(first.branch) == {"skip", "query", "key", "value"}
+    for token, rows in first.groupby("token"):
+        assert (rows["value"] != 0).sum() <= 1
+        assert rows["value"].sum() == pytest.approx(float(best[token]), rel=1e-5, abs=1e-7)
+        assert rows["winner"].sum() == 1
+
+
+def test_report_and_files_say_which_quantity(paper_run, tmp_path):
+    text = paper_run.report()
+    assert "paper mode: traced as the paper's library (brunoflow)" in text
+    assert "ours, branches per layer (MaxProduct(tensor), ⊕ over each token's hidden" in text
+    assert "the paper's quantity, branches per layer" in text
+    assert "winner-take-all per token" in text and "zeros kept" in text
+    assert text.index("ours, branches") < text.index("the paper's quantity, branches")
+    files = paper_run.write(tmp_path)
+    assert str(tmp_path / "paper_layers.csv") in files
+    page = json.loads((tmp_path / "explanation.json").read_text())
+    assert page["paper"] is True and len(page["paper_layers"]) == len(paper_run.paper_layers)
+
+
+def test_default_is_not_paper_mode(bert_dir):
+    ex = explain(bert_dir, TEXT, "are", "is", semirings=["max"])
+    assert not ex.paper and ex.paper_layers is None and not ex.result.graph.paper
+    assert ex.result.semirings == [sbp.MaxProduct("neuron")]
+    text = ex.report()
+    assert "paper mode" not in text and "the paper's quantity" not in text
+
+
+def test_paper_refuses_neuron_granularity(bert_dir):
+    with pytest.raises(sbp.InputError, match="tensor granularity"):
+        explain(bert_dir, TEXT, "are", "is", semirings=["max"], paper=True, granularity="neuron")
+
+
+def _cli(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_cli_paper_flag(bert_dir, paper_run):
+    argv = ["explain", bert_dir, "--text", TEXT, "--target", "are", "--foil", "is",
+            "--semiring", "max"]  # fmt: skip
+    rc, out, err = _cli([*argv, "--paper"])
+    assert rc == 0, err
+    assert out == paper_run.report() + "\n"
+    rc, _, err = _cli([*argv, "--paper", "--granularity", "neuron"])
+    assert rc == 2 and "tensor granularity" in err
