@@ -49,7 +49,10 @@ def test_files_and_summary_shape(tiny_run):
                  "seed0/values.jsonl", "seed1/values.jsonl", "seed1/model/model.pt"):  # fmt: skip
         assert (out / name).exists(), name
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary) == {"oplus", "bucket_sum", "spread", "agreement", "models"}
+    assert set(summary) == {"oplus", "bucket_sum", "paper", "spread", "agreement", "models"}
+    assert set(summary["paper"]) == {"tensor"}  # the paper's quantity (Config.paper)
+    assert set(summary["agreement"]) == {"neuron", "tensor", "paper"}
+    assert (out / "seed0" / "paper.jsonl").exists()
     assert [m["seed"] for m in summary["models"]] == [0, 1]
     for agg in ("oplus", "bucket_sum"):
         assert set(summary[agg]) == {"neuron", "tensor"}
@@ -84,7 +87,9 @@ def test_models_differ_and_the_spread_and_agreement_follow_them(tiny_run):
             assert spread["std"] == pytest.approx(vals.std())
     for gran, table in summary["agreement"].items():
         for cls, said in table.items():
-            sub = per_model.loc["oplus", gran, cls].dropna()  # (branch, seed) -> value
+            # (branch, seed) -> value; "paper": the paper's quantity, at tensor granularity
+            at = ("paper", "tensor") if gran == "paper" else ("oplus", gran)
+            sub = per_model.loc[(*at, cls)].dropna()
             winners = [sub.xs(s, level="seed").idxmax() for s in sorted(set(
                 sub.index.get_level_values("seed")))]  # fmt: skip
             assert said["of"] == len(winners)
@@ -151,6 +156,111 @@ def test_values_equal_one_example_passes(tiny_run):
                         assert pd.isna(v.iloc[0])
                     else:
                         assert v.iloc[0] == pytest.approx(r.value, rel=1e-4, abs=1e-7)
+
+
+def test_paper_values_equal_one_example_paper_passes(tiny_run):
+    """The paper's quantity: an independent one-example ``sbp.backprop(paper=True)`` with
+    MaxProduct("tensor"), read by ``aggregate="paper"`` (winner-take-all, zeros kept)."""
+    out, _ = tiny_run
+    cfg = experiments.config("first-token-repeated", **TINY)
+    task = make_task("FirstTokenRepeatedOnce", cfg.n, length=10, vocab_size=20, seed=0)
+    model = common.bert_classifier(20, 2, hidden=16, heads=2, intermediate=32, layers=1,
+                                   length=10)  # fmt: skip
+    model.load_state_dict(torch.load(out / "seed0" / "model" / "model.pt", weights_only=True))
+    model.eval()
+    frame = pd.read_csv(out / "branches.csv")
+    frame = frame[(frame["seed"] == 0) & (frame["aggregation"] == "paper")]
+    assert set(frame["granularity"]) == {"tensor"}
+    sr = sbp.MaxProduct("tensor")
+    for i in (0, 7):
+        x, gold = task.val.x[i : i + 1], int(task.val.y[i])
+        res = sbp.backprop(model, kwargs={"input_ids": x}, semirings=[sr], paper=True,
+                           output=lambda out, g=gold: out.logits[0, g])  # fmt: skip
+        best = res.at(ft.WHERE, sr).hi[0].max(-1).values  # each token's best unit
+        got = frame[frame["example"] == i]
+        for t in range(10):
+            vals = got[got["token"] == t].set_index("branch")["value"]
+            assert set(vals.index) == set(ft.BRANCHES)
+            assert (vals != 0).sum() <= 1  # one branch holds it, the rest are 0
+            assert vals.sum() == pytest.approx(float(best[t]), rel=1e-4, abs=1e-7)
+        want = res.branches(ft.WHERE, sr, aggregate="paper")
+        for r in want[want["role"].isin(ft.BRANCHES)].itertuples():
+            v = got[(got["token"] == r.token) & (got["branch"] == r.role)]["value"]
+            assert v.iloc[0] == pytest.approx(r.value, rel=1e-4, abs=1e-7)
+
+
+def test_paper_training_builds_the_papers_config(tmp_path, monkeypatch):
+    """Config(paper_training=True): the paper's model (512 positions, two token types,
+    dropout 0.2, hidden 16, 2 heads, 1 layer) trained 42 epochs without stopping early,
+    on 10,000 examples, batch 32, lr 1e-3 (train() is replaced: nothing trains 42 epochs
+    here)."""
+    cfg = ft.Config(paper_training=True)
+    assert ft.Config.paper_trained() == cfg
+    assert ft.training(cfg) == {
+        "n": 10_000, "hidden": 16, "heads": 2, "lr": 1e-3, "batch_size": 32, "layers": 1,
+        "epochs": 42, "stop_early": False, "max_position_embeddings": 512,
+        "type_vocab_size": 2, "dropout": 0.2,
+    }  # fmt: skip
+    bert = ft.model(cfg, 0).config
+    assert (bert.max_position_embeddings, bert.type_vocab_size) == (512, 2)
+    assert bert.hidden_dropout_prob == bert.attention_probs_dropout_prob == 0.2
+    assert (bert.hidden_size, bert.num_attention_heads, bert.num_hidden_layers) == (16, 2, 1)
+    ours = ft.model(ft.Config(), 0).config  # the default is unchanged
+    assert (ours.max_position_embeddings, ours.type_vocab_size) == (10, 1)
+    assert ours.hidden_dropout_prob == ours.attention_probs_dropout_prob == 0.0
+    with pytest.raises(sbp.InputError, match="hidden=32"):
+        ft.training(ft.Config(paper_training=True, hidden=32))
+
+    calls = []
+
+    def fake_train(model, train_split, val_split, **kw):
+        calls.append((model.config, len(train_split) + len(val_split), kw))
+        return [{"epoch": 1, "loss": 0.7, "val_accuracy": 0.5}]
+
+    monkeypatch.setattr(ft, "train", fake_train)
+    experiments.run("first-token-repeated", tmp_path, progress=False, paper_training=True,
+                    seeds=1, explain_limit=2, paper=False)  # fmt: skip
+    ((bert, n, kw),) = calls
+    # of the 10,000 examples made: 7,000 train and 1,000 validation (2,000 are the test split)
+    assert n == 8_000 and bert.max_position_embeddings == 512 and bert.type_vocab_size == 2
+    assert bert.hidden_dropout_prob == 0.2
+    assert kw["epochs"] == 42 and kw["stop_at"] is None
+    assert kw["lr"] == 1e-3 and kw["batch_size"] == 32
+    with pytest.raises(sbp.InputError, match="paper_training"):  # not mixed with ours
+        experiments.run("first-token-repeated", tmp_path, progress=False, seeds=1,
+                        explain_limit=2, paper=False)  # fmt: skip
+
+
+def test_demo_says_which_quantity_each_number_is(tiny_run, tmp_path, monkeypatch):
+    """The demo's words name each block's quantity, and the paper's block holds the
+    pandas means of the paper's rows of branches.csv, zeros included."""
+    out, result = tiny_run
+    monkeypatch.setattr(ft, "run", lambda *a, **k: result)
+    lines = []
+    ft.demo(tmp_path, progress=False, print_fn=lines.append)
+    text = "\n".join(lines)
+    for words in (
+        "ours: oplus, neuron granularity",
+        "ours: bucket_sum, tensor granularity",
+        "the paper's quantity: brunoflow's computation (paper mode, tensor granularity), "
+        "winner-take-all per token, zeros kept",
+        "ours (neuron granularity, ⊕ per branch): the first token's top path",
+        "the paper's quantity (brunoflow's computation, winner-take-all per token, zeros "
+        "kept): the first token's largest branch is the",
+        "The paper reported, in its quantity: first/query, repeated/key",
+        "the paper's quantity: the first token's through the",
+    ):
+        assert words in text, words
+    assert "paper, tensor granularity: first/query" not in text
+    frame = pd.read_csv(out / "branches.csv")
+    paper = frame[frame["aggregation"] == "paper"]
+    assert paper["value"].notna().all() and (paper["value"] == 0).any()  # zeros kept
+    block = text.split("the paper's quantity: brunoflow's computation")[1].splitlines()
+    first = next(ln for ln in block if ln.strip().startswith("first"))
+    per_seed = paper[paper["token_class"] == "first"].groupby(["branch", "seed"])["value"]
+    means = per_seed.mean().groupby("branch").mean()
+    for b in ft.BRANCHES:
+        assert f"{means[b]:.3g}" in first
 
 
 def test_rerun_resumes_without_training_or_explaining(tiny_run, monkeypatch):

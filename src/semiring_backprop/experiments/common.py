@@ -43,18 +43,25 @@ def bert_classifier(
     layers: int,
     length: int,
     seed: int = 0,
+    max_positions: int | None = None,
+    type_vocab_size: int = 1,
+    dropout: float = 0.0,
 ):
     """A BERT-style sequence classifier (Hugging Face ``BertForSequenceClassification``):
     embeddings, ``layers`` encoder layers, and the readout from position 0 through the
-    pooler. No dropout: the synthetic tasks are noiseless."""
+    pooler. By default no dropout (the synthetic tasks are noiseless), position
+    embeddings for ``max(length, 8)`` positions and one token type; ``max_positions``,
+    ``type_vocab_size`` and ``dropout`` (hidden and attention) set them otherwise (the
+    paper's §5.1 model: 512, 2 and 0.2)."""
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(seed)
     config = BertConfig(
         vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
         num_attention_heads=heads, intermediate_size=intermediate, num_labels=num_labels,
-        max_position_embeddings=max(length, 8), type_vocab_size=1, pad_token_id=0,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        max_position_embeddings=max_positions or max(length, 8),
+        type_vocab_size=type_vocab_size, pad_token_id=0,
+        hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
     )  # fmt: skip
     return BertForSequenceClassification(config)
 
