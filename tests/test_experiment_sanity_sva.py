@@ -166,8 +166,8 @@ def synthetic_run(tmp_path_factory, _offline_quiet):
 def test_sva_writes_its_files(synthetic_run):
     out, result = synthetic_run
     names = {p.rsplit("/", 1)[-1] for p in result["files"]}
-    assert names == {"branches.csv", "entropy.csv", "summary.json", "branches.png",
-                     "attractors.png"}  # fmt: skip
+    assert names == {"branches.csv", "branches_paper.csv", "entropy.csv", "summary.json",
+                     "branches.png", "attractors.png"}  # fmt: skip
     summary = json.loads((out / "summary.json").read_text())
     assert summary["skipped"] == 0 and summary["explained"] == 8
     assert "random" in summary["note"]

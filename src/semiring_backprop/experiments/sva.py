@@ -26,6 +26,17 @@ sum of their log-probabilities (each piece at its own mask, all of them masked),
 both verbs when they split into the same number of pieces; pieces the two share at one
 place cancel exactly and are left out of the explained function.
 
+With ``paper`` (the default) every example is explained a second time in the paper's
+own quantity (issue 30), by a second runner pass into ``out/runner_paper``: traced as the
+paper's library (brunoflow) built its graph, ``MaxProduct`` at tensor granularity, the
+score taken as the difference of the two logits (as the paper's ``analyze_kvq.py`` did:
+the same number), and aggregated as the paper did (``aggregation="paper"``: per token, the
+best hidden unit's value goes to the branch that wins that unit, every other branch
+gets 0). ``branches_paper.csv`` and ``summary["paper"]`` hold it, averaged as the
+paper's notebook (``analysis/sva_max_grad.ipynb``) did: the zeros kept, the mean pooled
+over the group's tokens of all examples, the subject read at its first token
+(:func:`~semiring_backprop.experiments.sva_report.paper_table`).
+
 The examples are explained by the data-set runner (:mod:`semiring_backprop.runner`):
 its Parquet shards in ``out/runner`` (read them with
 :func:`~semiring_backprop.runner.load_results`: one row per example x token x layer x
@@ -56,8 +67,9 @@ from .sva_report import attractor_figure, branch_figure
 
 AGGREGATIONS = ("oplus", "bucket_sum")
 #: settings that choose how (or how much) is computed or reported, not what: a rerun
-#: into the same directory may change them
-FREE = ("limit", "length_bins", "workers", "batch_size", "threads")
+#: into the same directory may change them (``paper`` adds or leaves out a pass with its
+#: own directory, ``runner_paper``, whose runner refuses other settings itself)
+FREE = ("limit", "length_bins", "workers", "batch_size", "threads", "paper")
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,8 @@ class Config:
     workers: int = 0  #: Ray actors (the ``ray`` extra); 0: this process
     batch_size: int = 8  #: examples of one token length explained together
     threads: int = 0  #: torch threads; 0: one for the random BERT, the caller's for a model
+    #: also the paper's quantity (paper mode, MaxProduct("tensor"), aggregation "paper")
+    paper: bool = True
 
     @classmethod
     def quick(cls) -> Config:
@@ -99,6 +113,8 @@ class Config:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise InputError(f"{name} must be a whole number >= {low}, got {v!r}")
+        if not isinstance(self.paper, bool):
+            raise InputError(f"paper must be True or False, got {self.paper!r}")
         if not self.nlp.strip():
             raise InputError(
                 "nlp must name a spaCy pipeline (e.g. en_core_web_sm) or its directory"
@@ -181,7 +197,9 @@ def vocabulary(examples) -> list[str]:
 def run(out, config: Config | None = None, progress: bool = True) -> dict:
     """Explain every example with the data-set runner (its results in ``out/runner``:
     Parquet shards, resumable); write ``branches.csv``, ``entropy.csv``,
-    ``summary.json`` and the figures ``branches.png`` and ``attractors.png``.
+    ``summary.json`` and the figures ``branches.png`` and ``attractors.png``. With
+    ``config.paper``, a second pass in the paper's quantity (``out/runner_paper``,
+    resumable alike) gives ``branches_paper.csv`` and ``summary["paper"]``.
 
     For example::
 
@@ -213,16 +231,23 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     located = locate(every[: config.limit], nlp=config.nlp, progress=progress)
     model = _model(config, out, every, progress)
     examples, ready, skips = _prepare(located, model, config)
+    passes = [("runner", dict(semirings=("max", "entropy"), granularity=config.granularity,
+                              aggregation=config.aggregation))]  # fmt: skip
+    if config.paper:  # the paper's quantity: its graph, score and aggregation
+        passes.append(("runner_paper", dict(semirings=("max",), granularity="tensor",
+                                            aggregation=("paper",), paper=True)))  # fmt: skip
     with lm_threads(config), quiet(progress):
-        explain_data(
-            model, out=out / "runner", examples=examples, semirings=("max", "entropy"),
-            granularity=config.granularity, kind="masked", aggregation=config.aggregation,
-            batch_size=config.batch_size, workers=config.workers, threads=config.threads,
-            figures=False, progress=progress, prepare=lambda ex, *_: ready[ex.id],
-        )  # fmt: skip
+        for where, how in passes:
+            explain_data(
+                model, out=out / where, examples=examples, kind="masked",
+                batch_size=config.batch_size, workers=config.workers, threads=config.threads,
+                figures=False, progress=progress, prepare=lambda ex, *_: ready[ex.id], **how,
+            )  # fmt: skip
     order = {ex.id: k for k, ex in enumerate(examples)}
-    tables = {name: (t[t["example_id"].isin(order)] if len(t) else t)
-              for name, t in load_results(out / "runner").items()}  # fmt: skip
+    mine = lambda where: {name: (t[t["example_id"].isin(order)] if len(t) else t)
+                          for name, t in load_results(out / where).items()}  # fmt: skip
+    tables = mine("runner")
+    paper = mine("runner_paper") if config.paper else None
     skips = _skips(out / "runner", order, skips)
     if not len(tables["examples"]):
         reasons = sorted({why for why, _ in skips.values()})
@@ -231,7 +256,7 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
             f"skipped ({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''}). "
             f"The reasons are in {out / 'runner' / 'summary.json'}"
         )
-    return _report(out, tables, order, skips, config, every.skipped, data)
+    return _report(out, tables, order, skips, config, every.skipped, data, paper)
 
 
 def _model(config: Config, out: Path, every, progress: bool) -> str:
@@ -290,7 +315,7 @@ def _skips(run_dir: Path, order: dict, prepared: dict) -> dict:
 
 
 def _report(out: Path, tables: dict, order: dict, skips: dict, config: Config, malformed,
-            data) -> dict:  # fmt: skip
+            data, paper: dict | None = None) -> dict:  # fmt: skip
     values = sva_report.group_values(tables["branches"], tables["tokens"])
     branches = sva_report.branches_table(values)
     entropy = sva_report.entropy_table(tables["examples"], tables["tokens"], order,
@@ -299,8 +324,16 @@ def _report(out: Path, tables: dict, order: dict, skips: dict, config: Config, m
     write_csv(entropy, out / "entropy.csv")
     multi = int((tables["examples"]["verb_tokens"] > 1).sum())
     summary = sva_report.summary(branches, entropy, skips, multi, config, malformed)
+    names = ["branches.csv", "entropy.csv", "summary.json"]
+    if paper is not None:  # the paper's quantity, beside ours
+        table = sva_report.paper_table(paper["branches"], paper["tokens"])
+        write_csv(table, out / "branches_paper.csv")
+        summary["paper"] = sva_report.paper_summary(table, paper["examples"])
+        names.insert(1, "branches_paper.csv")
+    else:  # a file of an earlier run with paper=True would not match these results
+        (out / "branches_paper.csv").unlink(missing_ok=True)
     write_json(out / "summary.json", summary)
-    files = [str(out / f) for f in ("branches.csv", "entropy.csv", "summary.json")]
+    files = [str(out / f) for f in names]
     try:
         files.append(branch_figure(summary, out / "branches.png"))
         files.append(attractor_figure(entropy, summary, out / "attractors.png"))

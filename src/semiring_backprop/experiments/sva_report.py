@@ -4,7 +4,9 @@ The runner (:mod:`semiring_backprop.runner`) writes one row per example x token 
 x branch; here they become the paper's readings: per example, each token group's mean
 branch value (:func:`group_values`), their mean over examples (``branches.csv``), the
 embeddings' mean path entropy per example against its number of attractors
-(``entropy.csv``) and the summary with Spearman's ρ per sentence-length bin.
+(``entropy.csv``) and the summary with Spearman's ρ per sentence-length bin. The paper's
+quantity, from the paper-mode pass, is averaged as the paper did (:func:`paper_table`,
+``branches_paper.csv``).
 
 For example::
 
@@ -69,6 +71,61 @@ def branches_table(values):
     return values.groupby(keys, sort=True)["value"].agg(value="mean", n="count").reset_index()
 
 
+#: what ``branches_paper.csv`` and ``summary["paper"]`` are
+PAPER_QUANTITY = (
+    "the paper's quantity: brunoflow's computation (paper mode: MaxProduct at tensor "
+    "granularity, the score as the difference of the two logits), winner-take-all per "
+    "token, zeros kept"
+)
+PAPER_AVERAGE = (
+    "as the paper's notebook averaged (analysis/sva_max_grad.ipynb): per token group, "
+    "layer, sublayer and branch, the mean over the group's tokens of all examples pooled, "
+    "zeros kept; subject: the subject's first token (the paper's subj_idx[0]); all: every "
+    "token, [CLS], [MASK] and [SEP] included. The paper read the attention input only; "
+    "the mlp rows are the same reading at the MLP input"
+)
+#: what ``branches.csv`` and ``summary["branches"]`` are, ``{}``: the semiring and aggregation
+OURS = (
+    "ours: {} (a branch's value over each token's hidden units); per example, the mean "
+    "over the group's tokens where the branch has a path, then the mean over examples"
+)
+
+
+def paper_table(branches, tokens):
+    """``branches_paper.csv``: per token group, layer, sublayer and branch, the mean of
+    the paper's per-token values (``aggregation == "paper"``: the winning branch holds the
+    token's best unit's value, the others 0) over the group's tokens of all examples
+    pooled, the zeros kept, as the paper's notebook averaged its rows; ``tokens`` and
+    ``examples`` count what went in. The subject is its first token (the paper's
+    ``subj_idx[0]``); a value that is not finite (a token with no path at all) is left out."""
+    keys = ["example_id", "layer", "sublayer", "token", "branch"]
+    b = branches.loc[branches["aggregation"] == "paper", [*keys, "value"]]
+    b = b[np.isfinite(b["value"])]
+    members = _members(tokens)
+    subject = members["token_group"] == "subject"
+    first = members[subject].groupby("example_id")["token"].transform("min")
+    members = members[~subject | (members["token"] == first.reindex(members.index))]
+    merged = b.merge(members, on=["example_id", "token"])
+    by = ["token_group", "layer", "sublayer", "branch"]
+    return (
+        merged.groupby(by, sort=True)
+        .agg(value=("value", "mean"), tokens=("value", "size"), examples=("example_id", "nunique"))
+        .reset_index()
+    )
+
+
+def paper_summary(table, examples) -> dict:
+    """``summary["paper"]``: what the numbers are, how they were averaged, the examples
+    explained and ``{token_group: {"layer.sublayer": {branch: mean}}}``."""
+    out: dict = {}
+    for r in table.itertuples():
+        out.setdefault(r.token_group, {}).setdefault(f"{r.layer}.{r.sublayer}", {})[r.branch] = (
+            float(r.value)
+        )
+    return {"quantity": PAPER_QUANTITY, "averaged": PAPER_AVERAGE,
+            "explained": int(len(examples)), "branches": out}  # fmt: skip
+
+
 def bin_labels(bins) -> list[str]:
     return [f"{lo}-{hi - 1}" for lo, hi in zip(bins, bins[1:])]
 
@@ -114,6 +171,9 @@ def summary(branches, entropy, skips: dict, multi_explained: int, config, malfor
         "data": config.data or "synthetic",
         "branches": table,
         "branches_setting": f"{top['semiring'].iloc[0] if len(top) else 'MaxProduct'}, {first}",
+        "branches_quantity": OURS.format(
+            f"{top['semiring'].iloc[0] if len(top) else 'MaxProduct'}, {first}"
+        ),
         "attractors": attractors,
         "attractors_all": spearman(entropy["attractors"], entropy["entropy"]),
         "explained": len(entropy),

@@ -93,16 +93,23 @@ class Score(torch.nn.Module):
     """``log p(target) - log p(foil)`` at ``position``, per example of a batch, summed
     over the example's masks (``position``, ``target``, ``foil``: ``(batch, masks)``);
     the positions and token ids are tensor inputs, so one trace serves every batch with
-    as many masks."""
+    as many masks.
 
-    def __init__(self, model):
+    ``logits=True`` (paper mode) computes the same number as the difference of the two
+    logits, as the paper's analysis did (``analyze_kvq.py``: ``logits[good] -
+    logits[bad]``): that graph has no log-softmax, whose paths through the log-sum-exp
+    reach every logit and change the max-product values."""
+
+    def __init__(self, model, logits: bool = False):
         super().__init__()
-        self.model = model
+        self.model, self.logits = model, logits
 
     def forward(self, input_ids, attention_mask, position, target, foil):
         logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits
         at = position[:, :, None].expand(-1, -1, logits.shape[-1])
-        logp = logits.gather(1, at).log_softmax(-1)  # (batch, masks, vocab)
+        logp = logits.gather(1, at)  # (batch, masks, vocab)
+        if not self.logits:
+            logp = logp.log_softmax(-1)
         diff = logp.gather(2, target[:, :, None]) - logp.gather(2, foil[:, :, None])
         return diff[:, :, 0].sum(1)
 
@@ -120,18 +127,20 @@ def _masks(item: Item) -> list:
 
 
 class Explainer:
-    """One model, one :class:`~semiring_backprop.Backprop` (one trace for all lengths)."""
+    """One model, one :class:`~semiring_backprop.Backprop` (one trace for all lengths).
+    ``paper``: paper mode (the paper's graph; the score as the difference of the logits,
+    see :class:`Score`)."""
 
     def __init__(self, model, tokenizer, semirings: list, top_path: bool = False,
-                 pairs: bool = True, aggregation=("oplus",)):  # fmt: skip
+                 pairs: bool = True, aggregation=("oplus",), paper: bool = False):  # fmt: skip
         from ..api import Backprop
 
         self.model, self.tokenizer = model.eval(), tokenizer
         self.aggregation = tuple(aggregation)
-        self.wrapper = Score(self.model).eval()
+        self.wrapper = Score(self.model, logits=paper).eval()
         self.semirings, self.top_path, self.pairs = list(semirings), top_path, pairs
         self.bp = Backprop(self.wrapper, output=lambda y: y, semirings=self.semirings,
-                           per_example=True)  # fmt: skip
+                           per_example=True, paper=paper)  # fmt: skip
         emb = self.model.get_input_embeddings()
         self.source = next(n for n, m in self.wrapper.named_modules() if m is emb)
 

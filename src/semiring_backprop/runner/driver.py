@@ -11,6 +11,13 @@ another. A rerun with other settings, or into a directory of results without its
 ``config.json``, is refused
 (:func:`~semiring_backprop.experiments.common.same_settings`). A disk that fills up
 stops the run with one error that says what was kept; the rerun resumes.
+
+``paper=True`` computes the paper's quantity (DESIGN §1, paper mode): the model traced as
+the paper's library (brunoflow) built its graph, at tensor granularity, the score as the
+paper's analysis took it (the difference of the two logits: the same number, without the
+log-softmax's paths), and the branch tables aggregated as the paper did
+(``aggregation="paper"``: per token, the best hidden unit's value goes to the branch that
+wins it, every other branch gets 0).
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ log = logging.getLogger(__name__)
 
 TABLES = store.TABLES
 DEFAULT_SEMIRINGS = ("max", "entropy", "real")
-#: how a branch's value is read over the hidden units (:meth:`Result.layer_table`)
-AGGREGATIONS = ("oplus", "bucket_sum")
+#: how a branch's value is read over the hidden units (:meth:`Result.layer_table`);
+#: "paper" only with ``paper=True`` (on another trace it is not the paper's quantity)
+AGGREGATIONS = ("oplus", "bucket_sum", "paper")
 #: settings that choose how (or how much) is computed, not what: a rerun may change them
 FREE = ("limit", "batch_size", "workers", "threads")
 
@@ -55,6 +63,7 @@ class Settings:
     dtype: str = "float32"
     top_path: bool = False
     aggregation: tuple = ("oplus",)
+    paper: bool = False  #: paper mode: the paper's graph, score and aggregation
     limit: int | None = None
     batch_size: int = 8
     workers: int = 0
@@ -90,14 +99,37 @@ class Settings:
                 "aggregation 'bucket_sum' assigns each hidden unit to the branch its ⊕ "
                 "selects: add a selective semiring ('max', 'maxabs' or 'topk')"
             )
+        self._check_paper(selective)
+
+    def _check_paper(self, selective) -> None:
+        if not isinstance(self.paper, bool):
+            raise InputError(f"paper must be True or False, got {self.paper!r}")
+        if self.paper and self.granularity != "tensor":
+            raise InputError(
+                "paper=True computes what the paper's library (brunoflow) did, at tensor "
+                f"granularity; granularity={self.granularity!r} contradicts it: pass "
+                "granularity='tensor' (or leave it out), or drop paper=True"
+            )
+        if "paper" in self.aggregation and not self.paper:
+            raise InputError(
+                "aggregation 'paper' is the paper's winner-take-all reading of brunoflow's "
+                "values; on a trace that is not paper mode it would be another quantity under "
+                "the paper's name: pass paper=True (granularity 'tensor'), or choose 'oplus' "
+                "or 'bucket_sum'"
+            )
+        if "paper" in self.aggregation and not selective:
+            raise InputError(
+                "aggregation 'paper' gives each token's best hidden unit to the branch that "
+                "wins it: add the semiring 'max' (the paper's)"
+            )
 
 
 def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
-        tokenizer=None, semirings=DEFAULT_SEMIRINGS, granularity: str = "neuron",
+        tokenizer=None, semirings=DEFAULT_SEMIRINGS, granularity: str | None = None,
         kind: str | None = None, dtype: str = "float32", device="cpu", format: str = "auto",
         columns: dict | None = None, split: str | None = None, top_path: bool = False,
-        aggregation=("oplus",), batch_size: int = 8, limit: int | None = None, workers: int = 0,
-        address: str | None = None, threads: int = 0, figures: bool = True,
+        aggregation=None, paper: bool = False, batch_size: int = 8, limit: int | None = None,
+        workers: int = 0, address: str | None = None, threads: int = 0, figures: bool = True,
         progress: bool = True, prepare=prepare) -> dict:  # fmt: skip
     """Explain ``log p(target) - log p(foil)`` for every example of ``data`` (a file, a
     saved Hugging Face data set, a data set name) or of ``examples`` (an iterable of
@@ -114,7 +146,11 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
     ``threads``: torch threads of a one-process run (0: the caller's count).
     ``aggregation``: how the ``branches`` table reads a branch over the hidden units,
     ``"oplus"`` (the semiring's ⊕) and/or ``"bucket_sum"`` (each unit counted for the
-    branch ⊕ selects there; selective semirings only): its ``aggregation`` column.
+    branch ⊕ selects there; selective semirings only): its ``aggregation`` column
+    (default ``"oplus"``).
+    ``paper=True``: the paper's quantity (paper mode, see the module's docstring):
+    granularity ``"tensor"`` (its default; ``"neuron"`` is refused) and aggregation
+    ``"paper"`` by default (which is refused without ``paper``).
     ``prepare``: how an example becomes an ``Item`` or the reason it is skipped
     (``prepare(example, tokenizer, model_config, kind) -> Item | str``; default
     ``semiring_backprop.runner.prepare``): how an experiment tokenizes its own way
@@ -132,12 +168,16 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         raise InputError("pass data= (a file or data set) or examples= (an iterable), not both")
     if examples is None and data is None:
         raise InputError("no data: pass data= (a file or data set) or examples=")
+    if granularity is None:
+        granularity = "tensor" if paper else "neuron"
+    if aggregation is None:
+        aggregation = ("paper",) if paper else ("oplus",)
     settings = Settings(
         model=_where(model_id), data=None if data is None else _where(data), format=format,
         columns=tuple(sorted((columns or {}).items())), split=split,
         semirings=(semirings,) if isinstance(semirings, str) else tuple(semirings),
         granularity=granularity, kind=kind, dtype=dtype,
-        top_path=top_path, aggregation=_names(aggregation), limit=limit,
+        top_path=top_path, aggregation=_names(aggregation), paper=paper, limit=limit,
         batch_size=batch_size, workers=workers,
         threads=threads,
     )  # fmt: skip
@@ -241,7 +281,8 @@ class _Source:
         srs = semirings_for(self.settings.semirings, self.settings.granularity)
         return Explainer(self.model, self.tokenizer, srs, self.settings.top_path,
                          pairs=self.settings.batch_size > 1,
-                         aggregation=self.settings.aggregation)  # fmt: skip
+                         aggregation=self.settings.aggregation,
+                         paper=self.settings.paper)  # fmt: skip
 
 
 def load_tokenizer(model_id: str, kind=None):

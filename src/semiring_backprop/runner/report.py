@@ -75,10 +75,12 @@ def _token_means(tokens) -> dict:
 
 def branch_means(branches):
     """Per semiring, layer, sublayer and branch: the mean value over examples and tokens
-    where a path leaves through the branch, and the share of tokens it wins. The
+    where a path leaves through the branch (aggregation ``paper``: over all of them, its
+    zeros kept, as the paper averaged), and the share of tokens it wins. The
     ``semiring`` column names the aggregation where it is not ⊕ ("MaxProduct, bucket_sum")."""
+    paper = branches["aggregation"] == "paper" if "aggregation" in branches.columns else False
     branches = branches.assign(semiring=_labels(branches))
-    live = branches[branches["path"]]
+    live = branches[branches["path"] | paper]
     live = live[live["value"].map(math.isfinite)]
     keys = ["semiring", "layer", "sublayer", "branch"]
     mean = live.groupby(keys, sort=True)["value"].agg(value="mean", n="count")

@@ -35,7 +35,8 @@ class Worker:
         srs = semirings_for(settings.semirings, settings.granularity)
         self.explainer = Explainer(model, tokenizer, srs, settings.top_path,
                                    pairs=settings.batch_size > 1,
-                                   aggregation=settings.aggregation)  # fmt: skip
+                                   aggregation=settings.aggregation,
+                                   paper=getattr(settings, "paper", False))  # fmt: skip
 
     def explain(self, job):
         """``job``: (batch number, items); the tables carry the number back."""
