@@ -152,3 +152,34 @@ def test_cli_paper_flag(bert_dir, paper_run):
     assert out == paper_run.report() + "\n"
     rc, _, err = _cli([*argv, "--paper", "--granularity", "neuron"])
     assert rc == 2 and "tensor granularity" in err
+
+
+def test_view_shows_both_tables_each_named(paper_run):
+    """The notebook / HTML view and its text show ours and the paper's table, each under a
+    heading naming its quantity; every cell of the paper's heatmap is the letter of the
+    branch that won that token's best unit (the table, checked against the oracle above)."""
+    view = paper_run.view()
+    text, page = view.text(), view.html()
+    assert "branches per layer and token (ours)" in page
+    assert "branches per layer and token (the paper&#x27;s quantity)" in page or (
+        "branches per layer and token (the paper's quantity)" in page
+    )
+    heads = [line for line in text.splitlines() if line.startswith("winning branch per layer")]
+    assert len(heads) == 2 and "ours" in heads[0] and "the paper's quantity" in heads[1]
+    block = text.split(heads[1])[1].splitlines()
+    letters = {"skip": "S", "query": "Q", "key": "K", "value": "V", "mlp": "M"}
+    table = paper_run.paper_layers
+    names = {(0, "attention"): "layer 0 attention", (0, "mlp"): "layer 0 mlp",
+             (1, "attention"): "layer 1 attention", (1, "mlp"): "layer 1 mlp"}  # fmt: skip
+    for (layer, sub), label in names.items():
+        line = next(s for s in block if s.strip().startswith(label))
+        cells = line[22:].split()
+        won = table[(table.layer == layer) & (table.sublayer == sub) & table.winner]
+        # a winner of value 0 (brunoflow's unselected elements keep edges of weight 0) has
+        # no share to show: "-", as where no path leaves the token
+        want = {int(t): letters[b] for t, b, v in zip(won.token, won.branch, won.value) if v}
+        got = [c for c in cells if not c.endswith("%")]
+        tokens = sorted(table.token.unique())
+        assert len(got) == len(tokens)
+        for tok, cell in zip(tokens, got):
+            assert cell == want.get(int(tok), "-"), (label, tok, cell)

@@ -86,6 +86,11 @@ class View:
         return f"<View {self.title!r}: {len(self.body)} characters of HTML>"
 
 
+#: what ``Explanation.paper_layers`` holds, as its view names it
+PAPER_QUANTITY = ("the paper's quantity: brunoflow's values, winner-take-all per token "
+                  "(the token's best hidden unit, to the branch it came from; others 0)")
+
+
 def _concat(views: list[View], title: str) -> View:
     return View(
         "".join(v.body for v in views),
@@ -209,12 +214,15 @@ def paths(ps, title: str = "top paths", res=None) -> View:
 
 
 def branches(table, semiring=None, title: str = "branches per layer and token",
-             mask=None) -> View:  # fmt: skip
+             mask=None, quantity: str | None = None) -> View:  # fmt: skip
     """A layer table (``Result.layer_table``; ``Result.branches``: one row) as a layer x
     token heatmap of the branches' shares of each token's total; per-head rows (a
     ``head_index`` column) show on hover. Rows at padding (``mask``, default the
     table's attention mask, 0) are left out of the cells and the shares. Under a
     selective semiring the skip branch wins almost by construction (the note says why).
+    ``quantity`` names what the values are where the semiring alone does not say it
+    (e.g. the paper's winner-take-all table in paper mode); it is shown beside the
+    semiring in the heading of the text and of the page.
 
     Examples:
         Tokens 4 to 7 of the sentence: at the mask, the residual (skip) branch carries
@@ -233,6 +241,8 @@ def branches(table, semiring=None, title: str = "branches per layer and token",
     rows, name, heads = shares(table, semiring, mask)
     if not len(rows):
         raise InputError("the table has no rows to show")
+    if quantity:
+        name = f"{name}; {quantity}"
     body = f"<h3>{_html.esc(title)}</h3>" + _html.heatmap(rows, heads, name)
     return View(body, lambda color: _text.heatmap(rows, name, color), title)
 
@@ -360,6 +370,12 @@ def _explanation_rest(ex, parts, rows) -> View:
     for p in paths:
         parts.append(path(p, f"top gradient path {start_of(p, rows, mask)}", res))
     layers = ex.layers
+    paper = getattr(ex, "paper_layers", None)
     if layers is not None and len(layers) and any(map(_has_shares, layers["semiring"].unique())):
-        parts.append(branches(layers, mask=mask))
+        ours = "ours: ⊕ over each branch's hidden units" if paper is not None else None
+        title = "branches per layer and token" + (" (ours)" if ours else "")
+        parts.append(branches(layers, title=title, mask=mask, quantity=ours))
+    if paper is not None and len(paper):  # paper mode: the paper's quantity beside ours
+        parts.append(branches(paper, title="branches per layer and token (the paper's quantity)",
+                              mask=mask, quantity=PAPER_QUANTITY))  # fmt: skip
     return _concat(parts, f"explanation: {ex.text}")
