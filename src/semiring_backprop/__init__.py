@@ -16,7 +16,7 @@ Examples:
 from . import views
 from ._threads import threads
 from .analysis import Path, Step
-from .api import Backprop, backprop, clear_traces
+from .backprop import Backprop, backprop, clear_traces
 from .errors import (
     ForwardError,
     InputError,
@@ -44,7 +44,8 @@ from .semirings import (
     TopK,
 )
 from .targets import ClassLabel, EmbeddingDim, Similarity, TokenLabel, WordChoice
-from .tracing import Graph, trace
+from .graph import Graph
+from .tracing.trace import trace
 
 __all__ = [
     "Backprop",

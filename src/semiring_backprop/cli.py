@@ -50,7 +50,7 @@ def main(argv=None) -> int:
 
 
 def _explain_parser(sub):
-    from .explain import SEMIRINGS
+    from .hf.explain import SEMIRINGS
     from .targets import POOLING, TASKS
 
     e = sub.add_parser(
@@ -132,7 +132,7 @@ def _explain(args) -> int:
     import torch
 
     from .errors import InputError, SemiringBackpropError
-    from .explain import explain
+    from .hf.explain import explain
 
     try:
         if args.out:  # checked before the work, not after it
@@ -320,7 +320,7 @@ def _parse(text: str, default, key: str):
 
 
 def _run_parser(sub):
-    from .explain import SEMIRINGS
+    from .hf.explain import SEMIRINGS
     from .runner import FORMATS
 
     r = sub.add_parser(

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ._threads import threads
-from .api import backprop
+from .backprop import backprop
 from .semirings import Entropy, MaxProduct, PathCount, Real, TopK
 
 

@@ -158,9 +158,9 @@ class Result:
     def needed(self) -> frozenset:
         """Nodes the pass carried values for (float, on a path from an input)."""
         if not hasattr(self, "_needed"):
-            from . import engine
+            from .engine.reverse import needed_nodes
 
-            self._needed = engine.needed_nodes(self.graph, self.graph.output_node)
+            self._needed = needed_nodes(self.graph, self.graph.output_node)
         return self._needed
 
     # -- analysis -----------------------------------------------------------------

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import map_arg
 
-from .. import engine
+from ..engine.reverse import contributions, propagate
 from ..errors import NotFoundError
-from ..tracing import mark_module, mark_op
+from ..tracing.trace import mark_module, mark_op
 
 aten = torch.ops.aten
 
@@ -373,7 +373,7 @@ def _carry(res, v, u, d, region) -> list:
     u_id = graph.ids[u]
     acc: dict = {}
     with torch.no_grad():  # the weights are constants here, as in the pass
-        for inp, s, c in engine.contributions(graph, values, res.semirings, u_id, d, needed):
+        for inp, s, c in contributions(graph, values, res.semirings, u_id, d, needed):
             if inp in region:
                 slot = acc.setdefault(inp, [None] * len(res.semirings))
                 sr = res.semirings[s]
@@ -382,7 +382,7 @@ def _carry(res, v, u, d, region) -> list:
             for s, sr in enumerate(res.semirings):
                 if slot[s] is None:
                     slot[s] = sr.zero(values[inp].shape, values[inp])
-        store = engine.propagate(graph, values, res.semirings, acc, needed, within=region)
+        store = propagate(graph, values, res.semirings, acc, needed, within=region)
     if v not in store:
         return [sr.zero(values[v].shape, values[v]) for sr in res.semirings]
     return store[v]

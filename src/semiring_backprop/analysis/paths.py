@@ -24,12 +24,12 @@ from collections import OrderedDict
 
 import torch
 
-from .. import engine
+from ..engine.reverse import contributions, make_op, slot_values
 from ..errors import InputError, NotFoundError, PathMismatchError
 from ..semirings import MaxAbs, MaxProduct, Real, TopK
 from ..semirings.base import stack
 from ..semirings.maxproduct import unpack_pointer
-from ..tracing import mark_module
+from ..tracing.trace import mark_module
 from .steps import Path, Step
 
 _REAL = Real()
@@ -104,12 +104,12 @@ class _Edges:
         graph, values = self.res.graph, self.res.values
         node = graph.nodes[consumer_id]
         if node not in self.ops:
-            self.ops[node] = engine.make_op(node, values, self.needed)
+            self.ops[node] = make_op(node, values, self.needed)
         out = values[node]
         seed = torch.zeros(out.numel(), dtype=_float(out).dtype, device=out.device)
         seed[out_flat] = 1
         with torch.no_grad():
-            slots = engine.slot_values(
+            slots = slot_values(
                 graph,
                 values,
                 _REAL,
@@ -188,7 +188,7 @@ class _Pointers:
             if d is None:
                 continue
             with torch.no_grad():
-                for inp, _, v in engine.contributions(
+                for inp, _, v in contributions(
                     graph, res.values, [sr], ids[c], [d[self.k]], res.needed
                 ):
                     if inp is node:
@@ -214,7 +214,7 @@ class _Pointers:
         if (c_id, node) not in self.full:
             c = res.graph.nodes[c_id]
             with torch.no_grad():
-                slots = engine.slot_values(
+                slots = slot_values(
                     res.graph, res.values, sr, c_id, _raw(res, c, self.k), res.needed
                 )
                 cs = [v for n, v in slots if n is node]

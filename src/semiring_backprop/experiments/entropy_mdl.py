@@ -67,7 +67,7 @@ from pathlib import Path
 import torch
 
 from .._threads import threads
-from ..api import Backprop
+from ..backprop import Backprop
 from ..errors import InputError
 from ..semirings import Entropy
 from .common import (

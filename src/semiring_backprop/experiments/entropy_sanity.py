@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .._threads import threads
-from ..api import Backprop
+from ..backprop import Backprop
 from ..errors import InputError
 from ..semirings import Entropy, PathCount
 from .common import (
@@ -97,7 +97,7 @@ def random_masked_lm(path, words, *, hidden=64, layers=2, heads=2, intermediate=
     """``(model, tokenizer)``: a random ``BertForMaskedLM`` whose vocabulary is BERT's
     special tokens plus ``words``, saved to directory ``path`` (reloaded from there on a
     rerun; a directory holding another vocabulary is an error)."""
-    from ..explain import load
+    from ..hf.loading import load
 
     path = Path(path)
     vocab = list(SPECIAL) + sorted(set(words) - set(SPECIAL))
@@ -128,7 +128,7 @@ def random_masked_lm(path, words, *, hidden=64, layers=2, heads=2, intermediate=
 
 def masked_lm(model_id: str):
     """``(model, tokenizer)`` for a hub id or directory; it must be a masked LM."""
-    from ..explain import load
+    from ..hf.loading import load
 
     model, tokenizer, kind = load(model_id)
     if kind != "masked" or tokenizer.mask_token is None:
@@ -238,7 +238,7 @@ def lengths(out: Path, config: Config, progress: bool = True) -> list[dict]:
     """One record per sentence (written as it is computed; a rerun resumes)."""
     from tqdm.auto import tqdm
 
-    from ..explain import word_id
+    from ..hf.loading import word_id
 
     records = Records(out / "length.jsonl")
     todo = [(n, i) for n in config.lengths for i in range(config.per_length)]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .._threads import threads
-from ..api import Backprop
+from ..backprop import Backprop
 from ..errors import InputError
 from ..semirings import MaxProduct
 from .common import (

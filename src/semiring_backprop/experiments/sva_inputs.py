@@ -60,7 +60,7 @@ MULTI_TOKEN_SKIP = "the verb splits into several tokens (multi_token=True scores
 
 def targets(ex, tokenizer, multi_token: bool = False) -> dict:
     """``{"good": ids, "bad": ids}``, one id per mask, or ``{"skipped", "kind"}``."""
-    from ..explain import word_id
+    from ..hf.loading import word_id
 
     try:
         good, bad = word_id(tokenizer, ex.good, "masked"), word_id(tokenizer, ex.bad, "masked")

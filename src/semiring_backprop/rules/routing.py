@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _ops  # noqa: F401  (defines the mark op)
+from ..tracing import ops  # noqa: F401  (defines the mark op)
 from ..semirings.base import fmap, fmap2
 from .pointwise import _unbroadcast
 from .registry import reads_nothing, register

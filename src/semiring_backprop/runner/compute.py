@@ -41,7 +41,7 @@ class Item:
 
 def prepare(ex: Example, tokenizer, config, kind: str) -> Item | str:
     """The inputs of ``ex``, or the reason it is skipped (a text)."""
-    from ..explain import encode, word_id
+    from ..hf.loading import encode, word_id
 
     try:
         target, foil = word_id(tokenizer, ex.target, kind), word_id(tokenizer, ex.foil, kind)
@@ -133,7 +133,7 @@ class Explainer:
 
     def __init__(self, model, tokenizer, semirings: list, top_path: bool = False,
                  pairs: bool = True, aggregation=("oplus",), paper: bool = False):  # fmt: skip
-        from ..api import Backprop
+        from ..backprop import Backprop
 
         self.model, self.tokenizer = model.eval(), tokenizer
         self.aggregation = tuple(aggregation)

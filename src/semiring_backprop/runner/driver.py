@@ -70,7 +70,7 @@ class Settings:
     threads: int = 0
 
     def check(self) -> None:
-        from ..explain import semirings_for
+        from ..hf.explain import semirings_for
 
         semirings_for(self.semirings, self.granularity)
         if self.granularity not in ("neuron", "tensor"):
@@ -189,7 +189,7 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         if not isinstance(model, str | Path):
             raise InputError("workers= loads the model in each worker: pass a hub id or directory")
     if isinstance(model, str | Path):
-        from ..explain import check_device
+        from ..hf.loading import check_device
 
         check_device(device)
     elif tokenizer is None:
@@ -264,19 +264,19 @@ class _Source:
             if settings.workers:
                 self.tokenizer, self.config, self.kind = load_tokenizer(self.model, settings.kind)
             else:
-                from ..explain import load
+                from ..hf.loading import load
 
                 m, self.tokenizer, self.kind = load(
                     self.model, settings.kind, getattr(torch, settings.dtype), device
                 )
                 self.model, self.config = m, m.config
         elif self.kind is None:
-            from ..explain import _kind
+            from ..hf.loading import lm_kind
 
-            self.kind = _kind(model.config, tokenizer, type(model).__name__)
+            self.kind = lm_kind(model.config, tokenizer, type(model).__name__)
 
     def explainer(self) -> Explainer:
-        from ..explain import semirings_for
+        from ..hf.explain import semirings_for
 
         srs = semirings_for(self.settings.semirings, self.settings.granularity)
         return Explainer(self.model, self.tokenizer, srs, self.settings.top_path,
@@ -289,7 +289,7 @@ def load_tokenizer(model_id: str, kind=None):
     """``(tokenizer, config, kind)`` without the weights."""
     import transformers
 
-    from ..explain import _kind, _load_hint
+    from ..hf.loading import lm_kind, load_hint
 
     try:
         config = transformers.AutoConfig.from_pretrained(model_id, trust_remote_code=False)
@@ -297,8 +297,8 @@ def load_tokenizer(model_id: str, kind=None):
     except (OSError, ValueError) as e:
         from ..errors import LoadError
 
-        raise LoadError(_load_hint(model_id, e)) from None
-    return tok, config, kind or _kind(config, tok)
+        raise LoadError(load_hint(model_id, e)) from None
+    return tok, config, kind or lm_kind(config, tok)
 
 
 def batches(items: list[Item], size: int) -> list[list[Item]]:

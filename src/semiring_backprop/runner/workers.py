@@ -27,7 +27,8 @@ class Worker:
     def __init__(self, model_id: str, settings, device, threads: int):
         import torch
 
-        from ..explain import load, semirings_for
+        from ..hf.explain import semirings_for
+        from ..hf.loading import load
         from .compute import Explainer
 
         torch.set_num_threads(threads)  # this process's own count, for its whole life

@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from . import _ops  # noqa: F401
-from .errors import InputError
+from . import ops  # noqa: F401
+from ..errors import InputError
 
 aten = torch.ops.aten
 shift = torch.ops.semiring_backprop.softmax_shift

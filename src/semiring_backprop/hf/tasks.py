@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError, LoadError
+from ..errors import InputError, LoadError
 from .loading import check_tokenizer
-from .targets import (
+from ..targets import (
     _ONE_OUTPUT,
     POOLING,
     TASKS,
@@ -171,7 +171,7 @@ def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu"):
     ``similarity``) from a hub id or a local directory. A checkpoint without the task's
     head (a bare encoder asked to classify) is a :class:`LoadError`: transformers would
     initialize the head at random."""
-    from .explain import _load_hint, _refuse_fresh_weights, from_pretrained
+    from .loading import from_pretrained, load_hint, refuse_fresh_weights
 
     try:
         import transformers
@@ -202,13 +202,13 @@ def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu"):
         config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=False)
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=False)
     except (OSError, ValueError) as e:
-        raise LoadError(_load_hint(model_id, e)) from None
+        raise LoadError(load_hint(model_id, e)) from None
     check_tokenizer(model_id, tokenizer)
     model, info = from_pretrained(cls, where, model_id, dtype)
     if task == "similarity":  # the pooler's output is not what a sentence embedding pools
         info = {**info, "missing_keys": [k for k in info.get("missing_keys") or ()
                                          if "pooler" not in k.split(".")]}  # fmt: skip
-    _refuse_fresh_weights(model_id, _HEADS.get(task, "encoder"), config, model, info)
+    refuse_fresh_weights(model_id, _HEADS.get(task, "encoder"), config, model, info)
     return model.to(device).eval(), tokenizer
 
 
@@ -233,7 +233,7 @@ def check_ids(tokenizer, model, ids, what: str = "the text") -> None:
     """Refuse, before tracing, ids past the model's vocabulary, a text whose every
     word is unknown to the tokenizer, and an input longer than the model's positions
     (the numbers named)."""
-    from .trace_checks import max_positions
+    from ..tracing.checks import max_positions
 
     rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
     if rows is not None and ids.numel() and int(ids.max()) >= rows:
@@ -390,7 +390,7 @@ def word_pieces(tokenizer, word: str, kind: str) -> list[int]:
 
 
 def _prepare_lm(model, tokenizer, text, target, foil, kind):
-    from .explain import encode
+    from .loading import encode
 
     if target is None:
         raise InputError("the lm task explains a word: give --target WORD (and --foil WORD)")

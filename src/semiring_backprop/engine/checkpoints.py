@@ -3,7 +3,7 @@ the values path reading asks for are computed again, one segment of the graph at
 
 The graph's nodes, in order, are cut into segments where few values cross the cut. A
 pass with ``keep=None`` holds, besides what its rules read while it runs (as with
-``keep=``, :mod:`memory`):
+``keep=``, :mod:`liveness`):
 
 - the forward values each segment reads from before it (its *frontier*), and
 - the reverse pass's partial sums at each cut (copied as the pass crosses it).
@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import map_arg
 
-from . import engine, memory
-from .graph import _random
-from .tracing import mark_op
+from . import budget, liveness
+from .reverse import propagate, reverse
+from ..graph import _random
+from ..tracing.trace import mark_op
 
 #: False: a pass with ``keep=None`` holds every node instead (the same values)
 ENABLED = True
@@ -158,7 +159,7 @@ class Checkpoints:
             acc = {n: [slot[k]] for n, slot in snap.items() if slot[k] is not None}
             sr = [self.semirings[k]]
             with torch.no_grad():
-                store = engine.propagate(self.graph, both, sr, acc, self.needed, start=b, stop=a)
+                store = propagate(self.graph, both, sr, acc, self.needed, start=b, stop=a)
             self._d[key] = {n: d[0] for n, d in store.items()}
             while len(self._d) > CACHED_SEGMENTS * len(self.semirings):
                 self._d.popitem(last=False)
@@ -268,10 +269,11 @@ def run(graph, forward_run, semirings, needed, inputs: frozenset):
     node's, on demand)."""
     lay = layout(graph, needed)
     kept = lay.frontier | inputs
-    values = forward_run(memory.unread_values(graph, needed, kept))
+    values = forward_run(liveness.unread_values(graph, needed, kept))
     held = {n: values[n] for n in (*lay.frontier, *graph.constants, *graph.user_inputs.values())}
     held[graph.output_node] = values[graph.output_node]
     snaps, reached = dict.fromkeys(b - 1 for b in lay.bounds[1:]), set()
-    store = engine.reverse(graph, values, semirings, graph.output_node, kept, snaps, reached)
+    budget.check(graph, values, semirings, needed, kept)  # before a pass too large
+    store = reverse(graph, values, semirings, graph.output_node, kept, snaps, reached)
     store = {n: d for n, d in store.items() if n in inputs}
     return Checkpoints(graph, needed, semirings, lay, held, store, snaps, reached)

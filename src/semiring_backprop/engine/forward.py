@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch.fx.node import map_arg
 
-from . import rules
-from .errors import ForwardError, InputError, NonFiniteError, where
-from .memory import stand_in
-from .tracing import Graph, input_tensors, mark_op
+from .. import rules
+from ..errors import ForwardError, InputError, NonFiniteError, where
+from .liveness import stand_in
+from ..tracing.trace import Graph, input_tensors, mark_op
 
 # ops that may pass inf through or write it on purpose (masks): not an overflow
 _INF_OK_KINDS = ("routing", "nondifferentiable")
@@ -170,7 +170,7 @@ def _relevant(graph: Graph) -> frozenset:
     alone and masked away later (T5's relative-position buckets take ``log(0)``), or
     one that only feeds an integer index.
     """
-    from .engine import needed_nodes  # the pass's own notion of "on a path"
+    from .reverse import needed_nodes  # the pass's own notion of "on a path"
 
     if graph.output_node not in graph.ids:  # the output is an input: nothing is computed
         return frozenset()

@@ -9,22 +9,15 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from . import (
-    allocator,
-    budget,
-    checkpoints,
-    engine,
-    forward,
-    independence,
-    memory,
-    rules,
-    trace_checks,
-    trace_keys,
-)
+from . import independence, rules
+from .engine import allocator, budget, checkpoints, forward, liveness
+from .engine.reverse import Overflow, needed_nodes, reverse
 from .errors import InputError, OutOfMemoryError, SemiringBackpropError, is_out_of_memory
 from .result import Result, resolve_keep
 from .semirings import Real, Semiring
-from .tracing import input_tensors, trace
+from .tracing import reuse
+from .tracing.checks import check_against_eager, compared
+from .tracing.trace import input_tensors, trace
 
 
 def backprop(
@@ -274,11 +267,12 @@ class Backprop:
         graph = self.graph(args, kwargs)
         try:
             return self._run(graph, args, kwargs)
-        except engine.Overflow:  # seen where paths end: find the node where it began
+        except Overflow:  # seen where paths end: find the node where it began
             with torch.no_grad():
                 values = forward.run(graph, args, kwargs)
-                engine.reverse(graph, values, self.semirings, graph.output_node, set(),
-                               check="every")  # fmt: skip
+                needed = needed_nodes(graph, graph.output_node)
+                budget.check(graph, values, self.semirings, needed, set())
+                reverse(graph, values, self.semirings, graph.output_node, set(), check="every")
             raise
         except OutOfMemoryError as e:  # the budget's own refusal, already saying what uses less
             if self.keep is None and getattr(e, "budget", None) and "keep=" not in str(e):
@@ -299,7 +293,7 @@ class Backprop:
 
     def _run(self, graph, args: tuple, kwargs: dict) -> Result:
         if self.keep is None and checkpoints.ENABLED and checkpoints.usable(graph):
-            needed = engine.needed_nodes(graph, graph.output_node)
+            needed = needed_nodes(graph, graph.output_node)
             with torch.no_grad():
                 ckpt = checkpoints.run(
                     graph, lambda drop: forward.run(graph, args, kwargs, drop),
@@ -313,8 +307,8 @@ class Backprop:
         if kept is not None:
             held = set(kept)
             if not getattr(graph, "eager_checked", False):  # what the trace check reads
-                held |= {n for n in (trace_checks.compared(graph),) if n is not None}
-            drop = memory.unread_values(graph, engine.needed_nodes(graph, graph.output_node), held)
+                held |= {n for n in (compared(graph),) if n is not None}
+            drop = liveness.unread_values(graph, needed_nodes(graph, graph.output_node), held)
         with torch.no_grad():
             values, confirm = forward.run_deferred(graph, args, kwargs, drop)
             out = values.get(graph.output_node)
@@ -329,7 +323,9 @@ class Backprop:
             # on a GPU, the forward's check is read once the pass is queued (no wait for
             # the device in between); a bad forward value is still what is reported
             try:
-                store = engine.reverse(graph, values, self.semirings, graph.output_node, kept)
+                needed = needed_nodes(graph, graph.output_node)
+                budget.check(graph, values, self.semirings, needed, kept)  # before a pass too large
+                store = reverse(graph, values, self.semirings, graph.output_node, kept)
             except SemiringBackpropError:
                 if confirm is not None:
                     confirm()
@@ -345,7 +341,7 @@ class Backprop:
             return
         with _LOCK:  # not while another thread traces (its hooks are on the modules)
             if not getattr(graph, "eager_checked", False):
-                trace_checks.check_against_eager(graph, self.model, args, kwargs, values)
+                check_against_eager(graph, self.model, args, kwargs, values)
                 graph.eager_checked = True
 
     def _check_examples(self, args: tuple, kwargs: dict, out) -> None:
@@ -378,10 +374,10 @@ class _Traces:
 
     def set_prepared(self, samples=None) -> None:
         """A fresh store of prepared weights, for every graph (``samples``: the model's
-        ``trace_keys.samples`` now, if known)."""
+        ``reuse.samples`` now, if known)."""
         self.prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
         if self.prepared is not None:
-            self.samples = trace_keys.samples(self.model) if samples is None else samples
+            self.samples = reuse.samples(self.model) if samples is None else samples
         for graphs in self.graphs.values():
             for graph in graphs:
                 graph.prepared = self.prepared
@@ -392,13 +388,13 @@ class _Traces:
 
     def _graph(self, args: tuple, kwargs: dict):
         model = self.model
-        key = trace_keys.signature(args, kwargs)
-        stamp = trace_keys.stamp(model)
+        key = reuse.signature(args, kwargs)
+        stamp = reuse.stamp(model)
         if stamp != self.stamp:  # the model or what its code reads changed: all are stale
             self.graphs, self.stamp = {}, stamp
             self.set_prepared()
         elif self.prepared is not None:  # writes the version counter does not see
-            samples = trace_keys.samples(model)
+            samples = reuse.samples(model)
             if not torch.equal(samples, self.samples):
                 self.set_prepared(samples)
         given = input_tensors(args, kwargs)
@@ -437,10 +433,10 @@ def _kept_traces(model, output, options) -> _Traces | None:
     first use), or None where they cannot be keyed safely."""
     with _LOCK:  # the dict of kept traces is shared by every thread
         try:
-            key = (trace_keys.function_key(output), tuple(sorted(options.items())))
+            key = (reuse.function_key(output), tuple(sorted(options.items())))
             hash(key)
             per_model = _KEPT.setdefault(model, {})
-        except (trace_keys.Unkeyed, TypeError):  # not comparable by value, or no weak reference
+        except (reuse.Unkeyed, TypeError):  # not comparable by value, or no weak reference
             return None
         try:
             traces = per_model.pop(key)

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from . import rules
-from .errors import InputError, OutOfMemoryError
+from .. import rules
+from ..errors import InputError, OutOfMemoryError
+from .reverse import reverse_plan
 
 #: refuse only past this share of the free memory (the estimate is a lower bound)
 SHARE = 1.0
@@ -36,9 +37,7 @@ def element_bytes(semirings, like: torch.Tensor) -> int:
 
 def reverse_peak(graph, values: dict, semirings, needed, keep) -> int:
     """The largest sum of D bytes alive at once during the reverse pass (see module)."""
-    from .engine import _plan
-
-    ids, plan = graph.ids, _plan(graph, needed)
+    ids, plan = graph.ids, reverse_plan(graph, needed)
     events: dict = {}  # node id -> bytes added (D made) and removed (D let go) there
     per_dtype: dict = {}
     for v in needed:

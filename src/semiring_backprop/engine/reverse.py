@@ -13,10 +13,11 @@ import operator
 import torch
 from torch.fx.node import map_arg
 
-from . import budget, memory, rules
-from .errors import InputError, NonFiniteError, UnsupportedOpError, where
-from .rules.routing import reshape_back
-from .semirings.base import fmap, overflowed, stack
+from .. import rules
+from . import liveness
+from ..errors import InputError, NonFiniteError, UnsupportedOpError, where
+from ..rules.routing import reshape_back
+from ..semirings.base import fmap, overflowed, stack
 
 
 def needed_nodes(graph, start) -> frozenset:
@@ -58,11 +59,11 @@ def _needed_nodes(graph, start) -> frozenset:
             raise _unsupported(
                 graph, node, "it makes a complex tensor; only real-valued graphs can be explained"
             )
-        if node.target is operator.getitem and memory.float_node(node):
+        if node.target is operator.getitem and liveness.float_node(node):
             raise _unsupported(
                 graph, node.args[0], "it returns several tensors; rules cover single-output ops"
             )
-    return frozenset(n for n in on_path if memory.float_node(n))
+    return frozenset(n for n in on_path if liveness.float_node(n))
 
 
 def _is_complex(node) -> bool:
@@ -77,7 +78,7 @@ def reverse(
     """D(v) for every needed node v, as ``{node: [value per semiring]}``.
 
     With ``keep`` (a set of nodes), D is stored for those nodes only, and the pass
-    holds only what its rules still read (:mod:`memory`: forward values let go after
+    holds only what its rules still read (:mod:`liveness`: forward values let go after
     their last reader, cheap ones recomputed, each D released once its rule has run).
 
     D is checked for values no finite path product gives (float overflow: the forward
@@ -93,7 +94,6 @@ def reverse(
             "the output does not depend on any float input of the model: nothing to explain"
         )
     out = values[seed_node]
-    budget.check(graph, values, semirings, needed, keep)  # before a pass too large
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
     return propagate(
         graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached,
@@ -133,14 +133,14 @@ def propagate(
     """
     store = {}
     flags = []  # (node, semiring, 0-dim statistic): checked together at the end
-    lean = memory.plan(graph, needed, keep) if keep is not None else None
-    plan = _plan(graph, needed)
+    lean = liveness.plan(graph, needed, keep) if keep is not None else None
+    plan = reverse_plan(graph, needed)
     start = len(graph.nodes) if start is None else start
     for node_id in range(start - 1, stop - 1, -1):
         if snapshots is not None and node_id in snapshots:
             snapshots[node_id] = {n: list(slot) for n, slot in acc.items()}
         if lean is not None:  # let go of values no rule from here reads, recompute some
-            memory.before_rule(lean, node_id, values)
+            liveness.before_rule(lean, node_id, values)
         node = graph.nodes[node_id]
         d = acc.pop(node, None)
         if d is None:
@@ -201,7 +201,7 @@ def _first_overflow(flags):
     return None if first is None else flags[first][:2]
 
 
-def _plan(graph, needed) -> list:
+def reverse_plan(graph, needed) -> list:
     """Per node id: (needed inputs, whether the rule only reshapes); inputs are empty for
     nodes the pass does not go through. Cached per graph and needed set."""
     cache = graph.__dict__.setdefault("_reverse_plan", {})

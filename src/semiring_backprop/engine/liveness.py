@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import map_arg
 
-from . import rules
-from .tracing import mark_op
+from .. import rules
+from ..tracing.trace import mark_op
 
 #: the most ops run again to recompute one value (a bound on the extra time)
 MAX_OPS = 16

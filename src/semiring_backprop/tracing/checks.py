@@ -21,8 +21,8 @@ import threading
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import TracingError
-from .independence import computed_in, in_training
+from ..errors import TracingError
+from ..independence import computed_in, in_training
 
 
 @contextlib.contextmanager

@@ -20,12 +20,12 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 from . import (
-    _ops,  # noqa: F401
     decompositions,
+    ops,  # noqa: F401
 )
-from .errors import InputError, TracingError, TrainingModeError
-from .graph import Graph
-from .trace_checks import (
+from ..errors import InputError, TracingError, TrainingModeError
+from ..graph import Graph
+from .checks import (
     check_functions,
     eager_failure,
     experts_hint,

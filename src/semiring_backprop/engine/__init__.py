@@ -1,0 +1,9 @@
+"""The passes over a traced graph, in the order they run.
+
+- :mod:`.forward`: the forward values the rules read;
+- :mod:`.reverse`: the reverse pass (Algorithm 2 of the paper): D(v) for every node;
+- :mod:`.liveness`: which values and partial sums each step still needs;
+- :mod:`.budget`: refuse a pass that cannot fit in memory, before it starts;
+- :mod:`.checkpoints`: the default pass, holding partial sums only at cuts;
+- :mod:`.allocator`: the host allocator's settings for large passes.
+"""

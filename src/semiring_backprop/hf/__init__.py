@@ -1,0 +1,7 @@
+"""The Hugging Face entry point.
+
+- :mod:`.loading`: checkpoints, tokenizers, words and devices, by name or directory;
+- :mod:`.tasks`: what a task (classification, token labels, similarity) explains;
+- :mod:`.explain`: :func:`~semiring_backprop.hf.explain.explain` and its
+  :class:`~semiring_backprop.hf.explain.Explanation`.
+"""

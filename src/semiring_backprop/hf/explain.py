@@ -1,0 +1,593 @@
+"""Explain a Hugging Face model's choice: a word, a label, or the similarity of two texts.
+
+The explained scalar (``task``, :mod:`semiring_backprop.targets`) is by default
+``log p(target) - log p(foil)`` at the masked position (masked LM) or at the next
+position (causal LM), as in the paper's subject-verb agreement study; or a class label's
+logit, a token label's logit, or the cosine similarity of two texts' pooled embeddings.
+One pass computes the chosen semirings; the result holds per-layer branch tables,
+per-token entropy and the top gradient path, and writes them as JSON, CSV and PNG.
+
+For example (``docs/quickstart.md`` runs it on a small model)::
+
+    ex = explain("bert-base-uncased", "the keys to the cabinet [MASK] on the table",
+                 target="are", foil="is")
+    print(ex.report())
+    ex.write("out/")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path as FilePath
+
+import torch
+
+from ..backprop import backprop
+from ..errors import InputError, LoadError
+from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
+from ..tracing.checks import max_positions
+from .loading import Kept, check_device, lm_kind, load
+
+SEMIRINGS = {
+    "max": "MaxProduct: the top gradient path and per-layer branches",
+    "entropy": "Entropy (+ PathCount): how gradient flow spreads over paths",
+    "real": "Real: the gradient",
+    "maxabs": "MaxAbs: the largest |path product|, in log space",
+    "logabs": "LogAbs: log of the total absolute flow",
+    "topk": "TopK(3): the three heaviest paths",
+}
+
+
+def semirings_for(names, granularity: str = "neuron") -> list:
+    """Semiring objects for names of :data:`SEMIRINGS` (a list, or one name)."""
+    if isinstance(names, str):  # one name, not its letters
+        names = (names,)
+    names = tuple(names)
+    if len(names) > 1 and all(isinstance(n, str) and len(n) == 1 for n in names):
+        spelled = "".join(names)
+        raise InputError(
+            f"semirings {names!r} are the letters of {spelled!r}: give a list of names, "
+            f"semirings=[{spelled!r}]"
+            + ("" if spelled in SEMIRINGS else f" ({', '.join(SEMIRINGS)})")
+        )
+    out = []
+    for name in names:
+        if name not in SEMIRINGS:
+            raise InputError(f"unknown semiring {name!r}; choose from {', '.join(SEMIRINGS)}")
+        out += {
+            "max": [MaxProduct(granularity)],
+            "entropy": [Entropy(), PathCount()],
+            "real": [Real()],
+            "maxabs": [MaxAbs()],
+            "logabs": [LogAbs()],
+            "topk": [TopK(3)],
+        }[name]
+    return list(dict.fromkeys(out))
+
+
+#: what paper mode's report says it computed
+PAPER_NOTE = (
+    "paper mode: traced as the paper's library (brunoflow) built its graph, tensor "
+    "granularity; two branch tables follow: ours, then the paper's quantity"
+)
+
+
+# -- the explanation ------------------------------------------------------------------
+
+
+@dataclass
+class Explanation:
+    """Everything ``explain`` computed, with tables as pandas DataFrames."""
+
+    model_id: str
+    kind: str
+    text: str
+    target: str
+    foil: str
+    tokens: list  #: the text's tokens (a sentence pair: both, as one input; similarity: the first)
+    position: int | None  #: the explained position (None: a whole text)
+    score: float  #: the explained scalar (lm: log p(target) - log p(foil))
+    result: object = field(repr=False)
+    layers: object = field(repr=False, default=None)  #: layer_table DataFrame
+    entropy: object = field(repr=False, default=None)  #: per-token entropy DataFrame
+    path: object = field(repr=False, default=None)  #: top gradient Path
+    source: str = ""  #: module whose output the tokens' values are read at
+    task: str = "lm"  #: lm, classification, similarity or token (targets.TASKS)
+    text_pair: str | None = None  #: the second text (a sentence pair, or similarity)
+    what: str = ""  #: the explained scalar in words
+    examples: list | None = None  #: tokens of each example of the batch explained
+    paths: list | None = None  #: the top gradient path from each example's tokens
+    #: the text pair's tokens (similarity: the second text's; a sentence pair: its second
+    #: segment's), padding left out; None without a pair
+    pair_tokens: list | None = None
+    #: per example, 1 where a position is a token and 0 at padding (the attention mask);
+    #: None where every position is a token. Tables, views and figures leave padding out
+    mask: list | None = None
+    #: paper mode (``explain(..., paper=True)``): traced as the paper's library built its
+    #: graph, at tensor granularity; ``paper_layers`` holds the paper's quantity beside
+    #: ``layers`` (ours)
+    paper: bool = False
+    #: the paper's per-token branch table (``layer_table(aggregate="paper")``: brunoflow's
+    #: values, winner-take-all per token, zeros kept); None outside paper mode
+    paper_layers: object = field(repr=False, default=None)
+
+    def _said(self) -> str:
+        if self.what:
+            return self.what
+        return (
+            f"log p({self.target}) - log p({self.foil}) at position {self.position} "
+            f"({self.tokens[self.position]!r})"
+        )
+
+    def real_tokens(self, e: int) -> list:
+        """Example ``e``'s tokens, padding left out."""
+        row = (self.examples or [self.tokens])[e]
+        if self.mask is None:
+            return list(row)
+        return [t for t, m in zip(row, self.mask[e]) if m]
+
+    def report(self) -> str:
+        rows = self.examples or [self.tokens]
+        lines = [
+            f"model: {self.model_id} ({self.kind} LM)"
+            if self.task == "lm"
+            else f"model: {self.model_id} ({self.task})",
+            *(
+                [f"tokens: {' '.join(self.tokens)}"]
+                if len(rows) == 1
+                else [
+                    f"tokens of example {e}: {' '.join(self.real_tokens(e))}"
+                    for e in range(len(rows))
+                ]
+            ),
+            f"explained: {self._said()} = {self.score:.4f}",
+        ]
+        if self.mask is not None:
+            lines.append("(padding, where the attention mask is 0, is no token: left out below)")
+        if self.paper:
+            lines.append(PAPER_NOTE)
+        if self.layers is not None and len(self.layers):
+            lines += ["", _branch_text(self.layers, ours=self.paper)]
+        if self.paper_layers is not None and len(self.paper_layers):
+            lines += ["", _branch_text(self.paper_layers, paper=True)]
+        from ..views import start_of
+
+        for path in self.paths or ([self.path] if self.path is not None else []):
+            lines += ["", f"top gradient path {start_of(path, rows, self.mask)}:"]
+            lines += ["  " + ln for ln in str(path).splitlines()]
+        if self.entropy is not None:
+            lines += ["", "per-token path entropy (nats; normalized = H / log #paths):"]
+            lines += ["  " + ln for ln in self.entropy.to_string(index=False).splitlines()]
+        return "\n".join(lines)
+
+    def view(self, quantity: str | None = None):
+        """The report as a :class:`~semiring_backprop.views.View` (HTML and text)."""
+        from .. import views
+
+        return views.explanation(self, quantity)
+
+    def _repr_html_(self) -> str:
+        return self.view()._repr_html_()
+
+    def to_html(self, file, quantity: str | None = None) -> str:
+        """Write the report to one self-contained HTML file; returns its path."""
+        return self.view(quantity).to_html(file)
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model_id,
+            "kind": self.kind,
+            "text": self.text,
+            "target": self.target,
+            "foil": self.foil,
+            "tokens": self.tokens,
+            "position": self.position,
+            "score": self.score,
+            "task": self.task,
+            "text_pair": self.text_pair,
+            "explained": self._said(),
+            "examples": self.examples or [self.tokens],
+            "pair_tokens": self.pair_tokens,
+            "mask": self.mask,
+            "source": self.source,
+            "layers": None if self.layers is None else self.layers.to_dict("records"),
+            "paper": self.paper,
+            "paper_layers": None
+            if self.paper_layers is None
+            else self.paper_layers.to_dict("records"),
+            "entropy": None if self.entropy is None else self.entropy.to_dict("records"),
+            "top_path": None if self.path is None else self.path.to_dict(),
+            "top_paths": [p.to_dict() for p in self.paths or ([self.path] if self.path else [])],
+        }
+
+    def write(self, out, format: str = "png") -> list[str]:
+        """JSON, CSV and figure files (``format``: png, svg or pdf) under ``out``;
+        returns their paths."""
+        if format not in ("png", "svg", "pdf"):
+            raise InputError(f"figure format {format!r}: choose png, svg or pdf")
+        out = FilePath(out)
+        out.mkdir(parents=True, exist_ok=True)
+        written = []
+        from .._files import atomic_write  # whole or not at all, never through a link
+
+        page = json.dumps(_clean(self.to_dict()), indent=2)
+        files = {"explanation.json": lambda tmp: tmp.write_text(page)}
+        top = None if self.path is None else self.path.to_frame()
+        for name, table in (("layers.csv", self.layers), ("entropy.csv", self.entropy),
+                            ("top_path.csv", top),
+                            ("paper_layers.csv", self.paper_layers)):  # fmt: skip
+            if table is not None:
+                files[name] = lambda tmp, t=table: t.to_csv(tmp, index=False)
+        for e, path in enumerate(self.paths or []):  # a batch: each example's own, too
+            if len(self.paths) > 1:
+                files[f"top_path_{e}.csv"] = lambda tmp, p=path: p.to_frame().to_csv(
+                    tmp, index=False
+                )
+        for name, write in files.items():
+            written.append(str(atomic_write(out / name, write)))
+        written += self._figures(out, format)
+        return written
+
+    def _figures(self, out, format: str = "png") -> list[str]:
+        from .. import plots
+        from ..views import start_of
+        from ..views.html import SKIP_NOTE
+
+        files = []
+        n = len(self.examples or [self.tokens])
+        said = f"{self._said().replace(' - ', ' − ')} = {self.score:.4g}"
+
+        def save(fig, name, semiring, e, note=""):
+            head = f"{self._example_text(e, n)}\n{said}; {semiring}; {model_name(self.model_id)}"
+            plots.caption(fig, head + (f"\n{note}" if note else ""))
+            files.append(str(plots.save(fig, out / f"{name}.{format}")))
+
+        rows = self.examples or [self.tokens]
+        for e in range(n):  # a batch (two texts): the figures of each example
+            end = f"_{e}" if n > 1 else ""
+            layers, entropy = _one_example(self.layers, e), _one_example(self.entropy, e)
+            path = (self.paths or [self.path])[e] if self.path is not None else None
+            if layers is not None and len(layers):
+                max_rows = layers[layers.semiring.str.startswith("MaxProduct")]
+                table = max_rows if len(max_rows) else layers
+                sr = table.semiring.iloc[0]
+                skip = SKIP_NOTE if str(sr).startswith(("MaxProduct", "MaxAbs", "TopK")) else ""
+                for sub in sorted(set(table.sublayer)):
+                    fig = plots.branch_bars(table, sublayer=sub, semiring=sr)
+                    save(fig, f"branches_{sub}{end}", sr, e, skip)
+                save(plots.token_heatmap(table, semiring=sr), f"token_heatmap{end}", sr, e)
+            if entropy is not None:
+                fig = plots.token_bars(entropy, value="entropy", title="path entropy per token")
+                save(fig, f"entropy{end}", "Entropy", e)
+            if path is not None:
+                start = start_of(path, rows, self.mask).split(" (position")[0]
+                title = f"top path {start}, {path.semiring}: {path.value:.4g}"
+                save(plots.path_diagram(path, title=title), f"top_path{end}", path.semiring, e)
+        return files
+
+    def _example_text(self, e: int, n: int) -> str:
+        """What example ``e`` of ``n`` is, in words: its own text, quoted."""
+        if n == 1:
+            return f'"{self.text}"'
+        if self.task == "similarity" and self.text_pair is not None and n == 2:
+            return f'"{(self.text, self.text_pair)[e]}" (text {"AB"[e]} of the pair)'
+        return f'"{" ".join(self.real_tokens(e))}" (example {e} of "{self.text}")'
+
+
+def model_name(model_id: str) -> str:
+    """A model's name for a caption: a local directory's last part, else the hub id."""
+    where = os.path.expanduser(str(model_id))
+    if os.path.isdir(where) or where.startswith(("/", "./", "../")):
+        return os.path.basename(os.path.normpath(where)) or str(model_id)
+    return str(model_id)
+
+
+def _one_example(table, e: int):
+    """The rows of example ``e`` of a batch's table (the table itself for one example)."""
+    if table is None or "example" not in table.columns:
+        return table
+    return table[table.example == e].drop(columns="example").reset_index(drop=True)
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    return x
+
+
+def _branch_text(layers, ours: bool = False, paper: bool = False) -> str:
+    """The branch table as text. ``ours`` (paper mode): the heading says it is ours;
+    ``paper``: the table is ``aggregate="paper"``'s, and the heading says so."""
+    from ..views.html import SELECTIVE, SKIP_NOTE
+
+    table = layers[layers.semiring.str.startswith("MaxProduct")]
+    if not len(table):
+        table = layers[layers.semiring == layers.semiring.iloc[0]]
+    sr = table.semiring.iloc[0]
+    if paper:
+        head = (
+            f"the paper's quantity, branches per layer ({sr} in paper mode: brunoflow's "
+            "computation; winner-take-all per token: the token's best hidden unit gives its "
+            "value to the branch that wins that unit, every other branch has 0, zeros kept)"
+        )
+    else:
+        head = (
+            ("ours, " if ours else "")
+            + f"branches per layer ({sr}, ⊕ over each token's hidden units; winner: the branch "
+            "holding the token's best value)"
+        )
+    out = [head]
+    keys = ["token", "token_text"]
+    if "example" in table.columns:  # a batch: one row per example and token
+        keys = ["example", *keys]
+    if "head_index" in table.columns:  # per head: query head 0 is its own column, "query.0"
+        heads = table["head_index"]
+        label = table["branch"].where(heads.isna(), table["branch"] + "." + heads.astype(str))
+        table = table.assign(branch=label)
+    for (layer, sub), part in table.groupby(["layer", "sublayer"], sort=True):
+        wide = part.pivot_table(index=keys, columns="branch", values="value", aggfunc=_oplus(sr))
+        win = part[part.winner].set_index(keys)["branch"]
+        wide["winner"] = win.reindex(wide.index).fillna("")
+        wide = wide.reset_index().drop(columns="token").rename(columns={"token_text": "token"})
+        wide = wide.replace([-math.inf, math.inf], math.nan)  # the semiring zero: no path
+        out.append(f"layer {layer} {sub}:")
+        text = wide.to_string(index=False, float_format="%.3g", na_rep="-")
+        out += ["  " + ln for ln in text.splitlines()]
+    out.append("(- : no path through that branch reaches the output)")
+    if str(sr).startswith(SELECTIVE) and not paper:
+        import textwrap
+
+        out += textwrap.wrap(SKIP_NOTE, 100)
+    return "\n".join(out)
+
+
+def _oplus(name: str):
+    """⊕ on readouts, for rows of one role in a table made per consumer."""
+    if name == "Real":
+        return "sum"
+    if name in ("LogAbs", "PathCount"):
+        return lambda v: float(torch.logsumexp(torch.tensor(list(v), dtype=torch.float64), 0))
+    if name.startswith(("MaxProduct", "MaxAbs", "TopK")):
+        return "max"
+    return "first"  # the explain tables are made per role: one row each
+
+
+def explain(
+    model,
+    text: str,
+    target: str | None = None,
+    foil: str | None = None,
+    *,
+    tokenizer=None,
+    semirings=("max", "entropy"),
+    granularity: str | None = None,
+    kind: str | None = None,
+    dtype=torch.float32,
+    device="cpu",
+    model_id: str | None = None,
+    task: str = "lm",
+    text_pair: str | None = None,
+    position: int | None = None,
+    pooling=None,
+    score: str = "logit",
+    dim: int | None = None,
+    per_head: bool = False,
+    paper: bool = False,
+) -> Explanation:
+    """Explain one scalar of a Hugging Face model; ``model`` is a hub id, a local
+    directory, or a loaded model (then pass ``tokenizer`` too). ``task`` picks the
+    scalar (:mod:`semiring_backprop.targets`):
+
+    * ``"lm"``: ``log p(target) - log p(foil)`` at the mask (masked LM) or the next
+      position (causal LM); a word of several tokens counts as the sum of its pieces'
+      log-probabilities (consecutive masks; teacher-forced next tokens). No ``foil``:
+      ``log p(target)``. End tokens a tokenizer appends (``add_eos_token``) are
+      dropped: a causal LM's next word follows the text.
+    * ``"classification"``: the logit (``score="logprob"``: log-probability) of the
+      label ``target`` (a name from ``config.id2label`` or an index; default: the
+      predicted label), or the margin to the label ``foil``; ``text_pair``: the second
+      text of a sentence pair.
+    * ``"token"``: the same for a token classifier at token ``position``.
+    * ``"similarity"``: the cosine similarity of the pooled embeddings of ``text`` and
+      ``text_pair``, pooling read from a sentence-transformers checkpoint
+      (``modules.json``) or given (``pooling="mean"``, ``"cls"``, ``"max"``,
+      ``"lasttoken"``); ``dim=N``: dimension N of ``text``'s embedding instead.
+
+    ``per_head=True``: the layer table splits the query, key and value branches by
+    attention head (a ``head_index`` column). Padding (where the attention mask is 0) is
+    no token: it is left out of every table, view and figure.
+
+    ``semirings``: names from :data:`SEMIRINGS` (a list, or one name such as
+    ``"max"``). ``granularity``: ``"neuron"`` (the default) or ``"tensor"``.
+
+    ``paper=True``: paper mode (DESIGN §1): the model is traced as the paper's library
+    (brunoflow) built its graph, at tensor granularity (so max-product values are
+    brunoflow's; ``granularity="neuron"`` is refused), and beside ``layers`` (ours: ⊕
+    over each token's hidden units, per branch) ``paper_layers`` holds the paper's
+    per-token table (``aggregate="paper"``: the token's best hidden unit gives its value
+    to the branch that wins it, every other branch 0, zeros kept; needs ``"max"``).
+
+    A model given by name is kept (the last two, keyed on the name, the task, kind,
+    dtype, device and, for a local directory, its files' sizes and times): a second
+    call on it reuses the model, its trace and compiled kernels, and takes a fraction
+    of the first call's time. :func:`clear_loaded` frees them; a model loaded yourself
+    and passed with ``tokenizer=`` is reused the same way.
+
+    For example (``docs/targets.md`` runs each task on a small model)::
+
+        explain("bert-base-uncased", "the keys to the cabinet [MASK] here", "are", "is")
+        explain(DIR, "a fine film", "positive", task="classification")
+        explain(DIR, "a cat sat", text_pair="a dog sat", task="similarity")
+    """
+    from .. import targets
+    from . import tasks
+
+    if task not in targets.TASKS:
+        raise InputError(f"task {task!r}: choose one of {', '.join(targets.TASKS)}")
+    if isinstance(model, str | FilePath):
+        model_id = str(model)
+        model, tokenizer, kind = _load_kept(model_id, task, kind, dtype, check_device(device))
+    elif tokenizer is None:
+        raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")
+    else:
+        if task == "lm":
+            kind = kind or lm_kind(model.config, tokenizer, type(model).__name__)
+        _check_head(model, task)
+        model = model.eval()
+    model_id = model_id or getattr(model.config, "_name_or_path", "") or type(model).__name__
+    if paper and granularity not in (None, "tensor"):
+        raise InputError(
+            f"paper=True computes what the paper's library did, at tensor granularity; "
+            f"granularity={granularity!r} contradicts it (leave it out, or drop paper=True)"
+        )
+    granularity = granularity or ("tensor" if paper else "neuron")
+    srs = semirings_for(semirings, granularity)
+    prep = tasks.prepare(task, model, tokenizer, text, target, foil, kind=kind,
+                         text_pair=text_pair, position=position, pooling=pooling,
+                         score=score, dim=dim, model_id=model_id)  # fmt: skip
+    res = backprop(model, kwargs=prep.inputs, output=prep.target, semirings=srs,
+                   paper=bool(paper))  # fmt: skip
+    value = float(res.values[res.graph.output_node])
+    rows = prep.examples
+    ex = Explanation(
+        model_id, kind if task == "lm" else task, text, prep.target_name, prep.foil_name,
+        rows[0], prep.position, value, res, task=task, text_pair=text_pair, what=prep.what,
+        examples=rows,
+    )  # fmt: skip
+    ex.source = _embedding_path(model)
+    ex.mask = _mask_of(prep.inputs, rows)
+    ex.tokens, ex.pair_tokens = _tokens_of(ex, tokenizer, prep.inputs)
+    layers = res.layer_table(tokens=rows if len(rows) > 1 else rows[0], by="role",
+                             per_head=per_head)  # fmt: skip
+    ex.layers = layers if ex.mask is None else _without_padding(layers, ex.mask)
+    maxes = [s for s in srs if isinstance(s, MaxProduct)]
+    ex.paper = bool(paper)
+    if paper and maxes and len(layers):  # the paper's quantity, beside ours
+        table = res.layer_table(semirings=maxes[:1], aggregate="paper",
+                                tokens=rows if len(rows) > 1 else rows[0], by="role",
+                                per_head=per_head)  # fmt: skip
+        ex.paper_layers = table if ex.mask is None else _without_padding(table, ex.mask)
+    if maxes:
+        sources = [(ex.source, (e,)) for e in range(len(rows))] if len(rows) > 1 else [ex.source]
+        ex.paths = [res.top_path(where, maxes[0]) for where in sources]
+        ex.path = ex.paths[0]
+    if Entropy() in srs:
+        if len(rows) == 1:
+            ex.entropy = _entropy_table(res, ex.source, rows[0])
+        else:
+            import pandas as pd
+
+            frames = [_entropy_table(res, ex.source, r, e) for e, r in enumerate(rows)]
+            ex.entropy = pd.concat(
+                [f.assign(example=e) for e, f in enumerate(frames)], ignore_index=True
+            )[["example", *frames[0].columns]]
+        if ex.mask is not None:
+            ex.entropy = _without_padding(ex.entropy, ex.mask).reset_index(drop=True)
+    return ex
+
+
+def _mask_of(inputs, rows) -> list | None:
+    """The attention mask as one list of 0/1 per example, or None where every position
+    of every example is a token."""
+    m = inputs.get("attention_mask")
+    if m is None or m.dim() != 2 or tuple(m.shape) != (len(rows), len(rows[0])):
+        return None
+    m = m.detach().cpu().long()
+    return None if bool((m != 0).all()) else (m != 0).long().tolist()
+
+
+def _without_padding(table, mask):
+    from ..views.read import drop_padding
+    from ..views.table import branch_table
+
+    out = drop_padding(table, mask)
+    if hasattr(table, "view"):  # a BranchTable stays one (with its mask, for its heatmap)
+        out = branch_table(out.reset_index(drop=True))
+        out.attrs["attention_mask"] = mask
+    return out
+
+
+def _tokens_of(ex, tokenizer, inputs) -> tuple[list, list | None]:
+    """``(tokens, pair_tokens)``: similarity, each text's own tokens (padding left out);
+    a sentence pair, the joint input's tokens and its second segment's."""
+    if ex.text_pair is None:
+        return ex.tokens, None
+    if ex.task == "similarity" and ex.examples and len(ex.examples) == 2:
+        return ex.real_tokens(0), ex.real_tokens(1)
+    types = inputs.get("token_type_ids")
+    if types is not None and bool((types[0] == 1).any()):
+        return ex.tokens, [t for t, k in zip(ex.tokens, types[0].tolist()) if k == 1]
+    try:
+        seq = tokenizer(ex.text, ex.text_pair).sequence_ids(0)
+    except (ValueError, AttributeError, TypeError):  # a slow tokenizer: no sequence ids
+        return ex.tokens, None
+    if len(seq) != len(ex.tokens):
+        return ex.tokens, None
+    return ex.tokens, [t for t, k in zip(ex.tokens, seq) if k == 1]
+
+
+_KEPT = Kept(size=2)
+
+
+def _load_kept(model_id, task, kind, dtype, device):
+    """``(model, tokenizer, kind)`` for a checkpoint given by name: the one loaded by an
+    earlier call when nothing it was loaded from has changed (so its trace and compiled
+    kernels serve again), else loaded now and kept."""
+    from . import tasks
+
+    key = _KEPT.key(model_id, task if task != "lm" else "lm", kind, dtype, str(device))
+    kept = _KEPT.get(key)
+    if kept is not None:
+        return kept
+    if task == "lm":
+        kept = load(model_id, kind, dtype, device)
+    else:
+        kept = (*tasks.load_task(model_id, task, dtype, device), kind)
+    _KEPT.put(key, kept)
+    return kept
+
+
+def clear_loaded() -> None:
+    """Forget the models ``explain`` keeps (the last two loaded by name), freeing
+    their memory."""
+    _KEPT.clear()
+
+
+def _check_head(model, task: str) -> None:
+    """A loaded model whose output is not what ``task`` reads is refused."""
+    want = {"classification": "ForSequenceClassification", "token": "ForTokenClassification"}
+    if task in want and want[task] not in type(model).__name__:
+        raise InputError(
+            f"the {task} task reads a {want[task][3:]} model's logits; "
+            f"{type(model).__name__} is not one: load it with "
+            f"AutoModel{want[task]}.from_pretrained"
+        )
+
+
+def _embedding_path(model) -> str:
+    emb = model.get_input_embeddings()
+    return next(n for n, m in model.named_modules() if m is emb)
+
+
+def _entropy_table(res, source, tokens, example: int = 0):
+    import pandas as pd
+
+    h = res.aggregate(source, Entropy()).entropy[example]
+    log_n = res.aggregate(source, PathCount()).log_count[example]
+    norm = torch.where(log_n > 0, h / log_n, torch.zeros_like(h))
+    return pd.DataFrame(
+        {
+            "token": range(len(tokens)),
+            "token_text": tokens,
+            "entropy": h.double().tolist(),
+            "log_paths": log_n.double().tolist(),
+            "normalized": norm.double().tolist(),
+        }
+    )

@@ -1,0 +1,9 @@
+"""Model + example inputs + output function -> :class:`~semiring_backprop.graph.Graph`.
+
+- :mod:`.trace`: ``torch.export`` (non-strict), module marks, the ATen-level graph;
+- :mod:`.decompositions`: composite ops into primitives (and paper mode's formulas);
+- :mod:`.ops`: the custom ops the tracer puts in graphs (``mark``, ``softmax_shift``);
+- :mod:`.checks`: what a trace cannot see, refused or checked against eager;
+- :mod:`.reuse`: when a kept trace may serve a new call (keys of inputs, output
+  functions and models).
+"""
