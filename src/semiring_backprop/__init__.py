@@ -30,6 +30,7 @@ from .errors import (
     TrainingModeError,
     UnsupportedOpError,
 )
+from .graph import Graph
 from .result import Result
 from .rules import register, supported_ops
 from .runner import load_results, run
@@ -44,7 +45,6 @@ from .semirings import (
     TopK,
 )
 from .targets import ClassLabel, EmbeddingDim, Similarity, TokenLabel, WordChoice
-from .graph import Graph
 from .tracing.trace import trace
 
 __all__ = [

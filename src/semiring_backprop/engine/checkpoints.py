@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import map_arg
 
-from . import budget, liveness
-from .reverse import propagate, reverse
 from ..graph import _random
 from ..tracing.trace import mark_op
+from . import budget, liveness
+from .reverse import propagate, reverse
 
 #: False: a pass with ``keep=None`` holds every node instead (the same values)
 ENABLED = True

@@ -14,10 +14,10 @@ import torch
 from torch.fx.node import map_arg
 
 from .. import rules
-from . import liveness
 from ..errors import InputError, NonFiniteError, UnsupportedOpError, where
 from ..rules.routing import reshape_back
 from ..semirings.base import fmap, overflowed, stack
+from . import liveness
 
 
 def needed_nodes(graph, start) -> frozenset:

@@ -26,9 +26,8 @@ from pathlib import Path as FilePath
 import torch
 
 from ..backprop import backprop
-from ..errors import InputError, LoadError
+from ..errors import InputError
 from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
-from ..tracing.checks import max_positions
 from .loading import Kept, check_device, lm_kind, load
 
 SEMIRINGS = {

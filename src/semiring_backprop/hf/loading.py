@@ -25,6 +25,7 @@ from collections import OrderedDict
 import torch
 
 from ..errors import InputError, LoadError
+from ..tracing.checks import max_positions
 
 #: files that hold a tokenizer's vocabulary (any one of them is enough)
 _VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, LoadError
-from .loading import check_tokenizer
 from ..targets import (
     _ONE_OUTPUT,
     POOLING,
@@ -28,6 +27,7 @@ from ..targets import (
     _check_score,
     _field,
 )
+from .loading import check_tokenizer
 
 # -- labels ---------------------------------------------------------------------------
 

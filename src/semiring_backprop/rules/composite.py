@@ -9,8 +9,8 @@ import math
 import torch
 
 from ..semirings.base import fmap
-from .pointwise import _unbroadcast
 from .registry import register
+from .shapes import unbroadcast
 
 aten = torch.ops.aten
 
@@ -66,9 +66,9 @@ def _layer_norm(sr, g, op, x, shape, weight=None, bias=None, eps=1e-5, *args):
     if op.needs(0):
         dx = fmap(lambda f: f.reshape(x.shape), _rowwise(sr, gf, jac, -1))
     dw = (
-        _unbroadcast(sr, sr.times(g, xhat), weight.shape)
+        unbroadcast(sr, sr.times(g, xhat), weight.shape)
         if weight is not None and op.needs(2)
         else None
     )
-    db = _unbroadcast(sr, g, bias.shape) if bias is not None and op.needs(3) else None
+    db = unbroadcast(sr, g, bias.shape) if bias is not None and op.needs(3) else None
     return [dx, None, dw, db]

@@ -13,8 +13,8 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..semirings.base import Dense, fmap, fmap2
-from .pointwise import _unbroadcast
 from .registry import reads_each_for_the_other, register
+from .shapes import unbroadcast
 
 aten = torch.ops.aten
 
@@ -101,7 +101,7 @@ def _addmm(sr, g, op, bias, a, b, *, beta=1, alpha=1):
     dbias = None
     if isinstance(bias, torch.Tensor) and op.needs(0):
         scaled = g if beta == 1 else sr.times(g, torch.full_like(op.out, beta))
-        dbias = _unbroadcast(sr, scaled, bias.shape)
+        dbias = unbroadcast(sr, scaled, bias.shape)
     return [dbias, da, db]
 
 

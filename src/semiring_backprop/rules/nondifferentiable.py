@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tracing import ops  # noqa: F401  (defines softmax_shift)
+from ..tracing import ops as _ops  # noqa: F401  (defines softmax_shift)
 from .registry import reads_nothing, register
 
 aten = torch.ops.aten

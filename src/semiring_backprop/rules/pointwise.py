@@ -11,23 +11,10 @@ import warnings
 
 import torch
 
-from ..semirings.base import fmap
-from .registry import reads_each_for_the_other, reads_nothing, register
+from .registry import fallback, reads_each_for_the_other, reads_nothing, register
+from .shapes import unbroadcast
 
 aten = torch.ops.aten
-
-
-def _unbroadcast(sr, value, shape):
-    """⊕-reduce a value of a broadcast shape back to ``shape``."""
-    vshape = value[0].shape
-    if tuple(vshape) == tuple(shape):
-        return value
-    lead = len(vshape) - len(shape)
-    dims = list(range(lead)) + [
-        lead + i for i, s in enumerate(shape) if s == 1 and vshape[lead + i] != 1
-    ]
-    value = sr.sum(value, dims, keepdim=True)
-    return fmap(lambda f: f.reshape(shape), value)
 
 
 def _jvp_derivative(target, args, kwargs, i):
@@ -64,7 +51,7 @@ def _pointwise_rule(derivs):
                 ("d", i), lambda d_fn=d_fn: _derivative(d_fn(op, *args, **kwargs), op.out)
             )
             c = sr.scale(g, d) if isinstance(d, float) else sr.times(g, d)
-            out.append(_unbroadcast(sr, c, a.shape))
+            out.append(unbroadcast(sr, c, a.shape))
         return out
 
     return rule
@@ -77,6 +64,7 @@ def _derivative(d, like):
     return float(d)
 
 
+@fallback  # the registry's rule for pointwise-tagged ops without one of their own
 def generic_pointwise(sr, g, op, *args, **kwargs):
     """Fallback for any pointwise op: derivatives by torch.func.jvp, one slot at a time."""
     target = op.node.target

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ..semirings.base import _dims, fmap
+from ..semirings.base import fmap, normal_dims
 from .registry import reads_nothing, register
 
 aten = torch.ops.aten
@@ -18,7 +18,7 @@ def _reduced_dims(x, dims):
         return ()
     if dims is None or (isinstance(dims, list | tuple) and len(dims) == 0):
         return tuple(range(x.dim()))
-    return _dims(dims, max(x.dim(), 1))
+    return normal_dims(dims, max(x.dim(), 1))
 
 
 def _spread(g, x, dims, keepdim):

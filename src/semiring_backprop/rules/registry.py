@@ -108,16 +108,27 @@ def register(ops, kind: str, reads: Callable | None = None):
     return deco
 
 
+#: the rule of pointwise-tagged ops that have none registered (see :func:`fallback`)
+_pointwise_fallback = None
+
+
+def fallback(fn):
+    """Install ``fn`` as the rule of every op tagged ``torch.Tag.pointwise`` that has no
+    rule registered: :mod:`.pointwise` installs its generic rule here, so that the
+    registry imports no rule module."""
+    global _pointwise_fallback
+    _pointwise_fallback = fn
+    return fn
+
+
 def lookup(target) -> Rule | None:
     """The registered rule, else the generic pointwise rule for pointwise-tagged ops."""
     rule = _RULES.get(target)
     if rule is None and isinstance(target, torch._ops.OpOverload):
         rule = _RULES.get(str(target))  # registered by name (see ``register``)
     if rule is None and isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.pointwise in target.tags:
-            from .pointwise import generic_pointwise
-
-            return Rule(generic_pointwise, "pointwise", target)
+        if torch.Tag.pointwise in target.tags and _pointwise_fallback is not None:
+            return Rule(_pointwise_fallback, "pointwise", target)
     return rule
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ..tracing import ops  # noqa: F401  (defines the mark op)
 from ..semirings.base import fmap, fmap2
-from .pointwise import _unbroadcast
+from ..tracing import ops as _ops  # noqa: F401  (defines the mark op)
 from .registry import reads_nothing, register
+from .shapes import unbroadcast
 
 aten = torch.ops.aten
 
@@ -57,7 +57,7 @@ def _copy(sr, g, op, dst, src, non_blocking=False):
     element is ``src``'s, broadcast and cast to ``dst``; ``dst``'s old values are gone."""
     if not (op.needs(1) and isinstance(src, torch.Tensor) and src.is_floating_point()):
         return [None, None]
-    d = _unbroadcast(sr, g, src.shape)
+    d = unbroadcast(sr, g, src.shape)
     return [None, fmap(lambda f: f.to(src.dtype) if f.is_floating_point() else f, d)]
 
 
@@ -76,7 +76,7 @@ def _transpose(sr, g, op, x, d0=0, d1=1):
 
 @register(aten.expand.default, "routing", reads=reads_nothing)
 def _expand(sr, g, op, x, size, **kwargs):
-    return [_unbroadcast(sr, g, x.shape)]
+    return [unbroadcast(sr, g, x.shape)]
 
 
 def _put(z, part, scatter):
@@ -218,7 +218,7 @@ def _select(sr, g, keep, shape):
     dims the op broadcast it along."""
     zero = sr.zero((1,), g[0])
     picked = tuple(torch.where(keep, f, z) for f, z in zip(g, zero))
-    return _unbroadcast(sr, picked, shape)
+    return unbroadcast(sr, picked, shape)
 
 
 @register(aten.where.self, "routing", reads=reads_nothing)
@@ -242,7 +242,7 @@ def _index_put(sr, g, op, x, indices, values, accumulate=False):
         return _index_put_copy(sr, g, op, x, indices, values, accumulate)
     dv = None
     if op.needs(2):
-        dv = _unbroadcast(sr, fmap(lambda f: aten.index(f, indices), g), values.shape)
+        dv = unbroadcast(sr, fmap(lambda f: aten.index(f, indices), g), values.shape)
     return [g, None, dv]
 
 

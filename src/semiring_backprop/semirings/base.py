@@ -94,7 +94,7 @@ def stack(values: Sequence[Value], dim: int = 0) -> Value:
     return tuple(torch.stack(fs, dim) for fs in zip(*values, strict=True))
 
 
-def _dims(dims, ndim: int) -> tuple[int, ...]:
+def normal_dims(dims, ndim: int) -> tuple[int, ...]:
     if isinstance(dims, int):
         dims = (dims,)
     return tuple(sorted(d % ndim for d in dims))

@@ -11,10 +11,10 @@ from .base import (
     Dense,
     Semiring,
     Value,
-    _dims,
     dense_if,
     log_abs,
     move_to_end,
+    normal_dims,
     reduced_shape,
     retype,
 )
@@ -85,7 +85,7 @@ class Entropy(Semiring):
         return (a[0] + b[0], a[1] + b[1])
 
     def sum(self, a: Value, dims, keepdim=False) -> Value:
-        dims = _dims(dims, a[0].dim())
+        dims = normal_dims(dims, a[0].dim())
         if not dims:
             return a
         shape = reduced_shape(a[0].shape, dims, keepdim)

@@ -10,14 +10,14 @@ from .. import kernels
 from .base import (
     INF,
     Semiring,
-    _dims,
     full_int,
     log_abs,
     move_to_end,
     node_index,
+    normal_dims,
     reduced_shape,
 )
-from .maxproduct import _batch_broadcast
+from .maxproduct import batch_broadcast
 
 
 def scaled_abs(w: torch.Tensor):
@@ -89,7 +89,7 @@ class MaxAbs(Semiring):
         return (a[0] + b[0], a[1], a[2])
 
     def sum(self, a, dims, keepdim=False):
-        dims = _dims(dims, a[0].dim())
+        dims = normal_dims(dims, a[0].dim())
         if not dims:
             return a
         shape = reduced_shape(a[0].shape, dims, keepdim)
@@ -103,7 +103,7 @@ class MaxAbs(Semiring):
     def matmul(self, a, w, prep=None):
         lwt = self.prepare(w) if prep is None else prep
         best, j = kernels.maxplus(a[0], lwt)
-        a, w = _batch_broadcast(a, w)
+        a, w = batch_broadcast(a, w)
         return (best, *(ptr.gather(-1, j) for ptr in a[1:]))
 
     def scalar(self, a) -> torch.Tensor:
@@ -152,7 +152,7 @@ class LogAbs(Semiring):
         return (a[0] + b[0],)
 
     def sum(self, a, dims, keepdim=False):
-        dims = _dims(dims, a[0].dim())
+        dims = normal_dims(dims, a[0].dim())
         return (torch.logsumexp(a[0], dims, keepdim=keepdim) if dims else a[0],)
 
     def prepare(self, w):
@@ -192,7 +192,7 @@ class PathCount(LogAbs):
         return None
 
     def matmul(self, a, w, prep=None):
-        a0, w = _batch_broadcast(a, w)
+        a0, w = batch_broadcast(a, w)
         lse = torch.logsumexp(a0[0], -1, keepdim=True)
         return (lse.expand(*lse.shape[:-1], w.shape[-1]),)
 

@@ -13,12 +13,12 @@ from .base import (
     Dense,
     Semiring,
     Value,
-    _dims,
     constant,
     dense_if,
     fmap,
     full_int,
     move_to_end,
+    normal_dims,
     reduced_shape,
     retype,
 )
@@ -73,7 +73,7 @@ class _NormalDense(_Normal, _Dense):
     __slots__ = ()
 
 
-def _batch_broadcast(fields, w):
+def batch_broadcast(fields, w):
     if fields[0].shape[:-2] == w.shape[:-2]:  # nothing to broadcast (a 2-D matmul)
         return fields, w
     batch = torch.broadcast_shapes(fields[0].shape[:-2], w.shape[:-2])
@@ -260,7 +260,7 @@ class MaxProduct(Semiring):
         )
 
     def sum(self, a: Value, dims, keepdim=False) -> Value:
-        dims = _dims(dims, a[0].dim())
+        dims = normal_dims(dims, a[0].dim())
         if not dims:
             return a
         out_shape = reduced_shape(a[0].shape, dims, keepdim)
@@ -288,13 +288,13 @@ class MaxProduct(Semiring):
 
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         if not self.neuron:
-            return self._matmul_tensor(*_batch_broadcast(a, w))
+            return self._matmul_tensor(*batch_broadcast(a, w))
         wt = self.prepare(w) if prep is None else prep
         hi, lo, ph, pl = self._split(a)
         if not ph:  # no pointers to carry: the values alone (several times faster)
             return retype(a, kernels.maxtimes(hi, lo, wt, argmax=False))
         out_hi, jh, out_lo, jl = kernels.maxtimes(hi, lo, wt)
-        a, w = _batch_broadcast(a, w)
+        a, w = batch_broadcast(a, w)
         hi, lo, ph, pl = self._split(a)
         pos_h, pos_l = torch.gather(w, -2, jh) >= 0, torch.gather(w, -2, jl) >= 0
 

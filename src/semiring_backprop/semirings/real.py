@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Dense, Semiring, Value, _dims, dense_if, retype
+from .base import Dense, Semiring, Value, dense_if, normal_dims, retype
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Real(Semiring):
         return (a[0] * b[0],)
 
     def sum(self, a: Value, dims, keepdim=False) -> Value:
-        dims = _dims(dims, a[0].dim())
+        dims = normal_dims(dims, a[0].dim())
         return retype(a, (a[0].sum(dims, keepdim=keepdim),)) if dims else a
 
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:

@@ -12,11 +12,11 @@ from .base import (
     INF,
     Semiring,
     Value,
-    _dims,
     full_int,
     log_abs,
     move_to_end,
     node_index,
+    normal_dims,
     reduced_shape,
 )
 
@@ -143,7 +143,7 @@ class TopK(Semiring):
 
     def sum(self, a, dims, keepdim=False):
         groups = self._pack(a)
-        dims = _dims(dims, groups[0].dim() - 1)
+        dims = normal_dims(dims, groups[0].dim() - 1)
         if not dims:
             return a
         shape = reduced_shape(groups[0].shape[:-1], dims, keepdim)

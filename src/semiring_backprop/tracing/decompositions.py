@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from . import ops  # noqa: F401
 from ..errors import InputError
+from . import ops as _ops  # noqa: F401
 
 aten = torch.ops.aten
 shift = torch.ops.semiring_backprop.softmax_shift

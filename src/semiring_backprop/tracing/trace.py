@@ -19,12 +19,10 @@ from torch.export.graph_signature import InputKind, TensorArgument
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
-from . import (
-    decompositions,
-    ops,  # noqa: F401
-)
 from ..errors import InputError, TracingError, TrainingModeError
 from ..graph import Graph
+from . import decompositions
+from . import ops as _ops  # noqa: F401  (defines the mark op)
 from .checks import (
     check_functions,
     eager_failure,
