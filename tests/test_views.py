@@ -29,7 +29,7 @@ from semiring_backprop import cli, views  # noqa: E402
 from semiring_backprop.analysis.paths import Path, Step  # noqa: E402
 from semiring_backprop.errors import InputError  # noqa: E402
 from semiring_backprop.views.colors import DIVERGING, ROLES  # noqa: E402
-from semiring_backprop.views.read import path_runs  # noqa: E402
+from semiring_backprop.analysis.readouts import path_runs  # noqa: E402
 from views_models import TEXT  # noqa: E402 (fixtures views_bert, views_ex: conftest)
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")
@@ -352,7 +352,7 @@ def test_path_head_is_the_winning_head_of_its_token(token):
     rows = table[table["token"] == token]
     best = rows.loc[rows["value"].idxmax()]
     path = res.top_path((0, (0, token)))
-    runs = views.read.path_runs(path, roles=views.entry_roles(res),
+    runs = path_runs(path, roles=views.entry_roles(res),
                                 heads=views.head_columns(res))  # fmt: skip
     first = next(r for r in runs if r.role)
     assert first.role == best["role"]

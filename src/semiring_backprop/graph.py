@@ -65,7 +65,7 @@ class Graph:
                 node.op == "call_function"
                 and node.all_input_nodes
                 and all(a in out for a in node.all_input_nodes)
-                and not _random(node)
+                and not is_random(node)
             ):
                 out.add(node)
         return frozenset(out)
@@ -153,6 +153,6 @@ class Graph:
         return path or None
 
 
-def _random(node) -> bool:
+def is_random(node) -> bool:
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags

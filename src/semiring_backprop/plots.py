@@ -380,9 +380,9 @@ def _run_labels(runs) -> list[str]:
 
 def _with_layer(module: str) -> str | None:
     """``layer 3 attention.output.LayerNorm`` for a module inside a numbered layer."""
-    from .analysis.branches import _layer_of
+    from .analysis.branches import layer_of
 
-    layer = _layer_of(module)
+    layer = layer_of(module)
     if not layer:
         return None
     rest = module[len(layer) :].lstrip(".")

@@ -353,7 +353,7 @@ class Result:
 def _with_mask(res: Result, table):
     """``table`` with the call's attention mask in ``attrs["attention_mask"]`` where it
     pads: the rows stay (they index the tensors), and the table's views leave them out."""
-    from .views.read import token_mask
+    from .analysis.readouts import token_mask
 
     mask = token_mask(res)
     if mask is not None:

@@ -35,7 +35,7 @@ POOLING = ("mean", "cls", "max", "lasttoken")
 SCORES = ("logit", "logprob")
 
 
-def _field(out, name: str):
+def output_field(out, name: str):
     """``out.logits`` / ``out.last_hidden_state`` of a model output, or its first item."""
     if isinstance(out, torch.Tensor):
         return out
@@ -68,7 +68,7 @@ class WordChoice:
     terms: tuple
 
     def __call__(self, out):
-        logits = _field(out, "logits")
+        logits = output_field(out, "logits")
         logp = {}
         total = 0
         for example, position, token, sign in self.terms:
@@ -110,10 +110,10 @@ class ClassLabel:
     multi_label: bool = False
 
     def __post_init__(self):
-        _check_score(self.score)
+        check_score(self.score)
 
     def __call__(self, out):
-        return _label_score(_field(out, "logits")[self.example], self)
+        return _label_score(output_field(out, "logits")[self.example], self)
 
 
 @dataclass(frozen=True)
@@ -140,10 +140,10 @@ class TokenLabel:
     multi_label: bool = False
 
     def __post_init__(self):
-        _check_score(self.score)
+        check_score(self.score)
 
     def __call__(self, out):
-        return _label_score(_field(out, "logits")[self.example, self.position], self)
+        return _label_score(output_field(out, "logits")[self.example, self.position], self)
 
 
 def _fields(self) -> tuple:
@@ -155,12 +155,12 @@ def _fields(self) -> tuple:
 WordChoice._trace_key = ClassLabel._trace_key = TokenLabel._trace_key = _fields
 
 
-def _check_score(score):
+def check_score(score):
     if score not in SCORES:
         raise InputError(f"score={score!r}: choose one of {', '.join(SCORES)}")
 
 
-_ONE_OUTPUT = (
+ONE_OUTPUT = (
     "score='logprob' on a head with one output: the log-softmax of one number is always 0, "
     "so nothing would be explained. Explain its logit (score='logit', --score logit); "
     "a one-logit binary classifier whose probability is sigmoid(logit) is a multi-label "
@@ -174,7 +174,7 @@ def _label_score(logits, t):
     elif t.multi_label:  # independent labels: p = sigmoid(logit)
         values = torch.nn.functional.logsigmoid(logits)
     elif logits.shape[-1] == 1:
-        raise InputError(_ONE_OUTPUT)
+        raise InputError(ONE_OUTPUT)
     else:  # a margin of log-softmaxes is the margin of logits
         values = logits if t.foil is not None else logits.log_softmax(-1)
     value = values[t.label]
@@ -209,7 +209,7 @@ class _Pooled:
 
     def embeddings(self, out) -> list:
         """One pooled (and, if asked, normalized) vector per example."""
-        h = _field(out, "last_hidden_state")
+        h = output_field(out, "last_hidden_state")
         vectors = []
         for e, (a, b) in enumerate(self.spans):
             tokens = h[e, a:b]

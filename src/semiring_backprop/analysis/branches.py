@@ -14,8 +14,17 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError, NotFoundError
-from .fanout import _FUSED, _NAMES, Entry, _descendants, _read_role, _Roles, contribution, entries
-from .heads import _QKV, head_parts
+from .fanout import (
+    FUSED_QKV,
+    ROLE_NAMES,
+    Entry,
+    Roles,
+    contribution,
+    descendants,
+    entries,
+    role_of_weight,
+)
+from .heads import QKV, head_parts
 
 aten = torch.ops.aten
 
@@ -59,10 +68,10 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
         if sr not in res.semirings:
             raise InputError(f"{sr} was not computed in this pass (computed: {res.semirings})")
     v, ents = entries(res, where, roles)
-    down = _descendants(v)
+    down = descendants(v)
     if per_head:
         head_e, head_p = head_parts(res, v, ents, down, heads, roles)
-        ents = [e for e in ents if e.role not in _QKV]
+        ents = [e for e in ents if e.role not in QKV]
         parts = [contribution(res, v, e, down) for e in ents] + head_p
         ents += head_e
     else:
@@ -181,7 +190,7 @@ class Block:
 
 def blocks(res, roles=None) -> list[Block]:
     """The attention blocks of the model, in order, with their fan-out points."""
-    r = _Roles(res, roles)
+    r = Roles(res, roles)
     types = r.types
     qkv = {"query", "key", "value"}
     owned: dict = {}  # module path -> its own weights (TransformerLens: W_Q, W_K, W_V)
@@ -193,16 +202,16 @@ def blocks(res, roles=None) -> list[Block]:
         builtin = {_builtin_role(k) for k in kids}
         chosen = {r.of_module(k) for k in kids}  # with the user's roles, if any
         kid_roles = builtin if qkv <= builtin else chosen
-        reads = {_read_role(n) for n in kids + owned.get(path, [])}  # W_Q, hook_q, ...
+        reads = {role_of_weight(n) for n in kids + owned.get(path, [])}  # W_Q, hook_q, ...
         fused = kind == "MultiheadAttention" or any(
-            k.rsplit(".", 1)[-1].lower() in _FUSED for k in kids
+            k.rsplit(".", 1)[-1].lower() in FUSED_QKV for k in kids
         )
         if fused or qkv <= kid_roles or qkv <= reads:
             attn.append(path)
     attn = [a for a in attn if not any(a != b and a.startswith(b + ".") for b in attn)]
     out = []
     for a in attn:
-        layer = _layer_of(a)
+        layer = layer_of(a)
         if not layer and len(attn) > 1:  # outside the numbered layers: a pooling head
             continue  # (SigLIP's), not a block of the residual stream
         v = res.graph.tags.get(f"{layer}:input") if layer else _first_input(res)
@@ -224,10 +233,10 @@ def blocks(res, roles=None) -> list[Block]:
 
 def _builtin_role(path: str) -> str | None:
     last = path.rsplit(".", 1)[-1].lower()
-    return next((role for role, names in _NAMES.items() if last in names), None)
+    return next((role for role, names in ROLE_NAMES.items() if last in names), None)
 
 
-def _layer_of(path: str) -> str:
+def layer_of(path: str) -> str:
     parts = path.split(".")
     for i in range(len(parts) - 1, -1, -1):
         if parts[i].isdigit():
@@ -242,7 +251,7 @@ def _first_input(res):
     return None
 
 
-def _effective_users(r: _Roles, node):
+def _effective_users(r: Roles, node):
     out, todo, seen = [], [node], set()
     while todo:
         n = todo.pop()
@@ -257,7 +266,7 @@ def _effective_users(r: _Roles, node):
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 
-def _next_fanout(r: _Roles, node, limit=8):
+def _next_fanout(r: Roles, node, limit=8):
     """From a residual add, the next tensor that feeds several branches (through norms
     and reshapes: OPT flattens the batch between its sublayers)."""
     for _ in range(limit):

@@ -32,7 +32,7 @@ aten = torch.ops.aten
 
 ROLES = ("skip", "query", "key", "value", "mlp", "other")
 
-_NAMES = {
+ROLE_NAMES = {
     "query": {"query", "q_proj", "q_lin", "q", "wq", "to_q", "query_proj", "q_attn", "q_head"},
     "key": {"key", "k_proj", "k_lin", "k", "wk", "to_k", "key_proj", "k_head"},
     "value": {"value", "v_proj", "v_lin", "v", "wv", "to_v", "value_proj", "v_head"},
@@ -69,7 +69,7 @@ _READS = {  # (XLNet's weights are rel_attn.q, .k, .v)
 }
 # (not ``in_proj``: that is Mamba's mixer input, z / x / dt, far more often than an
 # attention's; nn.MultiheadAttention is known by its type)
-_FUSED = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "w_pack"}
+FUSED_QKV = {"c_attn", "qkv", "qkv_proj", "wqkv", "query_key_value", "w_pack"}
 _TRANSPARENT = {mark_op, aten.clone.default, aten.alias.default}
 _SHIFT_OPS = {aten.add.Tensor, aten.sub.Tensor}
 #: ops that move every element of their input on, unchanged, in a module with no role of
@@ -97,7 +97,7 @@ class Entry:
     head: int | None = None  #: per-head tables: the attention head (K/V heads under GQA)
 
 
-class _Roles:
+class Roles:
     def __init__(self, res, roles=None):
         self.res = res
         self.types = getattr(res.graph, "module_types", {}) or {}
@@ -123,7 +123,7 @@ class _Roles:
         if role is not None:
             return role
         for part in reversed(path.split(".")):
-            for role, names in _NAMES.items():
+            for role, names in ROLE_NAMES.items():
                 if part.lower() in names:
                     return role
         return None
@@ -135,7 +135,7 @@ class _Roles:
 
     def is_fused(self, path: str) -> bool:
         last = path.rsplit(".", 1)[-1].lower()
-        return last in _FUSED or self.types.get(path) == "MultiheadAttention"
+        return last in FUSED_QKV or self.types.get(path) == "MultiheadAttention"
 
     def users(self, node):
         return [u for u in node.users if u in self.store]
@@ -150,12 +150,12 @@ class _Roles:
     def read_role(self, u) -> tuple[str, str] | None:
         """(role, name) of the projection ``u`` feeds, from the weight its contraction reads
         (``attn.W_Q``) or the hook module on the projection's output (``attn.hook_q``)."""
-        proj = _first_contraction(self, u)
+        proj = first_contraction(self, u)
         if proj is None:
             return None
         for a in proj.all_input_nodes:
             name = self.weight_of(a)
-            if name and (role := _read_role(name)):
+            if name and (role := role_of_weight(name)):
                 return role, name
         n = proj
         for _ in range(8):
@@ -163,7 +163,7 @@ class _Roles:
             if len(users) != 1 or not (users[0].target in _ROUTING or self.transparent(users[0])):
                 return None
             n = users[0]
-            if n.target is mark_op and (role := _read_role(mark_module(n))):
+            if n.target is mark_op and (role := role_of_weight(mark_module(n))):
                 return role, mark_module(n)
         return None
 
@@ -181,7 +181,7 @@ class _Roles:
         return None
 
 
-def _read_role(name: str) -> str | None:
+def role_of_weight(name: str) -> str | None:
     last = name.rsplit(".", 1)[-1].lower().lstrip("_")  # TransformerLens' GQA: ``_W_K``
     return next((role for role, names in _READS.items() if last in names), None)
 
@@ -195,7 +195,7 @@ def _match(mapping, path):
 
 def entries(res, where, roles=None) -> tuple[torch.fx.Node, list[Entry]]:
     """The fan-out point ``where`` and the branches leaving it."""
-    r = _Roles(res, roles)
+    r = Roles(res, roles)
     v = res.node(where)
     if v not in res._store:
         res.value(v, res.semirings[0])  # raises the explanatory error
@@ -212,7 +212,7 @@ def entries(res, where, roles=None) -> tuple[torch.fx.Node, list[Entry]]:
     return v, out
 
 
-def _classify(r: _Roles, u, via, todo) -> list[Entry]:
+def _classify(r: Roles, u, via, todo) -> list[Entry]:
     module = r.module(u)
     if r.transparent(u):
         todo.append(u)
@@ -257,13 +257,13 @@ def _call_output(module: str, via) -> str:
     return module
 
 
-def _fused_entries(r: _Roles, u, via, module) -> list[Entry]:
+def _fused_entries(r: Roles, u, via, module) -> list[Entry]:
     """q/k/v from a fused projection: label its output columns by index and follow them
     through the data-movement ops to the first ops that take a part of them (slices,
     selects, indexing). Those parts, in the order of their first column, are the query,
     the key and the value: ``[q | k | v]`` (GPT-2), per head ``[q k v]`` (GPT-NeoX,
     Bloom), ``[q heads | k | v]`` of unequal widths (grouped-query Phi-3, Falcon)."""
-    proj = _first_contraction(r, u)
+    proj = first_contraction(r, u)
     if proj is None:
         return [Entry("other", module, u, via)]
     shape = r.res.values[proj].shape
@@ -298,7 +298,7 @@ def _fused_entries(r: _Roles, u, via, module) -> list[Entry]:
     ]
 
 
-def _first_contraction(r, u):
+def first_contraction(r, u):
     n = u
     for _ in range(16):
         if n.target in (aten.addmm.default, aten.mm.default, aten.bmm.default, aten.matmul.default):
@@ -339,7 +339,7 @@ def _route(node, src, labels, values):
 # -- contributions --------------------------------------------------------------------
 
 
-def _descendants(v):
+def descendants(v):
     out, todo = set(), [v]
     while todo:
         n = todo.pop()
@@ -349,7 +349,7 @@ def _descendants(v):
     return out
 
 
-def _ancestors(t, stop):
+def ancestors(t, stop):
     out, todo = set(), [t]
     while todo:
         n = todo.pop()
@@ -361,12 +361,12 @@ def _ancestors(t, stop):
 
 def contribution(res, v, entry: Entry, down=None) -> list:
     """⊕ over the paths from ``v`` that leave through ``entry``: one value per semiring."""
-    down = down if down is not None else _descendants(v)
-    region = _ancestors(entry.via, down)
-    return _carry(res, v, entry.op, res._store[entry.op], region)
+    down = down if down is not None else descendants(v)
+    region = ancestors(entry.via, down)
+    return carry_within(res, v, entry.op, res._store[entry.op], region)
 
 
-def _carry(res, v, u, d, region) -> list:
+def carry_within(res, v, u, d, region) -> list:
     """⊕ over the paths from ``v`` that stay in ``region`` up to ``u`` and go on from
     ``u`` with the values ``d`` (one per semiring) at ``u``."""
     graph, values, needed = res.graph, res.values, res.needed

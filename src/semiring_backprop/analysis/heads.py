@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .fanout import Entry, _ancestors, _carry, _descendants, _first_contraction, _Roles
+from .fanout import Entry, Roles, ancestors, carry_within, descendants, first_contraction
 
-_QKV = ("query", "key", "value")
+QKV = ("query", "key", "value")
 _N_HEADS = ("num_heads", "num_attention_heads", "n_head", "n_heads")
 _N_KV = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_key_value_heads")
 _HEAD_DIM = ("head_dim", "attention_head_size", "head_size", "key_value_proj_dim", "d_head")
@@ -24,13 +24,13 @@ def head_parts(res, v, ents, down=None, heads=None, roles=None) -> tuple[list, l
     heads are the K/V heads (each read by several query heads). ``heads``: the number
     of query heads (an int) or ``{"query": n, "key": n_kv, "value": n_kv}``; by default
     read from the attention module's attributes or the model's config."""
-    r = _Roles(res, roles)
-    down = down if down is not None else _descendants(v)
+    r = Roles(res, roles)
+    down = down if down is not None else descendants(v)
     groups: dict = {}  # (contraction, role) -> (columns, entries)
     for e in ents:
-        if e.role not in _QKV:
+        if e.role not in QKV:
             continue
-        proj = e.proj or _first_contraction(r, e.op)
+        proj = e.proj or first_contraction(r, e.op)
         if proj is None:
             raise InputError(
                 f"cannot split the {e.role} branch ({e.consumer!r}) by head: no matmul "
@@ -42,20 +42,20 @@ def head_parts(res, v, ents, down=None, heads=None, roles=None) -> tuple[list, l
     if not groups:
         return [], []
     widths = {role: len(cols) for (_, role), (cols, _) in groups.items()}
-    consumer = next((e.consumer for e in ents if e.role in _QKV), "")
-    counts = _head_counts(res.graph, consumer, widths, heads)
+    consumer = next((e.consumer for e in ents if e.role in QKV), "")
+    counts = head_counts(res.graph, consumer, widths, heads)
     region_of: dict = {}
     out_e, out_p = [], []
     for (proj, role), (cols, es) in groups.items():
         if proj not in region_of:
-            region_of[proj] = set().union(*(_ancestors(a, down) for a in proj.all_input_nodes))
+            region_of[proj] = set().union(*(ancestors(a, down) for a in proj.all_input_nodes))
         d_proj, like = res._store[proj], res.values[proj]
         size = len(cols) // counts[role]
         for h in range(counts[role]):
             mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
             mask[list(cols[h * size : (h + 1) * size])] = True
             d = [_only(sr, val, mask, like) for sr, val in zip(res.semirings, d_proj)]
-            out_p.append(_carry(res, v, proj, d, region_of[proj]))
+            out_p.append(carry_within(res, v, proj, d, region_of[proj]))
             e = es[0]
             out_e.append(Entry(role, e.consumer, e.op, e.via, proj, e.cols, h))
     return out_e, out_p
@@ -71,7 +71,7 @@ def _only(sr, value, cols, like):
     return tuple(out)  # a plain tuple: no longer a path at every element
 
 
-def _head_counts(graph, consumer: str, widths: dict, heads) -> dict:
+def head_counts(graph, consumer: str, widths: dict, heads) -> dict:
     """``{role: number of heads}`` for projections of ``widths`` columns per role."""
     where = f"the attention at {consumer!r}"
     how = (

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import map_arg
 
-from ..graph import _random
+from ..graph import is_random
 from ..tracing.trace import mark_op
 from . import budget, liveness
 from .reverse import propagate, reverse
@@ -49,7 +49,7 @@ class Layout:
 
 def usable(graph) -> bool:
     """Whether values can be computed again (no op draws random numbers)."""
-    return not any(_random(n) for n in graph.nodes if n.op == "call_function")
+    return not any(is_random(n) for n in graph.nodes if n.op == "call_function")
 
 
 def layout(graph, needed) -> Layout:

@@ -503,7 +503,7 @@ def _mask_of(inputs, rows) -> list | None:
 
 
 def _without_padding(table, mask):
-    from ..views.read import drop_padding
+    from ..analysis.readouts import drop_padding
     from ..views.table import branch_table
 
     out = drop_padding(table, mask)

@@ -16,7 +16,7 @@ import torch
 
 from ..errors import InputError, LoadError
 from ..targets import (
-    _ONE_OUTPUT,
+    ONE_OUTPUT,
     POOLING,
     TASKS,
     ClassLabel,
@@ -24,8 +24,8 @@ from ..targets import (
     Similarity,
     TokenLabel,
     WordChoice,
-    _check_score,
-    _field,
+    check_score,
+    output_field,
 )
 from .loading import check_tokenizer
 
@@ -295,7 +295,7 @@ _OPTIONS = {
 
 
 def _prepare_labels(task, model, tokenizer, text, pair, label, foil, position, score):
-    _check_score(score)
+    check_score(score)
     enc = tokenizer(text, *([pair] if pair else []), return_tensors="pt")
     what = "the text and its pair" if pair else "the text"
     check_ids(tokenizer, model, enc["input_ids"], what)
@@ -314,7 +314,7 @@ def _prepare_labels(task, model, tokenizer, text, pair, label, foil, position, s
     predicted = ""
     if label is None:  # the model's own choice
         with torch.no_grad():
-            logits = _field(model(**inputs), "logits")[0]
+            logits = output_field(model(**inputs), "logits")[0]
         label = int((logits[position] if task == "token" else logits).argmax())
         predicted = ", the predicted label"
     i = label_index(model.config, label)
@@ -324,7 +324,7 @@ def _prepare_labels(task, model, tokenizer, text, pair, label, foil, position, s
     multi = getattr(model.config, "problem_type", None) == "multi_label_classification"
     outputs = getattr(model.config, "num_labels", None)
     if score == "logprob" and outputs == 1 and not multi:
-        raise InputError(_ONE_OUTPUT)
+        raise InputError(ONE_OUTPUT)
     name = names.get(i, str(i))
     fname = None if j is None else names.get(j, str(j))
     f = "log p" if score == "logprob" else "logit"

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from ..errors import InputError, SemiringBackpropError
-from . import html as _html
-from . import text as _text
-from .read import (
+from ..analysis.readouts import (
     QUANTITIES,
     TokenValues,
     available,
@@ -34,6 +31,9 @@ from .read import (
     shares,
     token_values,
 )
+from ..errors import InputError, SemiringBackpropError
+from . import html as _html
+from . import text as _text
 
 __all__ = ["QUANTITIES", "View", "branches", "explanation", "path", "paths", "result", "tokens"]
 

@@ -29,7 +29,7 @@ ROLE_COLORS = {
 NO_VALUE = "#E8E8E8"
 
 
-def _rgb(hex_color: str) -> tuple[int, int, int]:
+def rgb(hex_color: str) -> tuple[int, int, int]:
     h = hex_color.lstrip("#")
     return int(h[0:2], 16), int(h[2:4], 16), int(h[4:6], 16)
 
@@ -37,7 +37,7 @@ def _rgb(hex_color: str) -> tuple[int, int, int]:
 def _interpolate(scheme, t: float) -> str:
     t = min(1.0, max(0.0, t)) * (len(scheme) - 1)
     i = min(int(t), len(scheme) - 2)
-    a, b = _rgb(scheme[i]), _rgb(scheme[i + 1])
+    a, b = rgb(scheme[i]), rgb(scheme[i + 1])
     f = t - i
     return "#" + "".join(f"{round(x + (y - x) * f):02X}" for x, y in zip(a, b))
 
@@ -76,6 +76,6 @@ class Scale:
 
 def text_color(background: str) -> str:
     """Black or white, whichever reads better on ``background`` (relative luminance)."""
-    r, g, b = (c / 255 for c in _rgb(background))
+    r, g, b = (c / 255 for c in rgb(background))
     lum = 0.2126 * r + 0.7152 * g + 0.0722 * b
     return "#000" if lum > 0.45 else "#fff"

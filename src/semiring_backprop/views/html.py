@@ -6,8 +6,8 @@ from __future__ import annotations
 import html
 import math
 
+from ..analysis.readouts import module_label
 from .colors import ROLE_COLORS, ROLES, Scale, text_color
-from .read import module_label
 
 CSS = """
 .sbp{font-family:system-ui,-apple-system,"Segoe UI",Roboto,"Helvetica Neue",Arial,sans-serif;

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import shutil
 
-from .colors import ROLE_COLORS, ROLES, Scale, _rgb, text_color
+from ..analysis.readouts import module_label
+from .colors import ROLE_COLORS, ROLES, Scale, rgb, text_color
 from .html import PADDING_NOTE, SELECTIVE, SKIP_NOTE, fmt, level_name, path_kind
-from .read import module_label
 
 _RESET = "\x1b[0m"
 
@@ -25,7 +25,7 @@ def use_color(stream) -> bool:
 
 
 def _paint(text: str, background: str) -> str:
-    r, g, b = _rgb(background)
+    r, g, b = rgb(background)
     fg = "30" if text_color(background) == "#000" else "97"
     return f"\x1b[48;2;{r};{g};{b}m\x1b[{fg}m{text}{_RESET}"
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..analysis.branches import _layer_of
-from ..analysis.fanout import _FUSED, _NAMES
-from ..analysis.tokens import per_example
 from ..errors import InputError
 from ..semirings import Entropy, MaxAbs, MaxProduct, PathCount, Real
+from .branches import layer_of
+from .fanout import FUSED_QKV, ROLE_NAMES
+from .tokens import per_example
 
 #: per-token quantities: what each is, and whether it is signed (diverging colours)
 QUANTITIES = {
@@ -252,11 +252,11 @@ def head_columns(res) -> dict[tuple[str, str], tuple[tuple, int]]:
     attention module or the model's config gives the number of heads (as per-head
     branch tables find it); a path through column ``j`` is in head
     ``cols.index(j) // per_head``."""
-    from ..analysis.branches import blocks
-    from ..analysis.fanout import _first_contraction, _Roles, entries
-    from ..analysis.heads import _head_counts
+    from .branches import blocks
+    from .fanout import Roles, entries, first_contraction
+    from .heads import head_counts
 
-    r = _Roles(res)
+    r = Roles(res)
     out: dict = {}
     for block in blocks(res):
         point = block.points.get("attention")
@@ -265,7 +265,7 @@ def head_columns(res) -> dict[tuple[str, str], tuple[tuple, int]]:
         qkv = [e for e in entries(res, point)[1] if e.role in ("query", "key", "value")]
         groups: dict = {}
         for e in qkv:
-            proj = e.proj or _first_contraction(r, e.op)
+            proj = e.proj or first_contraction(r, e.op)
             if proj is not None:
                 cols = e.cols or tuple(range(_width(res, proj)))
                 groups[proj, e.role] = tuple(cols)
@@ -273,7 +273,7 @@ def head_columns(res) -> dict[tuple[str, str], tuple[tuple, int]]:
             continue
         widths = {role: len(cols) for (_, role), cols in groups.items()}
         try:
-            counts = _head_counts(res.graph, qkv[0].consumer, widths, None)
+            counts = head_counts(res.graph, qkv[0].consumer, widths, None)
         except InputError:  # the head count is not known: the path names no head here
             continue
         for (proj, role), cols in groups.items():
@@ -325,9 +325,9 @@ def _short_op(op: str) -> str:
 
 def _name_role(module: str) -> str:
     for part in reversed(module.lower().split(".")):
-        if part in _FUSED:
+        if part in FUSED_QKV:
             return "qkv"
-        for role, names in _NAMES.items():
+        for role, names in ROLE_NAMES.items():
             if part in names:
                 return role
     return ""
@@ -350,7 +350,7 @@ def entry_roles(res) -> dict[tuple[str, str], str]:
     them (fused projections by the columns each part takes). A path that takes that
     edge takes that branch (a residual add is entered by the skip edge and by the
     branch it ends)."""
-    from ..analysis.branches import blocks, entries
+    from .branches import blocks, entries
 
     out: dict[tuple[str, str], str] = {}
     for block in blocks(res):
@@ -361,7 +361,7 @@ def entry_roles(res) -> dict[tuple[str, str], str]:
 
 
 def _layer(module: str | None) -> int | None:
-    path = _layer_of(module or "")
+    path = layer_of(module or "")
     tail = path.rsplit(".", 1)[-1]
     return int(tail) if tail.isdigit() else None
 
