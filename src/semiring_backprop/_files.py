@@ -1,4 +1,5 @@
-"""Whole files written safely: under a private temporary name, then renamed.
+"""Whole files written safely: under a private temporary name, then renamed; and what
+JSON cannot hold, replaced (one policy for every JSON file the package writes).
 
 A reader sees the old file or the whole new one, never half of it. The temporary file
 lives in a directory made for it alone (``tempfile.mkdtemp`` beside the target: a new,
@@ -9,11 +10,14 @@ link: the rename replaces a link at the target itself, not the file it points to
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 
 def atomic_write(path, write: Callable[[Path], object]) -> Path:
@@ -32,3 +36,23 @@ def atomic_write(path, write: Callable[[Path], object]) -> Path:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return path
+
+
+def json_safe(x, nonfinite: str = "null", plain: bool = True):
+    """``x`` (dicts, lists and tuples of them) as JSON can hold it. A non-finite float
+    becomes ``None`` (``nonfinite="null"``: JSON's null) or its name (``"name"``:
+    ``"inf"``, ``"-inf"``, ``"nan"``, as an explanation's and a top path's JSON say it).
+    With ``plain``, tensors and numpy scalars become Python numbers and dict keys
+    strings (what records and settings files hold); without it, other values are kept
+    as they are."""
+    if isinstance(x, dict):
+        return {(str(k) if plain else k): json_safe(v, nonfinite, plain) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [json_safe(v, nonfinite, plain) for v in x]
+    if plain and isinstance(x, torch.Tensor):
+        return json_safe(x.tolist(), nonfinite, plain)
+    if plain and hasattr(x, "item") and not isinstance(x, str):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if nonfinite == "null" else str(x)
+    return x

@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .errors import InputError
+from .views.colors import NORM_COLOR, ROLE_COLORS, ROLES
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -22,17 +23,9 @@ if TYPE_CHECKING:
 
     from .analysis.paths import Path
 
-#: branch roles in stacking order, and their colors (shared by every figure here)
-ROLES = ("skip", "query", "key", "value", "mlp", "other")
-COLORS = {
-    "skip": "#8c8c8c",
-    "query": "#1f77b4",
-    "key": "#ff7f0e",
-    "value": "#2ca02c",
-    "mlp": "#d62728",
-    "other": "#9467bd",
-    "norm": "#bcbd22",
-}
+#: branch roles in stacking order, and their colors: the views' palette (one colour per
+#: role in figures and HTML alike), with layer norms, which path figures colour too
+COLORS = {**ROLE_COLORS, "norm": NORM_COLOR}
 
 
 def _new_axes(ax: Axes | None, figsize: tuple[float, float]) -> tuple[Figure, Axes]:

@@ -120,7 +120,7 @@ def _show(hint) -> str:
 def run(name: str, out, quick: bool = False, progress: bool = True, **options) -> dict:
     """Run one experiment into directory ``out``; returns its summary and file list.
     The run holds ``out`` (another run into it is refused while this one lasts)."""
-    from .common import lock
+    from ..runner.records import lock
 
     cfg = config(name, quick, **options)
     with lock(out):

@@ -69,19 +69,17 @@ import torch
 from .._threads import threads
 from ..backprop import Backprop
 from ..errors import InputError
+from ..runner.records import Records, same_settings, write_json
 from ..semirings import Entropy
 from .common import (
     GoldLogit,
-    Records,
     accuracy,
     bert_classifier,
     logits,
-    same_settings,
     spearman,
     train,
     trained,
     write_csv,
-    write_json,
 )
 
 BINARY = (

@@ -26,17 +26,9 @@ import torch
 from .._threads import threads
 from ..backprop import Backprop
 from ..errors import InputError
+from ..runner.records import Records, same_settings, write_json
 from ..semirings import Entropy, PathCount
-from .common import (
-    GoldLogit,
-    Records,
-    same_settings,
-    spearman,
-    train,
-    trained,
-    write_csv,
-    write_json,
-)
+from .common import GoldLogit, spearman, train, trained, write_csv
 
 SPECIAL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _WORD = re.compile(r"^[a-z]{2,}$")  # whole lowercase words of a WordPiece vocabulary

@@ -30,18 +30,9 @@ import torch
 from .._threads import threads
 from ..backprop import Backprop
 from ..errors import InputError
+from ..runner.records import Records, lock, same_settings, write_json
 from ..semirings import MaxProduct
-from .common import (
-    GoldLogit,
-    Records,
-    bert_classifier,
-    lock,
-    same_settings,
-    train,
-    trained,
-    write_csv,
-    write_json,
-)
+from .common import GoldLogit, bert_classifier, train, trained, write_csv
 
 BRANCHES = ("skip", "query", "key", "value")
 CLASSES = ("first", "repeated", "other")

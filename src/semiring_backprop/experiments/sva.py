@@ -60,8 +60,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from ..runner.records import same_settings, write_json
 from . import sva_inputs, sva_report
-from .common import same_settings, write_csv, write_json
+from .common import write_csv
 from .entropy_sanity import lm_threads, quiet, random_masked_lm
 from .sva_report import attractor_figure, branch_figure
 

@@ -25,6 +25,7 @@ from pathlib import Path as FilePath
 
 import torch
 
+from .._files import json_safe
 from ..backprop import backprop
 from ..errors import InputError
 from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
@@ -212,7 +213,7 @@ class Explanation:
         written = []
         from .._files import atomic_write  # whole or not at all, never through a link
 
-        page = json.dumps(_clean(self.to_dict()), indent=2)
+        page = json.dumps(json_safe(self.to_dict(), "name", plain=False), indent=2)
         files = {"explanation.json": lambda tmp: tmp.write_text(page)}
         top = None if self.path is None else self.path.to_frame()
         for name, table in (("layers.csv", self.layers), ("entropy.csv", self.entropy),
@@ -289,16 +290,6 @@ def _one_example(table, e: int):
     if table is None or "example" not in table.columns:
         return table
     return table[table.example == e].drop(columns="example").reset_index(drop=True)
-
-
-def _clean(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    return x
 
 
 def _branch_text(layers, ours: bool = False, paper: bool = False) -> str:

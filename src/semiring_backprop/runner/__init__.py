@@ -9,8 +9,9 @@ For example (``docs/datasets.md`` runs it on a small model)::
 """
 
 from .compute import Explainer, Item, prepare, readouts
-from .driver import Settings, batches, load_results, run, skipped_examples
+from .driver import Settings, batches, run, skipped_examples
 from .readers import FORMATS, Example, Malformed, from_agreement, read_examples
+from .report import load_results
 
 __all__ = [
     "FORMATS",

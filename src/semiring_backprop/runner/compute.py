@@ -12,16 +12,17 @@ branch and aggregation over the hidden units: :meth:`Result.layer_table`).
 from __future__ import annotations
 
 import json
-import math
 import types
 from dataclasses import dataclass
 
 import torch
 
+from .._files import json_safe
 from ..data.agreement import MASK
-from ..errors import InputError
+from ..errors import ForwardError, InputError, NonFiniteError
 from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
 from .readers import Example
+from .store import TABLES
 
 
 @dataclass
@@ -163,7 +164,9 @@ class Explainer:
             paths = [res.top_path((self.source, (b,)), top) for b in range(len(items))]
             examples["top_path_value"] = [float(p.value) for p in paths]
             examples["top_path"] = [str(p) for p in paths]
-            examples["top_path_steps"] = [json.dumps(_finite(p.to_dict())) for p in paths]
+            examples["top_path_steps"] = [
+                json.dumps(json_safe(p.to_dict(), "name", plain=False)) for p in paths
+            ]
         return {"examples": examples, "tokens": tokens, "branches": branches}
 
     def _tokens(self, res, items):
@@ -267,11 +270,22 @@ def _example_row(it: Item, score: float) -> dict:
     return row
 
 
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_finite(v) for v in x]
-    return x
+def explain_batch(explainer: Explainer, group: list[Item]) -> dict:
+    """The tables of a batch; where the batch fails in the forward pass or overflows,
+    its examples one by one, and those that fail alone are skipped with the reason."""
+    try:
+        return explainer(group)
+    except (ForwardError, NonFiniteError) as e:
+        if len(group) == 1:
+            return {"skipped": {group[0].example.id: f"{type(e).__name__}: {e}"}}
+    parts = [explain_batch(explainer, [it]) for it in group]
+    merged: dict = {"skipped": {}}
+    import pandas as pd
+
+    for name in TABLES:
+        frames = [p[name] for p in parts if name in p]
+        if frames:
+            merged[name] = pd.concat(frames, ignore_index=True)
+    for p in parts:
+        merged["skipped"].update(p.get("skipped", {}))
+    return merged

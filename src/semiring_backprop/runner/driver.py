@@ -9,7 +9,7 @@ changed, shards damaged, shards never committed), and explains only the examples
 line holds: no row is lost, written twice, or kept under an id whose example is now
 another. A rerun with other settings, or into a directory of results without its
 ``config.json``, is refused
-(:func:`~semiring_backprop.experiments.common.same_settings`). A disk that fills up
+(:func:`~semiring_backprop.runner.records.same_settings`). A disk that fills up
 stops the run with one error that says what was kept; the rerun resumes.
 
 ``paper=True`` computes the paper's quantity (DESIGN §1, paper mode): the model traced as
@@ -31,11 +31,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ForwardError, InputError, NonFiniteError
-from ..experiments.common import Records, atomic_write, lock, same_settings
+from ..errors import InputError
 from . import store
-from .compute import Explainer, Item, prepare
+from .compute import Explainer, Item, explain_batch, prepare
 from .readers import iter_examples, read_examples, split_rows
+from .records import Records, atomic_write, lock, same_settings
 
 log = logging.getLogger(__name__)
 
@@ -362,27 +362,6 @@ def _serial(groups, source: _Source, thread_count):
             yield group, explain_batch(explainer, group)
 
 
-def explain_batch(explainer: Explainer, group: list[Item]) -> dict:
-    """The tables of a batch; where the batch fails in the forward pass or overflows,
-    its examples one by one, and those that fail alone are skipped with the reason."""
-    try:
-        return explainer(group)
-    except (ForwardError, NonFiniteError) as e:
-        if len(group) == 1:
-            return {"skipped": {group[0].example.id: f"{type(e).__name__}: {e}"}}
-    parts = [explain_batch(explainer, [it]) for it in group]
-    merged: dict = {"skipped": {}}
-    import pandas as pd
-
-    for name in TABLES:
-        frames = [p[name] for p in parts if name in p]
-        if frames:
-            merged[name] = pd.concat(frames, ignore_index=True)
-    for p in parts:
-        merged["skipped"].update(p.get("skipped", {}))
-    return merged
-
-
 def _commit(out: Path, records: Records, group: list[Item], tables: dict) -> None:
     """Write a batch's shards, then the line in ``done.jsonl`` that commits them (with
     each example's content key, and each file's size and hash)."""
@@ -430,25 +409,3 @@ def skipped_examples(out) -> dict:
     records = Records(out / "done.jsonl", key="shard")
     return {i: d.skipped for i, d in store.current(records.rows, records.path).items()
             if d.skipped is not None}  # fmt: skip
-
-
-def load_results(out, columns: dict | None = None) -> dict:
-    """The committed tables of a run directory: ``{"examples", "tokens", "branches"}``
-    as pandas DataFrames (shards in commit order; of an example explained again, only
-    its last result); ``columns``: ``{table: [names]}`` reads only those columns of a
-    table. Each file is checked against the size and hash its commit recorded: a file
-    missing, cut off or changed is an error that names it (a rerun explains its
-    examples again)."""
-    import pandas as pd
-
-    out = Path(out)
-    if not (out / "done.jsonl").exists():
-        raise InputError(f"{out} holds no run (no done.jsonl): run semiring-backprop run first")
-    records = Records(out / "done.jsonl", key="shard")
-    shards = store.live(records.rows, store.current(records.rows, records.path))
-    tables = {}
-    for table in TABLES:
-        cols = (columns or {}).get(table)
-        frames = [store.read_shard(out, table, name, row, ids, cols) for name, row, ids in shards]
-        tables[table] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return tables

@@ -6,8 +6,10 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from ..experiments.common import atomic_write, write_json
-from .store import current
+from ..errors import InputError
+from . import store
+from .records import Records, atomic_write, write_json
+from .store import TABLES, current
 
 #: malformed rows listed in the summary (all are counted)
 LISTED = 100
@@ -15,8 +17,6 @@ LISTED = 100
 
 def summarize(out: Path, settings, chosen, malformed, records, n_new: int, elapsed: float,
               figures: bool = True) -> dict:  # fmt: skip
-    from .driver import load_results
-
     needed = ["semiring", "aggregation", "layer", "sublayer", "branch", "value", "winner", "path"]
     tables = load_results(out, columns={"branches": needed})  # the largest: what is read
     wanted = {ex.id for ex in chosen}
@@ -154,3 +154,25 @@ def branch_figures(branches, out: Path) -> list[str]:
         plt.close(fig)
         files.append(str(path))
     return files
+
+
+def load_results(out, columns: dict | None = None) -> dict:
+    """The committed tables of a run directory: ``{"examples", "tokens", "branches"}``
+    as pandas DataFrames (shards in commit order; of an example explained again, only
+    its last result); ``columns``: ``{table: [names]}`` reads only those columns of a
+    table. Each file is checked against the size and hash its commit recorded: a file
+    missing, cut off or changed is an error that names it (a rerun explains its
+    examples again)."""
+    import pandas as pd
+
+    out = Path(out)
+    if not (out / "done.jsonl").exists():
+        raise InputError(f"{out} holds no run (no done.jsonl): run semiring-backprop run first")
+    records = Records(out / "done.jsonl", key="shard")
+    shards = store.live(records.rows, store.current(records.rows, records.path))
+    tables = {}
+    for table in TABLES:
+        cols = (columns or {}).get(table)
+        frames = [store.read_shard(out, table, name, row, ids, cols) for name, row, ids in shards]
+        tables[table] = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return tables

@@ -41,7 +41,7 @@ class Worker:
 
     def explain(self, job):
         """``job``: (batch number, items); the tables carry the number back."""
-        from .driver import explain_batch
+        from .compute import explain_batch
 
         number, group = job
         return {**explain_batch(self.explainer, group), "_batch": number}

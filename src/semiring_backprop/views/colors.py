@@ -1,6 +1,6 @@
 """Colour maps of the views: diverging (signed values, centred at zero) and sequential,
 both from Paul Tol's colour-blind-safe schemes, and one colour per branch role
-(Okabe & Ito's palette)."""
+(Okabe & Ito's palette): the one role palette, of HTML views and figures alike."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ ROLE_COLORS = {
     "mlp": "#D55E00",
     "other": "#CC79A7",
 }
+#: layer norms, which only the figures of paths colour (``plots.COLORS``)
+NORM_COLOR = "#BCBD22"
 NO_VALUE = "#E8E8E8"
 
 
