@@ -9,8 +9,8 @@ the times are medians. Peak memory is the peak of the bytes held by tensors duri
 call (CPU: every allocation and free, from the profiler; CUDA: the allocator's peak),
 above what was held before, relative to autograd's; prepared weights (``weight_cache``)
 are made on the first call and so are not in it (their size is printed). Both sides
-run with malloc tuned for reuse (``sbp.allocator``, what ``Backprop`` sets up on its
-first call); ``--malloc default`` keeps glibc's defaults for both.
+run with malloc tuned for reuse (``semiring_backprop.engine.allocator``, what
+``Backprop`` sets up on its first call); ``--malloc default`` keeps glibc's defaults.
 
     python benchmarks/bench_backprop.py                      # every case, CPU
     python benchmarks/bench_backprop.py --cases bert20 mlp   # some of them
@@ -27,6 +27,7 @@ import time
 import torch
 
 import semiring_backprop as sbp
+from semiring_backprop.engine import allocator
 
 SETS = {  # label -> (semirings, Backprop options)
     "Real": ([sbp.Real()], {}),
@@ -380,7 +381,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     dtype = getattr(torch, args.dtype)
     torch.set_grad_enabled(True)
-    malloc = "tuned" if sbp.allocator.tune(args.malloc == "tuned") else "default"
+    malloc = "tuned" if allocator.tune(args.malloc == "tuned") else "default"
     # steady state: kernels compiled from the start (by default they compile once eager
     # work would have paid for it, in the middle of the rounds; the first calls in a
     # fresh process, below, run with that default)

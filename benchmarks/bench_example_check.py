@@ -32,7 +32,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     from semiring_backprop import independence
-    from semiring_backprop.explain import load, semirings_for
+    from semiring_backprop.hf.explain import semirings_for
+    from semiring_backprop.hf.loading import load
     from semiring_backprop.runner.compute import Explainer, prepare
     from semiring_backprop.runner.driver import batches
     from semiring_backprop.runner.readers import read_examples

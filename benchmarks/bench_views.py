@@ -26,7 +26,7 @@ GOAL_SECONDS, GOAL_BYTES = 1.0, 2_000_000
 def _explanation(tokens: int, layers: int):
     import transformers
 
-    from semiring_backprop.explain import explain
+    from semiring_backprop.hf.explain import explain
 
     d = tempfile.mkdtemp()
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]

@@ -2696,7 +2696,7 @@ _PRELOAD = [
     "torch",
     "transformers",
     "semiring_backprop.cli",
-    "semiring_backprop.explain",
+    "semiring_backprop.hf.explain",
     "semiring_backprop.experiments",
 ]
 _CHILD_ENV = {

@@ -171,7 +171,7 @@ def _(env):
     wl.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="[UNK]",
                                                cls_token="[CLS]", sep_token="[SEP]")  # fmt: skip
-    from semiring_backprop.explain import explain
+    from semiring_backprop.hf.explain import explain
 
     return explain(model, SHORT, task="classification", tokenizer=tok)
 
@@ -206,7 +206,7 @@ def _multi_check(foil):
 @graceful("targets.multi-label-logprob", _multi_check(None))
 def _(env):
     """a multi-label head's log-probability is log-sigmoid of its logit"""
-    from semiring_backprop.explain import explain
+    from semiring_backprop.hf.explain import explain
 
     return explain(str(_dirs(env)["multi"]), SHORT, "1", task="classification",
                    score="logprob", semirings=["real"])  # fmt: skip
@@ -214,7 +214,7 @@ def _(env):
 
 @graceful("targets.multi-label-logprob-margin", _multi_check(2))
 def _(env):
-    from semiring_backprop.explain import explain
+    from semiring_backprop.hf.explain import explain
 
     return explain(str(_dirs(env)["multi"]), SHORT, "1", "2", task="classification",
                    score="logprob", semirings=["real"])  # fmt: skip
@@ -262,7 +262,7 @@ def _after_text(ex, env):
 @graceful("targets.causal-lm-end-token", _after_text)
 def _(env):
     """a tokenizer that appends </s>: the next word is read after the text"""
-    from semiring_backprop.explain import explain
+    from semiring_backprop.hf.explain import explain
 
     return explain(str(_dirs(env)["llama_eos"]), "the keys to the cabinet", "are", "is",
                    semirings=["real"])  # fmt: skip
@@ -292,7 +292,7 @@ def _one_name(ex, env):
 @graceful("targets.explain-one-semiring-name", _one_name)
 def _(env):
     """semirings='real' is one name, not the letters r, e, a, l"""
-    from semiring_backprop.explain import explain
+    from semiring_backprop.hf.explain import explain
 
     return explain(str(_dirs(env)["mlm"]), TEXT, "are", "is", semirings="real")
 
@@ -372,7 +372,7 @@ def _(env):
     """the second explain(DIR) reuses the loaded model (and so its trace)"""
     from unittest import mock
 
-    from semiring_backprop import explain as mod
+    from semiring_backprop.hf import explain as mod
 
     mod.clear_loaded()
     real = mod.load

@@ -36,7 +36,7 @@ def _sim(env):
         import transformers
 
         from semiring_backprop import plots
-        from semiring_backprop.explain import explain
+        from semiring_backprop.hf.explain import explain
 
         d = _sim_dir(env)
         ex = explain(d, SIM_TEXT, text_pair=SIM_PAIR, task="similarity",

@@ -9,7 +9,7 @@ import pytest
 
 SCRIPT = """
 import torch, semiring_backprop as sbp
-from semiring_backprop import allocator
+from semiring_backprop.engine import allocator
 assert allocator._state["result"] is None  # importing changes nothing
 lin = torch.nn.Linear(3, 2).eval()
 sbp.Backprop(lin, lambda y: y.sum())(torch.randn(1, 3))
@@ -47,7 +47,7 @@ def test_environment_leaves_malloc_alone():
 
 @pytest.mark.skipif(not _glibc(), reason="malloc is tuned on glibc only")
 def test_tune_sets_the_glibc_thresholds():
-    from semiring_backprop import allocator
+    from semiring_backprop.engine import allocator
 
     assert allocator.tune() is True
     assert allocator.tune() is True  # once per process; later calls report it

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import semiring_backprop as sbp
-from semiring_backprop import checkpoints
+from semiring_backprop.engine import checkpoints
 
 transformers = pytest.importorskip("transformers")
 

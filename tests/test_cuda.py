@@ -196,7 +196,7 @@ def test_a_traced_pass_waits_for_the_device_only_at_its_end(name, label):
 
 
 def test_memory_budget_reads_the_devices_free_memory():
-    from semiring_backprop import budget
+    from semiring_backprop.engine import budget
 
     device = torch.device("cuda")
     free, total = torch.cuda.mem_get_info(device)

@@ -563,7 +563,7 @@ def test_nan_weight_is_reported():
 def test_an_op_that_fails_on_the_given_inputs_names_the_node_and_module():
     """An op that raises while the traced graph runs: a library error naming the node,
     the module and torch's message, not torch's stack trace."""
-    from semiring_backprop import forward
+    from semiring_backprop.engine import forward
 
     graph = sbp.trace(Net(nn.Identity()), (x34(),), output=total)
     with raises(sbp.ForwardError, "`addmm`", "`lin`", "aten.addmm", "same dtype"):

@@ -15,7 +15,7 @@ call runs once, in a module-scoped fixture, and is shared by the tests that read
 * ``gpt2_run``: the CLI on the causal LM with ``--granularity tensor``;
 * ``llama_run``: ``explain(model, ..., tokenizer=tok)`` with an already-loaded Llama.
 
-The CLI runs wrap ``semiring_backprop.explain.explain`` to keep the ``Explanation`` that
+The CLI runs wrap ``semiring_backprop.hf.explain.explain`` to keep the ``Explanation`` that
 the command printed and wrote (the CLI imports it from the module at call time).
 """
 
@@ -41,10 +41,10 @@ from tokenizers.models import WordLevel  # noqa: E402
 from tokenizers.pre_tokenizers import Whitespace  # noqa: E402
 
 from semiring_backprop import cli  # noqa: E402
-from semiring_backprop import explain as explain_mod  # noqa: E402
 from semiring_backprop.analysis.paths import Path  # noqa: E402
 from semiring_backprop.errors import InputError  # noqa: E402
-from semiring_backprop.explain import Explanation, explain  # noqa: E402
+from semiring_backprop.hf import explain as explain_mod  # noqa: E402
+from semiring_backprop.hf.explain import Explanation, explain  # noqa: E402
 from semiring_backprop.semirings import Entropy, MaxProduct, Real  # noqa: E402
 
 WORDS = "the keys to cabinet is are on table a dog cat".split()

@@ -20,7 +20,7 @@ pd = pytest.importorskip("pandas")
 
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import cli  # noqa: E402
-from semiring_backprop.explain import explain  # noqa: E402
+from semiring_backprop.hf.explain import explain  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 

@@ -430,7 +430,8 @@ def test_keep_drops_what_pointwise_rules_do_not_read():
     """Pointwise rules declare whether they read their input or their output (exp,
     tanh, ... their output; log, erf, ... their input): with keep=, the other one is
     dropped, and every semiring's value at the input is the same."""
-    from semiring_backprop import engine, memory
+    from semiring_backprop.engine import liveness
+    from semiring_backprop.engine.reverse import needed_nodes
 
     aten = torch.ops.aten
     torch.manual_seed(7)
@@ -441,7 +442,7 @@ def test_keep_drops_what_pointwise_rules_do_not_read():
     for sr in SEMIRINGS:
         _same(sr, lean.value(0, sr), full.value(0, sr))
     graph = lean.graph
-    plan = memory.plan(graph, engine.needed_nodes(graph, graph.output_node), lean.kept)
+    plan = liveness.plan(graph, needed_nodes(graph, graph.output_node), lean.kept)
     read = {n.target for n in plan.held | plan.recomputed if n.op == "call_function"}
     # outputs that only an add reads: neither held nor recomputed where the op's own
     # rule reads its input
@@ -490,7 +491,8 @@ def _same_storage(a, b):
 
 
 def test_keep_frees_values_during_the_pass():
-    from semiring_backprop import engine, forward, memory
+    from semiring_backprop.engine import forward, liveness
+    from semiring_backprop.engine.reverse import needed_nodes, reverse
 
     model = _tiny_bert()
     emb = model.get_input_embeddings()(torch.randint(1, 40, (1, 5))).detach()
@@ -499,16 +501,16 @@ def test_keep_frees_values_during_the_pass():
     values = forward.run(graph, (), {"inputs_embeds": emb})
     computed = [n for n in values if getattr(n, "op", None) == "call_function"]
     kept = frozenset([graph.user_inputs["inputs_embeds"]])
-    store = engine.reverse(graph, values, [sbp.Real()], graph.output_node, kept)
+    store = reverse(graph, values, [sbp.Real()], graph.output_node, kept)
     assert set(store) == set(kept)
     left = [  # values that still hold memory (a value let go is a stand-in)
         n for n, v in values.items() if getattr(n, "op", None) == "call_function"
         and not (isinstance(v, torch.Tensor) and v.is_floating_point()
-                 and _same_storage(v, memory.stand_in(v)))
+                 and _same_storage(v, liveness.stand_in(v)))
     ]  # fmt: skip
     # only values no rule reads (off every path: masks, ids) can be left
     assert len(left) < len(computed) // 4, (len(left), len(computed))
-    assert not set(left) & engine.needed_nodes(graph, graph.output_node)
+    assert not set(left) & needed_nodes(graph, graph.output_node)
 
 
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
@@ -516,7 +518,8 @@ def test_keep_drops_unread_forward_values_without_changing_values(name):
     """With keep=, forward values no rule reads are dropped as the forward goes (the
     rules' ``reads``): every semiring's value at the kept places is the same as with
     every value kept, and the values held after the forward are fewer."""
-    from semiring_backprop import engine, forward, memory
+    from semiring_backprop.engine import forward, liveness
+    from semiring_backprop.engine.reverse import needed_nodes
     from test_branches import HF_SPECS
 
     spec = HF_SPECS[name]
@@ -531,7 +534,7 @@ def test_keep_drops_unread_forward_values_without_changing_values(name):
         _same(sr, res.value("inputs_embeds", sr), full.value("inputs_embeds", sr))
 
     graph = lean.graph((), kw)
-    drop = memory.unread_values(graph, engine.needed_nodes(graph, graph.output_node), res.kept)
+    drop = liveness.unread_values(graph, needed_nodes(graph, graph.output_node), res.kept)
     dropped = {n for nodes in drop.values() for n in nodes}
     assert dropped and not dropped & res.kept
     every, values = forward.run(graph, (), kw), forward.run(graph, (), kw, drop)
@@ -565,7 +568,8 @@ def test_keep_recomputes_cheap_values_instead_of_holding_them():
     (GELU's 0.5x, x/√2 and 1 + erf(x/√2)) are not held through the forward but
     recomputed in the reverse pass: every semiring's value is the same bit for bit, and
     one value per GELU is held where its rules read three or more."""
-    from semiring_backprop import engine, forward, memory
+    from semiring_backprop.engine import forward, liveness
+    from semiring_backprop.engine.reverse import needed_nodes
 
     torch.manual_seed(4)
     model = _GeluNet().to(F64).eval()
@@ -577,16 +581,16 @@ def test_keep_recomputes_cheap_values_instead_of_holding_them():
         _same(sr, lean.value(0, sr), full.value(0, sr))
 
     graph = lean.graph
-    needed = engine.needed_nodes(graph, graph.output_node)
-    plan = memory.plan(graph, needed, lean.kept)
+    needed = needed_nodes(graph, graph.output_node)
+    plan = liveness.plan(graph, needed, lean.kept)
     aten = torch.ops.aten
     targets = [n.target for n in plan.recomputed]
     assert aten.erf.default not in targets  # read by nothing: its rule reads its input
     # the erf GELU's 0.5x and x/√2, the tanh GELU's 0.5x (no rule reads its other muls)
     assert targets.count(aten.mul.Tensor) == 3 and aten.tanh.default in targets
-    values = forward.run(graph, (x,), {}, memory.unread_values(graph, needed, lean.kept))
+    values = forward.run(graph, (x,), {}, liveness.unread_values(graph, needed, lean.kept))
     for n in plan.recomputed:  # not held: stand-ins
-        assert _same_storage(values[n], memory.stand_in(values[n]))
+        assert _same_storage(values[n], liveness.stand_in(values[n]))
     held = [  # hidden-sized values holding memory after the forward
         n for n in graph.nodes if n.op == "call_function" and _held(values[n])
         and tuple(values[n].shape) == (4, 8)
@@ -595,6 +599,6 @@ def test_keep_recomputes_cheap_values_instead_of_holding_them():
 
 
 def _held(v):
-    from semiring_backprop import memory
+    from semiring_backprop.engine import liveness
 
-    return isinstance(v, torch.Tensor) and not _same_storage(v, memory.stand_in(v))
+    return isinstance(v, torch.Tensor) and not _same_storage(v, liveness.stand_in(v))

@@ -21,7 +21,7 @@ from torch import nn
 
 import oracles
 import semiring_backprop as sbp
-from semiring_backprop import checkpoints
+from semiring_backprop.engine import checkpoints
 from test_oracle import CASES, KEEP
 
 F64 = torch.float64

@@ -294,7 +294,7 @@ def test_a_pass_that_cannot_fit_is_refused_before_it_runs(monkeypatch):
     """The estimate is a lower bound of the pass's peak (the profiler's count), and a
     budget below it refuses the pass with the estimate and what uses less."""
     import semiring_backprop as sbp
-    from semiring_backprop import budget
+    from semiring_backprop.engine import budget
 
     torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),

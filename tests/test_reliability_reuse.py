@@ -195,12 +195,12 @@ def test_reuse_still_happens_on_an_unchanged_model():
 def test_stamps_hold_no_model_alive_and_see_a_recycled_object():
     """Identity is compared by (weak) reference, not by id: a new tensor at a freed
     tensor's address is a change."""
-    from semiring_backprop import trace_keys
+    from semiring_backprop.tracing import reuse
 
     model = _scaled()
-    before = trace_keys.stamp(model)
+    before = reuse.stamp(model)
     model.gain = model.gain.clone()
-    assert trace_keys.stamp(model) != before
+    assert reuse.stamp(model) != before
 
 
 # -- 2. backward hooks ----------------------------------------------------------------------

@@ -19,9 +19,10 @@ from torch import nn
 
 import semiring_backprop as sbp
 from semiring_backprop import cli
-from semiring_backprop import explain as explain_mod
 from semiring_backprop.errors import InputError, LoadError
-from semiring_backprop.explain import explain, semirings_for
+from semiring_backprop.hf import explain as explain_mod
+from semiring_backprop.hf import loading
+from semiring_backprop.hf.explain import explain, semirings_for
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -197,7 +198,7 @@ def test_only_the_end_tokens_the_tokenizer_added_are_dropped(root):
     tok = transformers.AutoTokenizer.from_pretrained(d)
     for text, want in [("the keys", ["<s>", "the", "keys"]),
                        ("the keys </s>", ["<s>", "the", "keys", "</s>"])]:  # fmt: skip
-        enc = explain_mod._drop_end_tokens(tok, text, tok(text, return_tensors="pt"))
+        enc = loading._drop_end_tokens(tok, text, tok(text, return_tensors="pt"))
         assert tok.convert_ids_to_tokens(enc["input_ids"][0].tolist()) == want
         assert enc["attention_mask"].shape == enc["input_ids"].shape
 

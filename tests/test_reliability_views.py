@@ -26,7 +26,7 @@ matplotlib.use("Agg")
 
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import cli, plots, views  # noqa: E402
-from semiring_backprop import explain as explain_mod  # noqa: E402
+from semiring_backprop.hf import explain as explain_mod  # noqa: E402
 from test_views import spans_of, strip_section  # noqa: E402
 from views_models import SIM_PAIR, SIM_TEXT, save_sentence_model  # noqa: E402
 

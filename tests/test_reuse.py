@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import semiring_backprop as sbp
-from semiring_backprop import api
+from semiring_backprop.backprop import _KEPT, _KEPT_PER_MODEL
 
 F64 = torch.float64
 TARGET = 1  # read by an output function as a global
@@ -160,7 +160,7 @@ def test_unkeyed_output_functions_are_traced_every_call():
 def test_traces_do_not_keep_the_model_alive():
     model, x = _net(), _x()
     _check(model, x, _pick(0))
-    assert model in api._KEPT
+    assert model in _KEPT
     ref = weakref.ref(model)
     del model
     gc.collect()
@@ -176,6 +176,6 @@ def test_clear_traces():
 
 def test_output_functions_per_model_are_bounded():
     model, x = _net(), _x()
-    for i in range(api._KEPT_PER_MODEL + 2):
+    for i in range(_KEPT_PER_MODEL + 2):
         _check(model, x, lambda y, i=i: y[0, i % 3] * (i + 1))
-    assert len(api._KEPT[model]) == api._KEPT_PER_MODEL
+    assert len(_KEPT[model]) == _KEPT_PER_MODEL

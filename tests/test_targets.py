@@ -28,12 +28,12 @@ matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
 from semiring_backprop import backprop, cli  # noqa: E402
-from semiring_backprop import explain as explain_mod  # noqa: E402
 from semiring_backprop.errors import InputError, LoadError  # noqa: E402
-from semiring_backprop.explain import explain  # noqa: E402
+from semiring_backprop.hf import explain as explain_mod  # noqa: E402
+from semiring_backprop.hf.explain import explain  # noqa: E402
+from semiring_backprop.hf.tasks import label_index, read_pooling  # noqa: E402
 from semiring_backprop.semirings import MaxProduct, Real  # noqa: E402
 from semiring_backprop.targets import ClassLabel, EmbeddingDim, Similarity  # noqa: E402
-from semiring_backprop.tasks import label_index, read_pooling  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")  # see conftest
 

@@ -27,9 +27,9 @@ pd = pytest.importorskip("pandas")
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import cli, views  # noqa: E402
 from semiring_backprop.analysis.paths import Path, Step  # noqa: E402
+from semiring_backprop.analysis.readouts import path_runs  # noqa: E402
 from semiring_backprop.errors import InputError  # noqa: E402
 from semiring_backprop.views.colors import DIVERGING, ROLES  # noqa: E402
-from semiring_backprop.analysis.readouts import path_runs  # noqa: E402
 from views_models import TEXT  # noqa: E402 (fixtures views_bert, views_ex: conftest)
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")

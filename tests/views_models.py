@@ -51,7 +51,7 @@ def views_run(views_bert, tmp_path_factory):
     import huggingface_hub.constants
 
     from semiring_backprop import cli
-    from semiring_backprop import explain as explain_mod
+    from semiring_backprop.hf import explain as explain_mod
 
     model, tok = views_bert
     d = tmp_path_factory.mktemp("views_model")

@@ -70,7 +70,7 @@ def backprop(
     ``Knobs.IDX``), the attributes its code names are compared too (torch's and other
     libraries' modules by identity). The model is traced again when anything its code
     reads changes, as [Backprop][semiring_backprop.Backprop] says
-    (``semiring_backprop.trace_keys`` lists it).
+    (``semiring_backprop.tracing.reuse`` lists it).
     [clear_traces][semiring_backprop.clear_traces] drops every kept trace.
 
     Examples:

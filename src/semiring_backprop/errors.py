@@ -70,7 +70,7 @@ class LoadError(InputError):
     transformers would initialize at random).
 
     Examples:
-        >>> from semiring_backprop.explain import explain
+        >>> from semiring_backprop.hf.explain import explain
         >>> try:
         ...     explain("./no-such-model", "the dog [MASK] on the table", "is", "are")
         ... except sbp.LoadError as e:

@@ -1,7 +1,7 @@
 """What is explained: the scalar a pass starts from, as small named objects.
 
 Each target is a callable of the model's output that returns one scalar, so it is used
-as ``output=`` directly, and ``semiring_backprop.explain.explain`` (the CLI's
+as ``output=`` directly, and ``semiring_backprop.hf.explain.explain`` (the CLI's
 ``--task``) builds the same objects from words, label names and texts:
 
 * ``WordChoice`` (``lm``): a sum of signed log-probabilities of vocabulary items at

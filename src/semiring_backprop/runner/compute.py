@@ -65,7 +65,7 @@ def prepare(ex: Example, tokenizer, config, kind: str) -> Item | str:
 
 
 def _stand_in(config):
-    """What :func:`~semiring_backprop.explain.encode` reads of a model, from its config
+    """What :func:`~semiring_backprop.hf.loading.encode` reads of a model, from its config
     (a process that only tokenizes, such as a Ray driver, loads no weights)."""
     table = types.SimpleNamespace(num_embeddings=getattr(config, "vocab_size", None))
     return types.SimpleNamespace(config=config, device=torch.device("cpu"),

@@ -276,11 +276,11 @@ def _has_shares(semiring: str) -> bool:
 
 
 def explanation(ex, quantity: str | None = None) -> View:
-    """The report of ``semiring_backprop.explain.explain``: what was explained,
+    """The report of ``semiring_backprop.hf.explain.explain``: what was explained,
     per-token strips, the top path, the branch heatmap.
 
     Examples:
-        >>> from semiring_backprop.explain import explain
+        >>> from semiring_backprop.hf.explain import explain
         >>> ex = explain(model, "the keys to the cabinet [MASK] on the table", "are", "is",
         ...              tokenizer=tok)
         >>> print(sbp.views.explanation(ex, "top_path"))
