@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import semiring_backprop as sbp
-from semiring_backprop.backprop import _KEPT, _KEPT_PER_MODEL
+from semiring_backprop._backprop import _KEPT, _KEPT_PER_MODEL
 
 F64 = torch.float64
 TARGET = 1  # read by an output function as a global

@@ -14,9 +14,9 @@ Examples:
 """
 
 from . import views
+from ._backprop import Backprop, backprop, clear_traces
 from ._threads import threads
 from .analysis import Path, Step
-from .backprop import Backprop, backprop, clear_traces
 from .errors import (
     ForwardError,
     InputError,

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from .backprop import backprop
+from ._backprop import backprop
 from .errors import InputError
 from .semirings import MaxProduct, Real
 from .semirings.base import Semiring

@@ -6,8 +6,8 @@ import math
 
 import torch
 
+from ._backprop import backprop
 from ._threads import threads
-from .backprop import backprop
 from .semirings import Entropy, MaxProduct, PathCount, Real, TopK
 
 

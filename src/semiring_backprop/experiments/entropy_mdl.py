@@ -66,8 +66,8 @@ from pathlib import Path
 
 import torch
 
+from .._backprop import Backprop
 from .._threads import threads
-from ..backprop import Backprop
 from ..errors import InputError
 from ..runner.records import Records, same_settings, write_json
 from ..semirings import Entropy

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .._backprop import Backprop
 from .._threads import threads
-from ..backprop import Backprop
 from ..errors import InputError
 from ..runner.records import Records, lock, same_settings, write_json
 from ..semirings import MaxProduct

@@ -25,8 +25,8 @@ from pathlib import Path as FilePath
 
 import torch
 
+from .._backprop import backprop
 from .._files import json_safe
-from ..backprop import backprop
 from ..errors import InputError
 from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
 from .loading import Kept, check_device, lm_kind, load

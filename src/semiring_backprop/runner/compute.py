@@ -134,7 +134,7 @@ class Explainer:
 
     def __init__(self, model, tokenizer, semirings: list, top_path: bool = False,
                  pairs: bool = True, aggregation=("oplus",), paper: bool = False):  # fmt: skip
-        from ..backprop import Backprop
+        from .._backprop import Backprop
 
         self.model, self.tokenizer = model.eval(), tokenizer
         self.aggregation = tuple(aggregation)
