@@ -1,4 +1,5 @@
-"""What the views show, read from a result, a path or a table (no pass is run here)."""
+"""What the views show, computed from a result, a path or a table (no pass is run here;
+:mod:`semiring_backprop.views` only draws it)."""
 
 from __future__ import annotations
 
