@@ -385,3 +385,60 @@ def all_semirings() -> list:
         sbp.Real(), sbp.MaxProduct(), sbp.MaxProduct("tensor"), sbp.MaxAbs(), sbp.LogAbs(),
         sbp.Entropy(), sbp.PathCount(), sbp.TopK(3),
     ]  # fmt: skip
+
+
+# -- paths from the sources (the forward pass) ------------------------------------------
+
+
+def sources(result) -> list:
+    """Nodes that carry values and read none that do: where every path starts."""
+    graph, values = result.graph, result.values
+    if result not in _CARRIED:
+        _CARRIED[result] = _live_nodes(graph) & _reaches(graph, graph.output_node)
+    carried = _CARRIED[result]
+    return [
+        n
+        for n in graph.nodes
+        if n in carried and _is_float(values.get(n)) and not carried_slots(result, n)
+    ]
+
+
+def prefixes(result, dag: ScalarDag, seeds: dict) -> dict:
+    """``{node: [np.ndarray per flat element]}``: the product of every path from a seeded
+    source element to that element, times the seed (``seeds``: ``{node: flat array}``)."""
+    into: dict = {}  # node -> [(src, mask, w)]
+    for src, outs in dag.consumers.items():
+        for dst, _, mask, w in outs:
+            into.setdefault(dst, []).append((src, mask, w))
+    out: dict = {}
+    for node in result.graph.nodes:
+        if node not in seeds and node not in into:
+            continue
+        n = result.values[node].numel()
+        elems = []
+        for o in range(n):
+            parts = [np.asarray(seeds[node][o : o + 1], dtype=np.float64)] if node in seeds else []
+            for src, mask, w in into.get(node, []):
+                if src not in out:
+                    continue
+                for i in np.nonzero(mask[o])[0]:
+                    parts.append(w[o, i] * out[src][i])
+            elems.append(np.concatenate(parts) if parts else np.zeros(0))
+        out[node] = elems
+    return out
+
+
+def through(prefix: list, dag: ScalarDag, node) -> list:
+    """Per flat element of ``node``: every whole path's product through it (its
+    prefixes times its suffixes)."""
+    return [
+        np.outer(p, np.array([s for s, _ in dag.suffixes(node, o)])).reshape(-1)
+        for o, p in enumerate(prefix)
+    ]
+
+
+def stats(products: list, shape, k: int) -> dict:
+    """Each semiring's readout of lists of path products, as arrays of ``shape``."""
+    per = [_stats(np.asarray(p, dtype=np.float64), k) for p in products]
+    return {key: np.stack([d[key] for d in per]).reshape((*shape, *np.shape(per[0][key])))
+            for key in per[0]}  # fmt: skip

@@ -32,7 +32,7 @@ from .errors import (
 )
 from .graph import Graph
 from .result import Result
-from .rules import register, supported_ops
+from .rules import register, register_forward, supported_ops
 from .runner import load_results, run
 from .semirings import (
     Entropy,
@@ -81,6 +81,7 @@ __all__ = [
     "clear_traces",
     "load_results",
     "register",
+    "register_forward",
     "run",
     "supported_ops",
     "threads",

@@ -163,6 +163,68 @@ class Result:
             self._needed = needed_nodes(self.graph, self.graph.output_node)
         return self._needed
 
+    # -- circuits: the forward pass and max-marginals --------------------------------
+    def alpha(self, where, semiring: Semiring, seed="structural", baseline=None):
+        """The forward semiring pass's readout at ``where``: ⊕ over the paths from the
+        sources (where this pass's paths end: float inputs, looked-up embeddings) to it.
+
+        ``seed``: ``"structural"`` (each path counts as its edges alone), ``"x"`` (each
+        path also times the source element it starts from), or ``{place: tensor}`` (only
+        those places start paths); ``baseline={place: x'}`` with ``seed="x"`` seeds
+        those places with ``x - x'``. Any semiring, computed once per seed and kept.
+
+        Examples:
+            Under Real with the input as seed, alpha is the forward-mode derivative in
+            the direction x (``torch.func.jvp(mlp, (x,), (x,))``): at the output, the
+            sum over paths of their products times the input they start from:
+
+            >>> a = mlp_res.alpha("2", sbp.Real(), seed="x")     # at the MLP's output
+            >>> torch.allclose(a[0, 1], (paths * x[0]).sum())
+            True
+        """
+        from .analysis import marginals
+
+        self._require_all("alpha")
+        _check_semiring(semiring)
+        node = self.node(where)
+        return semiring.finalize(marginals.alpha_at(self, node, semiring, seed, baseline))
+
+    def marginal(self, where, semiring: Semiring, seed="structural", baseline=None, into=None):
+        """The ⊕ over the whole paths (source to output) through each element of
+        ``where``: ``alpha ⊗ D``. Under MaxProduct the best path through it (hi and lo
+        combined by sign), under Real the total flow through it, under Entropy the
+        entropy of the paths through it, under TopK the k heaviest. With ``into`` (an
+        op reading ``where``), only the paths that go from ``where`` straight into
+        ``into`` (the edges between them), per element of ``where``. ``seed`` and
+        ``baseline`` as for [alpha][semiring_backprop.Result.alpha].
+
+        Examples:
+            The best path through each hidden unit of the MLP (after its tanh):
+
+            >>> best = mlp_res.marginal("1", sbp.MaxProduct())
+            >>> torch.allclose(best.hi[0], paths.amax(1)), torch.allclose(best.lo[0], paths.amin(1))
+            (True, True)
+        """
+        from .analysis import marginals
+
+        self._require_all("marginal")
+        node = self.node(where)
+        if into is not None:
+            self.value(into, semiring)  # (checks ``semiring`` and that D is there)
+            value = marginals.edge_marginal(self, node, self.node(into), semiring, seed, baseline)
+            return semiring.finalize(value)
+        group = [n for n in self.graph.aliases.get(node, (node,)) if n in self._store]
+        if not group and node in self.needed:  # no path from it reaches the output
+            like = self.values[node]
+            return semiring.finalize(semiring.zero(like.shape, like))
+        self.value(where, semiring)  # (checks ``semiring``)
+        k = self.semirings.index(semiring)
+        pairs = [
+            (marginals.alpha_at(self, n, semiring, seed, baseline), self._store[n][k])
+            for n in group
+        ]
+        return semiring.finalize(marginals.node_marginal(semiring, pairs))
+
     # -- analysis -----------------------------------------------------------------
     def top_path(self, source, semiring: Semiring | None = None, sign: str = "+"):
         """The heaviest path from ``source`` to the output, as a
@@ -496,3 +558,10 @@ def resolve_keep(g, places) -> frozenset:
         else:
             nodes.add(find_node(g, where))
     return frozenset(m for n in nodes for m in g.aliases.get(n, (n,)))
+
+
+def _check_semiring(semiring) -> None:
+    if not isinstance(semiring, Semiring):
+        raise InputError(
+            f"semiring must be a Semiring instance such as Real() or MaxProduct(), got {semiring!r}"
+        )

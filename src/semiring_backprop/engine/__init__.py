@@ -2,6 +2,7 @@
 
 - :mod:`.forward`: the forward values the rules read;
 - :mod:`.reverse`: the reverse pass (Algorithm 2 of the paper): D(v) for every node;
+- :mod:`.alpha`: the forward semiring pass (alpha(v), for max-marginals and circuits);
 - :mod:`.liveness`: which values and partial sums each step still needs;
 - :mod:`.budget`: refuse a pass that cannot fit in memory, before it starts;
 - :mod:`.checkpoints`: the default pass, holding partial sums only at cuts;

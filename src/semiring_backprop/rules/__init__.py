@@ -9,6 +9,28 @@ from . import (  # noqa: F401
     routing,
     window,
 )
-from .registry import Op, Prepared, Rule, lookup, register, registered, supported_ops
+from .registry import (
+    Op,
+    Prepared,
+    Rule,
+    lookup,
+    lookup_forward,
+    register,
+    register_forward,
+    registered,
+    supported_ops,
+    without_forward,
+)
 
-__all__ = ["Op", "Prepared", "Rule", "lookup", "register", "registered", "supported_ops"]
+__all__ = [
+    "Op",
+    "Prepared",
+    "Rule",
+    "lookup",
+    "lookup_forward",
+    "register",
+    "register_forward",
+    "registered",
+    "supported_ops",
+    "without_forward",
+]

@@ -2,7 +2,8 @@
 
 For ``c = a @ b``: ``D(a) = D(c) ⊗ bᵀ`` and ``D(b) = (D(c)ᵀ ⊗ a)ᵀ``, where
 ``sr.matmul(x, w)[i, k] = ⊕_j x[i, j] ⊗ lift(w[j, k])``. Every (i, k, j) is an edge,
-whatever the weight's value (dense).
+whatever the weight's value (dense). The forward rules multiply on the other side:
+``alpha(c) = alpha(a) ⊗ b ⊕ (alpha(b)ᵀ ⊗ aᵀ)ᵀ``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 
 from ..errors import UnsupportedOpError
 from ..semirings.base import Dense, fmap, fmap2
-from .registry import reads_each_for_the_other, register
-from .shapes import unbroadcast
+from .registry import reads_each_for_the_other, register, register_forward
+from .shapes import broadcast, oplus, unbroadcast
 
 aten = torch.ops.aten
 
@@ -88,9 +89,25 @@ def _matmul_grads(sr, g, op, a, b, i_a, i_b, scale=1):
     return da, db
 
 
+def _matmul_forward(sr, alpha_a, alpha_b, a, b, scale=1):
+    """The two slots' parts of ``alpha(a @ b)`` (None where no path reaches a slot)."""
+    da = db = None
+    if alpha_a is not None:
+        da = sr.matmul(alpha_a, b if scale == 1 else b * scale)
+    if alpha_b is not None:
+        at = (a if scale == 1 else a * scale).transpose(-2, -1)
+        db = _mT(sr.matmul(_mT(alpha_b), at))
+    return [da, db]
+
+
 @register([aten.mm.default, aten.bmm.default], "contraction", reads=reads_each_for_the_other(0, 1))
 def _mm(sr, g, op, a, b):
     return list(_matmul_grads(sr, g, op, a, b, 0, 1))
+
+
+@register_forward([aten.mm.default, aten.bmm.default])
+def _mm_forward(sr, alphas, op, a, b):
+    return oplus(sr, _matmul_forward(sr, alphas[0], alphas[1], a, b))
 
 
 @register(
@@ -103,6 +120,15 @@ def _addmm(sr, g, op, bias, a, b, *, beta=1, alpha=1):
         scaled = g if beta == 1 else sr.times(g, torch.full_like(op.out, beta))
         dbias = unbroadcast(sr, scaled, bias.shape)
     return [dbias, da, db]
+
+
+@register_forward([aten.addmm.default, aten.baddbmm.default])
+def _addmm_forward(sr, alphas, op, bias, a, b, *, beta=1, alpha=1):
+    parts = _matmul_forward(sr, alphas[1], alphas[2], a, b, alpha)
+    if isinstance(bias, torch.Tensor) and alphas[0] is not None:
+        spread = broadcast(alphas[0], op.out.shape)
+        parts.append(spread if beta == 1 else sr.times(spread, torch.full_like(op.out, beta)))
+    return oplus(sr, parts)
 
 
 @register(

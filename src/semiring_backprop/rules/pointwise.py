@@ -11,8 +11,15 @@ import warnings
 
 import torch
 
-from .registry import fallback, reads_each_for_the_other, reads_nothing, register
-from .shapes import unbroadcast
+from .registry import (
+    fallback,
+    fallback_forward,
+    reads_each_for_the_other,
+    reads_nothing,
+    register,
+    register_forward,
+)
+from .shapes import broadcast, oplus, unbroadcast
 
 aten = torch.ops.aten
 
@@ -37,24 +44,53 @@ def _float_tensor(a) -> bool:
     return isinstance(a, torch.Tensor) and a.is_floating_point()
 
 
+def _slot_fn(derivs, i):
+    return derivs(i) if callable(derivs) else (derivs[i] if i < len(derivs) else None)
+
+
+def _slot_derivative(op, d_fn, i, args, kwargs):
+    """Slot ``i``'s local derivative, computed once per node (shared by every semiring
+    and by both directions)."""
+    return op.cached(("d", i), lambda: _derivative(d_fn(op, *args, **kwargs), op.out))
+
+
+def _times(sr, value, d):
+    return sr.scale(value, d) if isinstance(d, float) else sr.times(value, d)
+
+
 def _pointwise_rule(derivs):
     """Build a rule from one derivative function per argument slot (None: no edge)."""
 
     def rule(sr, g, op, *args, **kwargs):
         out = []
         for i, a in enumerate(args):
-            d_fn = derivs(i) if callable(derivs) else (derivs[i] if i < len(derivs) else None)
+            d_fn = _slot_fn(derivs, i)
             if d_fn is None or not _float_tensor(a) or not op.needs(i):
                 out.append(None)
                 continue
-            d = op.cached(
-                ("d", i), lambda d_fn=d_fn: _derivative(d_fn(op, *args, **kwargs), op.out)
-            )
-            c = sr.scale(g, d) if isinstance(d, float) else sr.times(g, d)
-            out.append(unbroadcast(sr, c, a.shape))
+            d = _slot_derivative(op, d_fn, i, args, kwargs)
+            out.append(unbroadcast(sr, _times(sr, g, d), a.shape))
         return out
 
     return rule
+
+
+def _pointwise_forward(derivs):
+    """The transpose of :func:`_pointwise_rule`: each slot's value copied along the
+    broadcast dims, ⊗ its derivative, ⊕ over the slots."""
+
+    def forward(sr, alphas, op, *args, **kwargs):
+        parts = []
+        for i, a in enumerate(args):
+            d_fn = _slot_fn(derivs, i)
+            alpha = alphas[i] if i < len(alphas) else None
+            if d_fn is None or alpha is None or not _float_tensor(a):
+                continue
+            d = _slot_derivative(op, d_fn, i, args, kwargs)
+            parts.append(_times(sr, broadcast(alpha, op.out.shape), d))
+        return oplus(sr, parts)
+
+    return forward
 
 
 def _derivative(d, like):
@@ -67,16 +103,25 @@ def _derivative(d, like):
 @fallback  # the registry's rule for pointwise-tagged ops without one of their own
 def generic_pointwise(sr, g, op, *args, **kwargs):
     """Fallback for any pointwise op: derivatives by torch.func.jvp, one slot at a time."""
-    target = op.node.target
-    return _pointwise_rule(lambda i: lambda op, *a, **k: _jvp_derivative(target, a, k, i))(
-        sr, g, op, *args, **kwargs
-    )
+    return _pointwise_rule(_jvp_slots(op.node.target))(sr, g, op, *args, **kwargs)
+
+
+@fallback_forward
+def generic_pointwise_forward(sr, a, op, *args, **kwargs):
+    """The forward rule of :func:`generic_pointwise`."""
+    return _pointwise_forward(_jvp_slots(op.node.target))(sr, a, op, *args, **kwargs)
+
+
+def _jvp_slots(target):
+    return lambda i: lambda op, *a, **k: _jvp_derivative(target, a, k, i)
 
 
 def pointwise(ops, *derivs, reads=None):
     """Register a pointwise op by its per-slot derivative formulas (JAX's ``defjvp``);
-    ``reads`` as for ``register`` (constant derivatives read nothing)."""
+    ``reads`` as for ``register`` (constant derivatives read nothing). Its forward rule
+    comes from the same formulas."""
     register(ops, "pointwise", reads)(_pointwise_rule(derivs))
+    register_forward(ops)(_pointwise_forward(derivs))
 
 
 def _alpha(kw):

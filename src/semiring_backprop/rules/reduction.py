@@ -1,5 +1,8 @@
 """Reductions: sum (weight 1), mean (1/n), amax/amin (edges to the selected elements),
-vector norms (one edge per element, weight ∂‖x‖/∂xᵢ as autograd has it)."""
+vector norms (one edge per element, weight ∂‖x‖/∂xᵢ as autograd has it).
+
+The reverse rules copy the output's value back over the reduced dims; the forward rules
+⊗ each element by its edge weight and ⊕-reduce over them."""
 
 from __future__ import annotations
 
@@ -8,7 +11,7 @@ import math
 import torch
 
 from ..semirings.base import fmap, normal_dims
-from .registry import reads_nothing, register
+from .registry import reads_nothing, register, register_forward
 
 aten = torch.ops.aten
 
@@ -34,6 +37,18 @@ def _sum(sr, g, op, x, dims=None, keepdim=False, **kwargs):
     return [_spread(g, x, _reduced_dims(x, dims), keepdim)]
 
 
+@register_forward([aten.sum.dim_IntList, aten.sum.default])
+def _sum_forward(sr, a, op, x, dims=None, keepdim=False, **kwargs):
+    return _reduce(sr, a[0], x, _reduced_dims(x, dims), keepdim)
+
+
+def _reduce(sr, value, x, dims, keepdim):
+    """⊕ of ``value`` (of ``x``'s shape) over ``dims``; None stays None."""
+    if value is None:
+        return None
+    return sr.sum(value, dims, keepdim=keepdim) if dims else value
+
+
 @register([aten.mean.dim, aten.mean.default], "reduction", reads=reads_nothing)
 def _mean(sr, g, op, x, dims=None, keepdim=False, **kwargs):
     dims = _reduced_dims(x, dims)
@@ -41,9 +56,18 @@ def _mean(sr, g, op, x, dims=None, keepdim=False, **kwargs):
     return [sr.scale(_spread(g, x, dims, keepdim), 1.0 / n)]
 
 
-def _select_extreme(sr, g, op, x, dims, keepdim):
-    """Edges to the selected elements only; ties share the weight, as autograd does."""
+@register_forward([aten.mean.dim, aten.mean.default])
+def _mean_forward(sr, a, op, x, dims=None, keepdim=False, **kwargs):
     dims = _reduced_dims(x, dims)
+    if a[0] is None:
+        return None
+    n = math.prod(x.shape[d] for d in dims)
+    return sr.scale(_reduce(sr, a[0], x, dims, keepdim), 1.0 / n)
+
+
+def _extreme_edges(op, x, dims, keepdim):
+    """Where the selected elements are, and their weights: ties share the weight, as
+    autograd does."""
     out = (
         op.out
         if keepdim
@@ -51,10 +75,28 @@ def _select_extreme(sr, g, op, x, dims, keepdim):
     )
     hit = x == out
     count = hit.sum(dims, keepdim=True)
-    w = hit.to(x.dtype) / count
-    spread = sr.times(_spread(g, x, dims, keepdim), w)
-    zero = sr.zero(x.shape, x)
-    return [tuple(torch.where(hit, s, z) for s, z in zip(spread, zero))]
+    return hit, hit.to(x.dtype) / count
+
+
+def _only(sr, value, hit, like):
+    """``value`` where ``hit`` holds, the zero elsewhere (no edge there)."""
+    zero = sr.zero(like.shape, like)
+    return tuple(torch.where(hit, s, z) for s, z in zip(value, zero))
+
+
+def _select_extreme(sr, g, op, x, dims, keepdim):
+    """Edges to the selected elements only."""
+    dims = _reduced_dims(x, dims)
+    hit, w = _extreme_edges(op, x, dims, keepdim)
+    return [_only(sr, sr.times(_spread(g, x, dims, keepdim), w), hit, x)]
+
+
+def _select_extreme_forward(sr, a, op, x, dims, keepdim):
+    if a is None:
+        return None
+    dims = _reduced_dims(x, dims)
+    hit, w = _extreme_edges(op, x, dims, keepdim)
+    return _reduce(sr, _only(sr, sr.times(a, w), hit, x), x, dims, keepdim)
 
 
 @register([aten.amax.default, aten.amin.default], "reduction")
@@ -62,9 +104,19 @@ def _amax(sr, g, op, x, dims=(), keepdim=False):
     return _select_extreme(sr, g, op, x, dims, keepdim)
 
 
+@register_forward([aten.amax.default, aten.amin.default])
+def _amax_forward(sr, a, op, x, dims=(), keepdim=False):
+    return _select_extreme_forward(sr, a[0], op, x, dims, keepdim)
+
+
 @register([aten.max.default, aten.min.default], "reduction")
 def _max_all(sr, g, op, x):
     return _select_extreme(sr, g, op, x, None, False)
+
+
+@register_forward([aten.max.default, aten.min.default])
+def _max_all_forward(sr, a, op, x):
+    return _select_extreme_forward(sr, a[0], op, x, None, False)
 
 
 @register(aten.linalg_vector_norm.default, "reduction")
@@ -79,22 +131,37 @@ def _vector_norm(sr, g, op, x, ord=2, dim=None, keepdim=False, *, dtype=None):
         return [None]
     dims = _reduced_dims(x, dim)
     x = x.to(op.out.dtype)
+    hit, w = _norm_edges(op, x, ord, dims, keepdim)
+    spread = sr.times(_spread(g, x, dims, keepdim), w)
+    return [spread if hit is None else _only(sr, spread, hit, x)]
+
+
+def _norm_edges(op, x, ord, dims, keepdim):
+    """(where the edges are, None: everywhere; their weights)."""
     norm = (
         op.out
         if keepdim
         else op.out.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
     )
-    spread = _spread(g, x, dims, keepdim)
     if math.isinf(ord):
         hit = x.abs() == norm
-        w = torch.sign(x) * hit / hit.sum(dims, keepdim=True)
-        zero = sr.zero(x.shape, x)
-        return [tuple(torch.where(hit, s, z) for s, z in zip(sr.times(spread, w), zero))]
+        return hit, torch.sign(x) * hit / hit.sum(dims, keepdim=True)
     if ord == 1:
         w = torch.sign(x)
     elif ord == 2:
         w = x / norm
     else:
         w = torch.sign(x) * x.abs().pow(ord - 1) / norm.pow(ord - 1)
-    w = torch.where(norm == 0, 0.0, w) if ord != 1 else w
-    return [sr.times(spread, w)]
+    return None, (torch.where(norm == 0, 0.0, w) if ord != 1 else w)
+
+
+@register_forward(aten.linalg_vector_norm.default)
+def _vector_norm_forward(sr, a, op, x, ord=2, dim=None, keepdim=False, *, dtype=None):
+    ord = float(ord)
+    if ord == 0 or a[0] is None:
+        return None
+    dims = _reduced_dims(x, dim)
+    x = x.to(op.out.dtype)
+    hit, w = _norm_edges(op, x, ord, dims, keepdim)
+    weighted = sr.times(a[0], w)
+    return _reduce(sr, weighted if hit is None else _only(sr, weighted, hit, x), x, dims, keepdim)

@@ -4,6 +4,14 @@ A rule has the signature ``rule(sr, g, op, *args, **kwargs) -> per-argument valu
 ``g`` is the semiring value at the op's output, ``args``/``kwargs`` the op's forward
 arguments, and the return value mirrors ``args`` (a value for each tensor argument that
 carries edges, ``None`` for the others, a list for a list argument).
+
+Its transpose, the forward rule (the forward semiring pass, :mod:`..engine.alpha`), is
+``forward(sr, a, op, *args, **kwargs) -> the value at the output (None: no path)``,
+where ``a`` mirrors ``args`` the same way: the semiring value at each tensor argument
+that paths reach, ``None`` elsewhere. For every edge ``x[i] -> out[j]`` of weight ``w``
+the reverse rule sends ``g[j] ⊗ w`` to ``x[i]``, the forward rule ``a[i] ⊗ w`` to
+``out[j]``. Forward rules live in a second table, keyed the same way
+(:func:`register_forward`).
 """
 
 from __future__ import annotations
@@ -108,8 +116,54 @@ def register(ops, kind: str, reads: Callable | None = None):
     return deco
 
 
+_FORWARD: dict[object, Callable] = {}
+
+
+def register_forward(ops):
+    """Register ``fn`` as the forward rule (the transpose) of ``ops``, named as for
+    :func:`register`: ``fn(sr, a, op, *args, **kwargs)`` returns the semiring value at
+    the op's output, ``⊕`` over the argument slots and input elements of
+    ``a[slot][i] ⊗ w(i -> out element)`` (``a`` mirrors ``args``: the value at each
+    argument that paths reach, ``None`` elsewhere), or ``None`` where no path arrives.
+    Each overload has one forward rule.
+
+    Examples:
+        >>> @torch.library.custom_op("apidoc::triple_fwd", mutates_args=())
+        ... def triple_fwd(v: torch.Tensor) -> torch.Tensor:
+        ...     return 3 * v
+        >>> @triple_fwd.register_fake
+        ... def _(v):
+        ...     return torch.empty_like(v)
+        >>> @sbp.register(torch.ops.apidoc.triple_fwd.default, "pointwise")
+        ... def triple_rule(sr, g, op, v):
+        ...     return [sr.scale(g, 3.0)]
+        >>> @sbp.register_forward(torch.ops.apidoc.triple_fwd.default)
+        ... def triple_forward(sr, a, op, v):
+        ...     return None if a[0] is None else sr.scale(a[0], 3.0)
+        >>> r = sbp.backprop(lambda v: triple_fwd(v).sum(), (x,))
+        >>> r.alpha(r.graph.output_node, sbp.Real(), seed="x") == 3 * x.sum()
+        tensor(True)
+    """
+
+    def deco(fn):
+        overloads = list(_overloads(ops))
+        for op in overloads:  # all or nothing, as for register
+            if op in _FORWARD:
+                old = _FORWARD[op]
+                raise SemiringBackpropError(
+                    f"a forward rule for {op} is already registered "
+                    f"({getattr(old, '__qualname__', old)}); each overload has one"
+                )
+        for op in overloads:
+            _FORWARD[op] = fn
+        return fn
+
+    return deco
+
+
 #: the rule of pointwise-tagged ops that have none registered (see :func:`fallback`)
 _pointwise_fallback = None
+_pointwise_fallback_forward = None
 
 
 def fallback(fn):
@@ -119,6 +173,31 @@ def fallback(fn):
     global _pointwise_fallback
     _pointwise_fallback = fn
     return fn
+
+
+def fallback_forward(fn):
+    """The forward rule of the ops :func:`fallback`'s rule serves."""
+    global _pointwise_fallback_forward
+    _pointwise_fallback_forward = fn
+    return fn
+
+
+def lookup_forward(target) -> Callable | None:
+    """The registered forward rule, else the generic pointwise one for pointwise-tagged
+    ops with no rule of their own (a registered reverse rule without a forward rule has
+    none: the generic one might not be its transpose)."""
+    fn = _FORWARD.get(target)
+    if fn is None and isinstance(target, torch._ops.OpOverload):
+        fn = _FORWARD.get(str(target))
+        registered_rule = target in _RULES or str(target) in _RULES
+        if fn is None and not registered_rule and torch.Tag.pointwise in target.tags:
+            return _pointwise_fallback_forward
+    return fn
+
+
+def without_forward() -> list[str]:
+    """Registered overloads that have a reverse rule but no forward rule yet."""
+    return sorted(str(op) for op in _RULES if op not in _FORWARD)
 
 
 def lookup(target) -> Rule | None:

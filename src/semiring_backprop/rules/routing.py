@@ -5,6 +5,9 @@ rule: the op is run once on integer tensors holding the flat index of each input
 element, which yields, for every output element, the input element it was copied from
 (-1 for none); the backward pass ⊕-scatters along that map, so an element read at
 several places ⊕-accumulates (never overwrites).
+
+Forward rules (the transpose) move the value the way the op moves data: every output
+element has at most one source, so they gather (the zero where there is none).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import torch
 
 from ..semirings.base import fmap, fmap2
 from ..tracing import ops as _ops  # noqa: F401  (defines the mark op)
-from .registry import reads_nothing, register
-from .shapes import unbroadcast
+from .registry import reads_nothing, register, register_forward
+from .shapes import broadcast, unbroadcast
 
 aten = torch.ops.aten
 
@@ -23,25 +26,32 @@ def reshape_back(sr, g, op, x, *args, **kwargs):
     return [fmap(lambda f: f.reshape(x.shape), g)]
 
 
-register(
-    [
-        aten.view.default,
-        aten._unsafe_view.default,
-        aten.reshape.default,
-        aten.unsqueeze.default,
-        aten.squeeze.default,
-        aten.squeeze.dim,
-        aten.squeeze.dims,
-        aten.alias.default,
-        aten.clone.default,
-        aten.lift_fresh_copy.default,
-        aten.contiguous.default,
-        aten.flatten.using_ints,
-        torch.ops.semiring_backprop.mark.default,
-    ],
-    "routing",
-    reads=reads_nothing,
-)(reshape_back)
+RESHAPES = [
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.alias.default,
+    aten.clone.default,
+    aten.lift_fresh_copy.default,
+    aten.contiguous.default,
+    aten.flatten.using_ints,
+    torch.ops.semiring_backprop.mark.default,
+]
+register(RESHAPES, "routing", reads=reads_nothing)(reshape_back)
+
+
+@register_forward(RESHAPES)
+def reshape_forward(sr, a, op, x, *args, **kwargs):
+    return _moved(a[0], lambda f: f.reshape(op.out.shape))
+
+
+def _moved(value, fn):
+    """``fmap(fn, value)``; None stays None (no path)."""
+    return None if value is None else fmap(fn, value)
 
 
 @register([aten._to_copy.default, aten.to.dtype], "routing", reads=reads_nothing)
@@ -49,6 +59,12 @@ def _to_copy(sr, g, op, x, *args, **kwargs):
     if not x.is_floating_point():
         return [None]  # int -> float (ids, masks): no edges
     return [fmap(lambda f: f.to(x.dtype) if f.is_floating_point() else f, g)]
+
+
+@register_forward([aten._to_copy.default, aten.to.dtype])
+def _to_copy_forward(sr, a, op, x, *args, **kwargs):
+    dtype = op.out.dtype
+    return _moved(a[0], lambda f: f.to(dtype) if f.is_floating_point() else f)
 
 
 @register(aten.copy.default, "routing", reads=reads_nothing)
@@ -61,6 +77,15 @@ def _copy(sr, g, op, dst, src, non_blocking=False):
     return [None, fmap(lambda f: f.to(src.dtype) if f.is_floating_point() else f, d)]
 
 
+@register_forward(aten.copy.default)
+def _copy_forward(sr, a, op, dst, src, non_blocking=False):
+    if a[1] is None:
+        return None
+    dtype = op.out.dtype
+    moved = fmap(lambda f: f.to(dtype) if f.is_floating_point() else f, a[1])
+    return broadcast(moved, op.out.shape)
+
+
 @register(aten.permute.default, "routing", reads=reads_nothing)
 def _permute(sr, g, op, x, dims):
     inv = [0] * len(dims)
@@ -69,14 +94,34 @@ def _permute(sr, g, op, x, dims):
     return [fmap(lambda f: f.permute(inv), g)]
 
 
+@register_forward(aten.permute.default)
+def _permute_forward(sr, a, op, x, dims):
+    return _moved(a[0], lambda f: f.permute(dims))
+
+
 @register([aten.transpose.int, aten.t.default], "routing", reads=reads_nothing)
 def _transpose(sr, g, op, x, d0=0, d1=1):
     return [fmap(lambda f: f.transpose(d0, d1), g)]
 
 
+@register_forward(aten.transpose.int)
+def _transpose_forward(sr, a, op, x, d0, d1):
+    return _moved(a[0], lambda f: f.transpose(d0, d1))
+
+
+@register_forward(aten.t.default)
+def _t_forward(sr, a, op, x):
+    return _moved(a[0], lambda f: f.t())
+
+
 @register(aten.expand.default, "routing", reads=reads_nothing)
 def _expand(sr, g, op, x, size, **kwargs):
     return [unbroadcast(sr, g, x.shape)]
+
+
+@register_forward(aten.expand.default)
+def _expand_forward(sr, a, op, x, size, **kwargs):
+    return None if a[0] is None else broadcast(a[0], op.out.shape)
 
 
 def _put(z, part, scatter):
@@ -112,6 +157,11 @@ def _slice(sr, g, op, x, dim=0, start=None, end=None, step=1):
     return [fmap2(put, z, g)]
 
 
+@register_forward(aten.slice.Tensor)
+def _slice_forward(sr, a, op, x, dim=0, start=None, end=None, step=1):
+    return _moved(a[0], lambda f: aten.slice(f, dim, start, end, step))
+
+
 @register(aten.select.int, "routing", reads=reads_nothing)
 def _select(sr, g, op, x, dim, index):
     dim = dim % x.dim()  # fields may have trailing dims of their own (TopK's k)
@@ -124,6 +174,11 @@ def _select(sr, g, op, x, dim, index):
         lambda zf, gf: torch.select_scatter(zf, gf, dim, index),
     )
     return [fmap2(put, z, g)]
+
+
+@register_forward(aten.select.int)
+def _select_forward(sr, a, op, x, dim, index):
+    return _moved(a[0], lambda f: f.select(dim, index))
 
 
 @register(aten.cat.default, "routing", reads=reads_nothing)
@@ -139,6 +194,19 @@ def _cat(sr, g, op, tensors, dim=0):
         else:
             out.append(tuple(p[i] for p in parts))
     return [out]
+
+
+@register_forward(aten.cat.default)
+def _cat_forward(sr, a, op, tensors, dim=0):
+    if all(v is None for v in a[0]):
+        return None
+    dim = dim % op.out.dim()
+    parts = [
+        v if v is not None else sr.zero(t.shape, op.out)
+        for t, v in zip(tensors, a[0])
+        if not (t.dim() == 1 and t.numel() == 0)  # skipped by cat
+    ]
+    return tuple(torch.cat(fs, dim) for fs in zip(*parts))
 
 
 # -- generic routing through a source map ---------------------------------------------
@@ -184,6 +252,29 @@ def _source_map(op, data_slots, index_fn):
 def routing(ops, data_slots=(0,), index_fn=None):
     """Register a routing op by the function that runs it on integer index tensors."""
     register(ops, "routing", reads=reads_nothing)(_source_rule(data_slots, index_fn))
+    register_forward(ops)(_source_forward(data_slots, index_fn))
+
+
+def _source_forward(data_slots=(0,), index_fn=None):
+    """The transpose of :func:`_source_rule`: each output element reads the value at
+    its source (the zero where it has none)."""
+
+    def forward(sr, a, op, *args, **kwargs):
+        fn = index_fn or op.node.target
+        src, offsets = op.cached("src", lambda: _source_map(op, data_slots, fn))
+        if all(a[i] is None for i in offsets):
+            return None
+        parts, total = [], 0
+        for i, (off, n, _) in sorted(offsets.items(), key=lambda kv: kv[1][0]):
+            v = a[i] if a[i] is not None else sr.zero((n,), op.out)
+            parts.append(fmap(lambda f: f.reshape(-1), v))
+            total = off + n
+        parts.append(sr.zero((1,), op.out))  # at index ``total``: "no source"
+        s = src.reshape(-1)
+        s = torch.where(s < 0, total, s)
+        return tuple(torch.cat(fs)[s].reshape(op.out.shape) for fs in zip(*parts))
+
+    return forward
 
 
 def _source_rule(data_slots=(0,), index_fn=None):
@@ -211,6 +302,7 @@ def _embedding_sources(w, ids, padding_idx=-1, *args, **kwargs):
 
 
 _index_put_copy = _source_rule(data_slots=(0, 2))
+_index_put_copy_forward = _source_forward(data_slots=(0, 2))
 
 
 def _select(sr, g, keep, shape):
@@ -230,9 +322,28 @@ def _where(sr, g, op, cond, a, b):
     return out
 
 
+def _pick(sr, op, keep, a, b):
+    """``a`` where ``keep`` holds, ``b`` elsewhere (None: the zero), at the output's shape."""
+    if a is None and b is None:
+        return None
+    shape = op.out.shape
+    a, b = (sr.zero(shape, op.out) if v is None else broadcast(v, shape) for v in (a, b))
+    return tuple(torch.where(keep, x, y) for x, y in zip(a, b))
+
+
+@register_forward(aten.where.self)
+def _where_forward(sr, a, op, cond, x, y):
+    return _pick(sr, op, cond, a[1], a[2])
+
+
 @register(aten.masked_fill.Scalar, "routing", reads=reads_nothing)
 def _masked_fill(sr, g, op, x, mask, value):
     return [_select(sr, g, ~mask, x.shape) if op.needs(0) else None, None, None]
+
+
+@register_forward(aten.masked_fill.Scalar)
+def _masked_fill_forward(sr, a, op, x, mask, value):
+    return _pick(sr, op, ~mask, a[0], None)
 
 
 @register(aten.index_put.default, "routing", reads=reads_nothing)
@@ -244,6 +355,20 @@ def _index_put(sr, g, op, x, indices, values, accumulate=False):
     if op.needs(2):
         dv = unbroadcast(sr, fmap(lambda f: aten.index(f, indices), g), values.shape)
     return [g, None, dv]
+
+
+@register_forward(aten.index_put.default)
+def _index_put_forward(sr, a, op, x, indices, values, accumulate=False):
+    if not accumulate:
+        return _index_put_copy_forward(sr, a, op, x, indices, values, accumulate)
+    own = a[0] if a[0] is not None else sr.zero(op.out.shape, op.out)
+    if a[2] is None:
+        return a[0]
+    # each value put at position p is ⊕-ed into the output there (with x's own value)
+    places = aten.index(torch.arange(x.numel(), device=x.device).view(x.shape), indices)
+    put = fmap(lambda f: f.reshape(-1), broadcast(a[2], places.shape))
+    added = _scatter_plus(sr, put, places.reshape(-1), x.numel(), op.out)
+    return sr.plus(own, tuple(f.reshape(op.out.shape) for f in added))
 
 
 routing(aten.index.Tensor)

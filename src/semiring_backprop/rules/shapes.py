@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..semirings.base import fmap
+from ..semirings.base import fmap, stack
 
 
 def unbroadcast(sr, value, shape):
@@ -16,3 +16,21 @@ def unbroadcast(sr, value, shape):
     ]
     value = sr.sum(value, dims, keepdim=True)
     return fmap(lambda f: f.reshape(shape), value)
+
+
+def broadcast(value, shape):
+    """Copy a value along the dims an op broadcasts it over (the forward direction of
+    :func:`unbroadcast`)."""
+    if tuple(value[0].shape) == tuple(shape):
+        return value
+    return fmap(lambda f: f.expand(shape), value)
+
+
+def oplus(sr, parts):
+    """⊕ of the values of several argument slots inside one op (``None``: no part)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    return sr.sum(stack(parts), 0)

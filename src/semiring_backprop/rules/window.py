@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..semirings.base import fmap, fmap2
-from .registry import reads_nothing, register
+from .registry import reads_nothing, register, register_forward
 
 aten = torch.ops.aten
 
@@ -329,3 +329,24 @@ def _cumsum(sr, g, op, x, dim, dtype=None):
     lead = x.dim() - 1
     out = sr.sum(_gather(sr, moved, index, lead), -1)
     return [fmap(lambda f: f.movedim(x.dim() - 1, d), out)]
+
+
+@register_forward(aten.cumsum.default)
+def _cumsum_forward(sr, a, op, x, dim, dtype=None):
+    """``alpha(out)[i] = ⊕_{j ≤ i} a[j]``: the inputs gathered per output."""
+    if a[0] is None or x.dim() == 0:
+        return a[0]
+    d = dim % x.dim()
+    n = x.shape[d]
+    if n == 0:
+        return sr.zero(op.out.shape, op.out)
+
+    def make():
+        i = torch.arange(n, device=x.device)
+        j = i[:, None] - i[None, :]  # output i <- inputs i, i - 1, ..., 0
+        return torch.where(j >= 0, j, -1)
+
+    index = op.cached("map_forward", make)
+    moved = fmap(lambda f: f.movedim(d, x.dim() - 1), a[0])
+    out = sr.sum(_gather(sr, moved, index, x.dim() - 1), -1)
+    return fmap(lambda f: f.movedim(x.dim() - 1, d), out)

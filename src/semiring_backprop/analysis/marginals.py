@@ -1,0 +1,126 @@
+"""Max-marginals: the ⊕ over the whole paths (source to output) through a node or an
+edge, from the forward pass's alpha and the reverse pass's D (DESIGN §3b).
+
+For a node ``v``: ``alpha(v) ⊗ D(v)``, elementwise. For the edges from ``u`` into the
+op ``v`` (every argument slot of ``v`` that reads ``u``): ``alpha(u) ⊗ Rev_u(D(v))``,
+where ``Rev_u`` is ``v``'s reverse rule (``⊕_j w(u[i] -> v[j]) ⊗ D(v)[j]``); per element
+of ``u``, the ⊕ over the paths that go through ``u[i]`` and then straight into ``v``.
+``⊗`` of two values is the semiring's ``mul``: under MaxProduct it takes the best of
+``hi·hi``, ``hi·lo``, ``lo·hi`` and ``lo·lo`` (max does not distribute over negative
+weights); under Entropy it adds log Z and the expected -log |w|; under TopK it merges
+the k x k products.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.alpha import alpha as alpha_pass
+from ..engine.alpha import sources
+from ..engine.reverse import contributions
+from ..errors import InputError
+
+SEEDS = ("structural", "x")
+
+
+def seed_values(res, semiring, seed="structural", baseline=None) -> dict:
+    """``{source node: value}`` of ``semiring`` for a seed: ``"structural"`` (the one at
+    every element of every source), ``"x"`` (each source's own value as an edge
+    weight), or ``{place: tensor | "x" | "structural"}`` (only these places are
+    sources). ``baseline`` (``{place: tensor}``, with ``seed="x"``): only these places
+    are sources, seeded with ``x - baseline``."""
+    graph, values = res.graph, res.values
+    if baseline is not None:
+        if seed != "x":
+            raise InputError(f"baseline= is the x' of the seed x - x': use seed='x', not {seed!r}")
+        seed = {
+            place: values[res.node(place)] - torch.as_tensor(b) for place, b in baseline.items()
+        }
+    if isinstance(seed, str):
+        if seed not in SEEDS:
+            raise InputError(f"seed={seed!r}: use one of {SEEDS} or a dict {{place: tensor}}")
+        seed = {n: seed for n in sources(graph, res.needed)}
+    elif not isinstance(seed, dict):
+        raise InputError(
+            f"seed must be 'structural', 'x' or a dict {{place: tensor}}, got {type(seed).__name__}"
+        )
+    out = {}
+    for place, s in seed.items():
+        node = res.node(place)
+        if node not in res.needed:
+            raise InputError(
+                f"seed at {place!r}: no path from there reaches the output through the model's "
+                "inputs, so it starts no path"
+            )
+        like = values[node]
+        one = semiring.one(like.shape, like)
+        if isinstance(s, str) and s == "structural":
+            out[node] = one
+            continue
+        t = like if isinstance(s, str) and s == "x" else s
+        if isinstance(s, str) and s != "x":
+            raise InputError(f"seed at {place!r} is {s!r}: use a tensor, 'x' or 'structural'")
+        t = torch.as_tensor(t).to(like.dtype).to(like.device)
+        try:
+            t = t.expand(like.shape)
+        except RuntimeError:
+            raise InputError(
+                f"seed at {place!r} has shape {tuple(t.shape)}; the value there has shape "
+                f"{tuple(like.shape)}"
+            ) from None
+        out[node] = semiring.times(one, t)
+    return out
+
+
+def alphas(res, semiring, seed="structural", baseline=None) -> dict:
+    """``{node: alpha value}`` under ``semiring`` (kept on ``res`` for the named seeds)."""
+    key = (seed, semiring) if isinstance(seed, str) and baseline is None else None
+    cache = res.__dict__.setdefault("_alphas", {})
+    if key is not None and key in cache:
+        return cache[key]
+    seeds = {n: [v] for n, v in seed_values(res, semiring, seed, baseline).items()}
+    with torch.no_grad():
+        store = alpha_pass(res.graph, res.values, [semiring], seeds, res.needed)
+    out = {n: v[0] for n, v in store.items() if v[0] is not None}
+    if key is not None:
+        cache[key] = out
+    return out
+
+
+def alpha_at(res, node, semiring, seed="structural", baseline=None):
+    """The raw alpha value at ``node`` (the semiring's zero where no path arrives)."""
+    found = alphas(res, semiring, seed, baseline).get(node)
+    if found is None:
+        like = res.values[node]
+        return semiring.zero(like.shape, like)
+    return found
+
+
+def node_marginal(semiring, pairs):
+    """``⊕`` over ``(alpha, D)`` pairs of ``alpha ⊗ D`` (one pair per node of an alias
+    group: one tensor passed as several inputs)."""
+    out = None
+    for a, b in pairs:
+        m = semiring.mul(a, b)
+        out = m if out is None else semiring.plus(out, m)
+    return out
+
+
+def edge_marginal(res, u, v, semiring, seed="structural", baseline=None):
+    """Per element of ``u``: the ⊕ over the paths through it that enter op ``v`` next."""
+    if u not in v.all_input_nodes:
+        raise InputError(
+            f"no edge from `{u.name}` into `{v.name}`: `{v.name}` reads "
+            f"{[n.name for n in v.all_input_nodes]}"
+        )
+    beta = res.value(v, semiring)
+    graph, needed = res.graph, res.needed
+    got = None
+    with torch.no_grad():
+        for inp, _, c in contributions(graph, res.values, [semiring], graph.ids[v], [beta], needed):
+            if inp is u:
+                got = c
+    if got is None:  # no edge carries a path (a non-differentiable slot)
+        like = res.values[u]
+        return semiring.zero(like.shape, like)
+    return semiring.mul(alpha_at(res, u, semiring, seed, baseline), got)
