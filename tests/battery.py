@@ -1977,7 +1977,7 @@ def _(env):
 
 
 def _common():
-    from semiring_backprop.experiments import common
+    from semiring_backprop.runner import records as common
 
     return common
 
@@ -2232,7 +2232,9 @@ def _(env):
         raise KeyboardInterrupt
 
     with contextlib.suppress(KeyboardInterrupt):
-        common.atomic_write(path, half)
+        from semiring_backprop._files import atomic_write
+
+        atomic_write(path, half)
     return path
 
 

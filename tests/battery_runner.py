@@ -288,37 +288,37 @@ def _intact(value, env):
 @graceful("runs.runner-atomic-write-planted-tmp-link", _intact)
 def _(env):
     """links planted at the temporary names atomic_write used to use"""
-    from semiring_backprop.experiments import common
+    from semiring_backprop.runner import records
 
     victim = _victim(env, "tmp")
     target = victim.parent / "summary.json"
     for name in (f".{target.name}.{os.getpid()}.tmp", f"{target.name}.part"):
         (target.parent / name).symlink_to(victim)
-    common.write_json(target, {"a": 1})
+    records.write_json(target, {"a": 1})
     return victim, target, '{\n  "a": 1\n}\n'
 
 
 @graceful("runs.runner-atomic-write-target-a-link", _intact)
 def _(env):
     """the file written is itself a link: the link is replaced, its target untouched"""
-    from semiring_backprop.experiments import common
+    from semiring_backprop.runner import records
 
     victim = _victim(env, "target")
     target = victim.parent / "summary.json"
     target.symlink_to(victim)
-    common.write_json(target, {"a": 1})
+    records.write_json(target, {"a": 1})
     return victim, target, '{\n  "a": 1\n}\n'
 
 
 @clear("runs.runner-lock-a-link", r"\.lock is a symbolic link")
 def _(env):
-    from semiring_backprop.experiments import common
+    from semiring_backprop.runner import records
 
     victim = _victim(env, "lock")
     out = victim.parent / "out"
     out.mkdir()
     (out / ".lock").symlink_to(victim)
-    with common.lock(out):  # held without an error: counted silent
+    with records.lock(out):  # held without an error: counted silent
         pass
 
 

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -42,3 +44,21 @@ def caller_threads():
 def no_thread_setting(monkeypatch):
     """``SEMIRING_BACKPROP_THREADS`` unset (the library's default thread count)."""
     monkeypatch.delenv("SEMIRING_BACKPROP_THREADS", raising=False)
+
+
+#: the slow tier (tests/slow.txt): node ids and files, marked ``slow``; the default run
+#: leaves them out (pyproject's ``-m "not slow"``), CI runs them after it (``-m slow``)
+SLOW = [
+    line.strip()
+    for line in (Path(__file__).parent / "slow.txt").read_text().splitlines()
+    if line.strip() and not line.startswith("#")
+]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    files = {s for s in SLOW if "::" not in s}
+    ids = set(SLOW) - files
+    for item in items:
+        if item.nodeid in ids or item.nodeid.split("::")[0] in files:
+            item.add_marker(pytest.mark.slow)

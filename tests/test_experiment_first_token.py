@@ -21,6 +21,7 @@ from semiring_backprop.cli import main  # noqa: E402
 from semiring_backprop.data import make_task  # noqa: E402
 from semiring_backprop.experiments import common  # noqa: E402
 from semiring_backprop.experiments import first_token as ft  # noqa: E402
+from semiring_backprop.runner import records  # noqa: E402
 
 TINY = dict(n=400, max_epochs=2, explain_limit=12, explain_batch=5, seeds=2)
 
@@ -303,13 +304,13 @@ def test_interrupted_explanation_resumes(tmp_path, monkeypatch):
 def test_records_drop_a_cut_off_last_line_and_refuse_a_broken_one(tmp_path):
     path = tmp_path / "r.jsonl"
     path.write_text('{"key": 1}\n{"key": 2}\n{"key": 3, "x"')
-    rec = common.Records(path)
+    rec = records.Records(path)
     assert [r["key"] for r in rec.rows] == [1, 2] and rec.has(2) and not rec.has(3)
     rec.add({"key": 3, "v": float("inf")})
     assert json.loads(path.read_text().splitlines()[-1]) == {"key": 3, "v": None}
     path.write_text('{"key": 1}\nnot json\n{"key": 2}\n')
     with pytest.raises(sbp.InputError, match="r.jsonl:2"):
-        common.Records(path)
+        records.Records(path)
 
 
 def test_unknown_experiment_and_option_are_clear_errors():

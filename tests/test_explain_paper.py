@@ -58,12 +58,12 @@ def oracle(bert_dir):
     t, f = tok.convert_tokens_to_ids(["are", "is"])
     assert tok.convert_ids_to_tokens(enc["input_ids"][0])[MASK] == "[MASK]"
 
-    def score(out):
-        logp = torch.log_softmax(out.logits[0, MASK], -1)
-        return logp[t] - logp[f]
+    def score(out):  # the paper's analysis (analyze_kvq.py): logits[good] - logits[bad]
+        return out.logits[0, MASK, t] - out.logits[0, MASK, f]
 
-    with torch.no_grad():
-        want = float(score(model(**enc)))
+    with torch.no_grad():  # the number asked for: the margin of log-probabilities
+        logp = torch.log_softmax(model(**enc).logits[0, MASK], -1)
+        want = float(logp[t] - logp[f])
     kwargs = {k: v for k, v in enc.items()}
     sr = sbp.MaxProduct("tensor")
     res = sbp.backprop(model, kwargs=kwargs, output=score, semirings=[sr], paper=True)
@@ -183,3 +183,24 @@ def test_view_shows_both_tables_each_named(paper_run):
         assert len(got) == len(tokens)
         for tok, cell in zip(tokens, got):
             assert cell == want.get(int(tok), "-"), (label, tok, cell)
+
+
+def test_paper_mode_reads_the_margin_from_the_logits(paper_run, bert_dir):
+    """As the paper's analysis did: the same number as log p(are) - log p(is) (checked
+    above against the model's log-softmax), from a graph without the log-softmax; the
+    report says so. Without a foil the log-probability stays (a logit is another number),
+    and WordChoice(logits=True) refuses terms whose signs do not cancel."""
+    assert paper_run.what.startswith("logit(are) - logit(is)")
+    assert "as the paper did" in paper_run.what
+    alone = explain(bert_dir, TEXT, "are", semirings=["max"], paper=True)
+    assert alone.what.startswith("log p(are)")
+    tok = transformers.BertTokenizer.from_pretrained(bert_dir)
+    model = transformers.BertForMaskedLM.from_pretrained(bert_dir).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(**tok(TEXT, return_tensors="pt")).logits[0, MASK], -1)
+    assert alone.score == pytest.approx(float(logp[tok.vocab["are"]]), rel=1e-5)
+    with pytest.raises(sbp.InputError, match="signs cancel"):
+        sbp.WordChoice(((0, MASK, 5, 1),), logits=True)
+    one = sbp.WordChoice(((0, MASK, 5, 1), (0, MASK, 6, -1)), logits=True)
+    out = model(**tok(TEXT, return_tensors="pt"))
+    assert torch.allclose(one(out), out.logits[0, MASK, 5] - out.logits[0, MASK, 6])

@@ -13,20 +13,22 @@ import pytest
 import torch
 
 from semiring_backprop import InputError, experiments
+from semiring_backprop._files import atomic_write
 from semiring_backprop.experiments import common
+from semiring_backprop.runner import records
 
 
 def test_a_second_run_into_a_held_directory_is_refused_naming_the_holder(tmp_path):
     out = tmp_path / "out"
-    with common.lock(out):
+    with records.lock(out):
         with pytest.raises(InputError, match=rf"in use by another run \(process {os.getpid()}\)"):
-            with common.lock(out):
+            with records.lock(out):
                 pass
         # an experiment into it stops before any work
         with pytest.raises(InputError, match="in use by another run"):
             experiments.run("sva", out, quick=True, progress=False)
     assert sorted(p.name for p in out.iterdir()) == [".lock"]
-    with common.lock(out):  # released: the next run holds it
+    with records.lock(out):  # released: the next run holds it
         pass
 
 
@@ -34,17 +36,17 @@ def test_an_unwritable_output_directory_is_a_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.raises(InputError, match="cannot write into output directory"):
-        with common.lock(blocker / "out"):
+        with records.lock(blocker / "out"):
             pass
 
 
 def test_a_last_line_without_its_newline_is_not_glued_to_the_next(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"key": 0}) + "\n" + json.dumps({"key": 1}))  # no "\n"
-    rec = common.Records(path)
+    rec = records.Records(path)
     assert rec.has(0) and rec.has(1)
     rec.add({"key": 2})
-    again = common.Records(path)
+    again = records.Records(path)
     assert [r["key"] for r in again.rows] == [0, 1, 2]
     assert path.read_text().count("\n") == 3
 
@@ -52,20 +54,20 @@ def test_a_last_line_without_its_newline_is_not_glued_to_the_next(tmp_path):
 def test_a_cut_off_last_line_is_dropped_and_redone(tmp_path):
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"key": 0}) + "\n" + '{"key": 1, "val')
-    rec = common.Records(path)
+    rec = records.Records(path)
     assert rec.has(0) and not rec.has(1)
     assert path.read_text() == json.dumps({"key": 0}) + "\n"
 
 
 def test_a_failed_write_leaves_the_old_file_whole(tmp_path):
-    path = common.write_json(tmp_path / "summary.json", {"a": 1})
+    path = records.write_json(tmp_path / "summary.json", {"a": 1})
 
     def half(tmp):
         tmp.write_text('{"a": ')
         raise KeyboardInterrupt  # cut off mid-write
 
     with pytest.raises(KeyboardInterrupt):
-        common.atomic_write(path, half)
+        atomic_write(path, half)
     assert json.loads(path.read_text()) == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temporary left
 
@@ -99,17 +101,17 @@ class _Config:
 
 
 def test_settings_of_a_run_that_left_no_results_do_not_block_a_corrected_one(tmp_path):
-    common.same_settings(tmp_path, _Config(model="typo"))  # that run failed right after
+    records.same_settings(tmp_path, _Config(model="typo"))  # that run failed right after
     (tmp_path / "synthetic.jsonl").write_text("{}\n")  # data made from the settings
-    common.same_settings(tmp_path, _Config(model="right"))  # accepted
+    records.same_settings(tmp_path, _Config(model="right"))  # accepted
     assert json.loads((tmp_path / "config.json").read_text())["model"] == "right"
     (tmp_path / "examples.jsonl").write_text('{"key": 0}\n')  # now there are results
     with pytest.raises(InputError, match="other settings \\(model\\)"):
-        common.same_settings(tmp_path, _Config(model="other"))
-    common.same_settings(tmp_path, _Config(model="right", limit=5), free=("limit",))
+        records.same_settings(tmp_path, _Config(model="other"))
+    records.same_settings(tmp_path, _Config(model="right", limit=5), free=("limit",))
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(InputError, match="config.json is not valid JSON"):
-        common.same_settings(tmp_path, _Config(model="right"))
+        records.same_settings(tmp_path, _Config(model="right"))
 
 
 @dataclass
@@ -124,12 +126,12 @@ class _Newer:  # a setting added since _Older's runs, default = what they comput
 
 
 def test_a_setting_missing_from_an_older_run_counts_as_its_default(tmp_path):
-    common.same_settings(tmp_path, _Older())
+    records.same_settings(tmp_path, _Older())
     (tmp_path / "examples.jsonl").write_text('{"key": 0}\n')
-    common.same_settings(tmp_path, _Newer())  # the older run computed the default
+    records.same_settings(tmp_path, _Newer())  # the older run computed the default
     (tmp_path / "config.json").write_text('{"model": "a"}')
     with pytest.raises(InputError, match="other settings \\(mode\\)"):
-        common.same_settings(tmp_path, _Newer(mode=("other",)))
+        records.same_settings(tmp_path, _Newer(mode=("other",)))
 
 
 @pytest.mark.parametrize(

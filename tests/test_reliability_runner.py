@@ -24,10 +24,10 @@ pd = pytest.importorskip("pandas")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from semiring_backprop.errors import InputError  # noqa: E402
-from semiring_backprop.experiments import common  # noqa: E402
 from semiring_backprop.runner import (  # noqa: E402
     load_results,
     prepare,
+    records,  # noqa: E402
     run,
     skipped_examples,
 )
@@ -288,7 +288,7 @@ def test_a_full_disk_at_the_commit_line(bert_dir, tmp_path, oracle, monkeypatch)
     rows = [{**r, "id": name} for name, r in zip("ab", ROWS)]
     data = _write(tmp_path / "d.jsonl", rows)
     out = tmp_path / "out"
-    real = common.Records.add
+    real = records.Records.add
 
     def add(self, row):
         if row.get("shard") and len([r for r in self.rows if r.get("shard")]) == 1:
@@ -297,7 +297,7 @@ def test_a_full_disk_at_the_commit_line(bert_dir, tmp_path, oracle, monkeypatch)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(self, row)
 
-    monkeypatch.setattr(common.Records, "add", add)
+    monkeypatch.setattr(records.Records, "add", add)
     with pytest.raises(InputError, match=r"disk is full.*1 of the 2 examples"):
         _run(bert_dir, data, out)
     monkeypatch.undo()
@@ -335,12 +335,12 @@ def test_atomic_write_never_writes_through_a_planted_link(tmp_path):
     # the temporary names of the earlier scheme, planted in advance
     for name in (f".{target.name}.{os.getpid()}.tmp", f"{target.name}.part"):
         (target.parent / name).symlink_to(victim)
-    common.write_json(target, {"a": 1})
+    records.write_json(target, {"a": 1})
     assert victim.read_text() == "precious\n"
     assert json.loads(target.read_text()) == {"a": 1}
     target.unlink()
     target.symlink_to(victim)  # the file itself a link: replaced, not written through
-    common.write_json(target, {"b": 2})
+    records.write_json(target, {"b": 2})
     assert victim.read_text() == "precious\n" and not target.is_symlink()
     assert json.loads(target.read_text()) == {"b": 2}
     left = sorted(p.name for p in target.parent.iterdir() if not p.is_symlink())
@@ -352,10 +352,10 @@ def test_the_lock_and_done_jsonl_are_not_written_through_links(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / ".lock").symlink_to(victim)
-    with pytest.raises(InputError, match=r"\.lock is a symbolic link"), common.lock(out):
+    with pytest.raises(InputError, match=r"\.lock is a symbolic link"), records.lock(out):
         pass
     assert victim.read_text() == "precious\n"
-    rec = common.Records(out / "done.jsonl")
+    rec = records.Records(out / "done.jsonl")
     (out / "done.jsonl").symlink_to(victim)  # planted after the run read it
     with pytest.raises(InputError, match=r"done\.jsonl is a symbolic link"):
         rec.add({"key": 1})

@@ -66,6 +66,25 @@ class WordChoice:
     """
 
     terms: tuple
+    #: the same margin read from the logits themselves (``logit(are) - logit(is)``), as
+    #: the paper's analysis took it (paper mode): equal in value where every position's
+    #: signs cancel (required), but the graph has no log-softmax, whose paths through the
+    #: log-sum-exp reach every logit and change what selective semirings find
+    logits: bool = False
+
+    def __post_init__(self):
+        if self.logits:
+            net: dict = {}
+            for example, position, _, sign in self.terms:
+                net[(example, position)] = net.get((example, position), 0) + sign
+            uneven = [k for k, v in net.items() if v != 0]
+            if uneven:
+                raise InputError(
+                    f"WordChoice(logits=True) reads a margin of logits, equal to the margin "
+                    f"of log-probabilities only where each position's signs cancel; at "
+                    f"(example, position) {uneven[0]} they sum to {net[uneven[0]]}. Give a "
+                    "target and a foil at the same positions, or drop logits=True"
+                )
 
     def __call__(self, out):
         logits = output_field(out, "logits")
@@ -74,7 +93,8 @@ class WordChoice:
         for example, position, token, sign in self.terms:
             key = (example, position)
             if key not in logp:  # one log-softmax per position
-                logp[key] = logits[example, position].log_softmax(-1)
+                at = logits[example, position]
+                logp[key] = at if self.logits else at.log_softmax(-1)
             total = total + sign * logp[key][token]
         return total
 

@@ -21,6 +21,7 @@ from ..runner.records import write_json
 
 log = logging.getLogger(__name__)
 
+
 def bert_classifier(
     vocab_size: int,
     num_labels: int,
@@ -168,5 +169,3 @@ def spearman(x, y) -> dict:
         return {"spearman_rho": None, "p": None, "n": len(x)}
     r = spearmanr(x, y)
     return {"spearman_rho": float(r.statistic), "p": float(r.pvalue), "n": len(x)}
-
-

@@ -155,11 +155,12 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
             batch_size=how["batch_size"], seed=s, stop_at=1.0 if how["stop_early"] else None,
             progress=progress, desc=f"train (seed {s})",
         ))  # fmt: skip
-        rows = explain(net, task.val, out / f"seed{seed}" / "values.jsonl", config, progress)
+        here = out / f"seed{seed}"
+        rows = explain_split(net, task.val, here / "values.jsonl", config, progress)
         frames.append(_frame(rows).assign(seed=seed))
         if config.paper:
-            rows = explain(net, task.val, out / f"seed{seed}" / "paper.jsonl", config, progress,
-                           paper=True)  # fmt: skip
+            rows = explain_split(net, task.val, here / "paper.jsonl", config, progress,
+                                 paper=True)  # fmt: skip
             frames.append(_frame(rows).assign(seed=seed))
         models.append({"seed": seed, "val_accuracy": history[-1]["val_accuracy"],
                        "epochs": len(history)})  # fmt: skip
@@ -177,7 +178,7 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
             "explained": int(frame["example"].nunique()), "files": files}  # fmt: skip
 
 
-def explain(model, split, path, config: Config, progress: bool = True,
+def explain_split(model, split, path, config: Config, progress: bool = True,
             paper: bool = False) -> list[dict]:  # fmt: skip
     """One line per validation example (written as it is computed; a rerun resumes).
     Ours: MaxProduct at both granularities, aggregated by ⊕ and by bucket_sum;

@@ -292,6 +292,29 @@ def _one_example(table, e: int):
     return table[table.example == e].drop(columns="example").reset_index(drop=True)
 
 
+def _paper_margin(prep):
+    """Paper mode: a word's margin ``log p(are) - log p(is)`` is read from the logits
+    (``logit(are) - logit(is)``, the same number), as the paper's analysis took it
+    (``analyze_kvq.py``); its graph has no log-softmax. Where the signs do not cancel
+    at each position (no foil; words of different pieces) the log-probabilities stay,
+    since a margin of logits would be another number."""
+    from dataclasses import replace
+
+    from ..targets import WordChoice
+
+    t = prep.target
+    if not isinstance(t, WordChoice) or t.logits:
+        return prep
+    net: dict = {}
+    for example, position, _, sign in t.terms:
+        net[(example, position)] = net.get((example, position), 0) + sign
+    if any(net.values()):
+        return prep
+    what = prep.what.replace("log p(", "logit(", 2)
+    what += " (from the logits, as the paper did: the same number as the log-probabilities')"
+    return replace(prep, target=replace(t, logits=True), what=what)
+
+
 def _branch_text(layers, ours: bool = False, paper: bool = False) -> str:
     """The branch table as text. ``ours`` (paper mode): the heading says it is ours;
     ``paper``: the table is ``aggregate="paper"``'s, and the heading says so."""
@@ -442,6 +465,8 @@ def explain(
     prep = tasks.prepare(task, model, tokenizer, text, target, foil, kind=kind,
                          text_pair=text_pair, position=position, pooling=pooling,
                          score=score, dim=dim, model_id=model_id)  # fmt: skip
+    if paper:
+        prep = _paper_margin(prep)
     res = backprop(model, kwargs=prep.inputs, output=prep.target, semirings=srs,
                    paper=bool(paper))  # fmt: skip
     value = float(res.values[res.graph.output_node])

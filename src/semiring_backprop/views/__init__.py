@@ -87,8 +87,10 @@ class View:
 
 
 #: what ``Explanation.paper_layers`` holds, as its view names it
-PAPER_QUANTITY = ("the paper's quantity: brunoflow's values, winner-take-all per token "
-                  "(the token's best hidden unit, to the branch it came from; others 0)")
+PAPER_QUANTITY = (
+    "the paper's quantity: brunoflow's values, winner-take-all per token "
+    "(the token's best hidden unit, to the branch it came from; others 0)"
+)
 
 
 def _concat(views: list[View], title: str) -> View:
