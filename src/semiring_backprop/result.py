@@ -213,17 +213,9 @@ class Result:
             self.value(into, semiring)  # (checks ``semiring`` and that D is there)
             value = marginals.edge_marginal(self, node, self.node(into), semiring, seed, baseline)
             return semiring.finalize(value)
-        group = [n for n in self.graph.aliases.get(node, (node,)) if n in self._store]
-        if not group and node in self.needed:  # no path from it reaches the output
-            like = self.values[node]
-            return semiring.finalize(semiring.zero(like.shape, like))
-        self.value(where, semiring)  # (checks ``semiring``)
-        k = self.semirings.index(semiring)
-        pairs = [
-            (marginals.alpha_at(self, n, semiring, seed, baseline), self._store[n][k])
-            for n in group
-        ]
-        return semiring.finalize(marginals.node_marginal(semiring, pairs))
+        if node not in self.needed:
+            self.value(where, semiring)  # (explains why there is no value)
+        return semiring.finalize(marginals.marginal_value(self, node, semiring, seed, baseline))
 
     # -- analysis -----------------------------------------------------------------
     def top_path(self, source, semiring: Semiring | None = None, sign: str = "+"):

@@ -298,10 +298,14 @@ def _fused_entries(r: Roles, u, via, module) -> list[Entry]:
     ]
 
 
+#: the ops a projection's matmul becomes
+CONTRACTIONS = (aten.addmm.default, aten.mm.default, aten.bmm.default, aten.matmul.default)
+
+
 def first_contraction(r, u):
     n = u
     for _ in range(16):
-        if n.target in (aten.addmm.default, aten.mm.default, aten.bmm.default, aten.matmul.default):
+        if n.target in CONTRACTIONS:
             return n
         users = r.users(n)
         if len(users) != 1:

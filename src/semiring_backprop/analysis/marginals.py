@@ -96,6 +96,19 @@ def alpha_at(res, node, semiring, seed="structural", baseline=None):
     return found
 
 
+def marginal_value(res, node, semiring, seed="structural", baseline=None):
+    """The raw max-marginal ``alpha ⊗ D`` at ``node`` (⊕ over its alias group: one
+    tensor passed as several inputs); the semiring's zero where no path passes it."""
+    group = [n for n in res.graph.aliases.get(node, (node,)) if n in res._store]
+    if not group and node in res.needed:  # no path from it reaches the output
+        like = res.values[node]
+        return semiring.zero(like.shape, like)
+    res.value(node, semiring)  # (checks ``semiring``; explains a node without values)
+    k = res.semirings.index(semiring)
+    pairs = [(alpha_at(res, n, semiring, seed, baseline), res._store[n][k]) for n in group]
+    return node_marginal(semiring, pairs)
+
+
 def node_marginal(semiring, pairs):
     """``⊕`` over ``(alpha, D)`` pairs of ``alpha ⊗ D`` (one pair per node of an alias
     group: one tensor passed as several inputs)."""
