@@ -86,13 +86,13 @@ def _close(got, want, what):
 def test_sites_and_columns(name):
     t = table(name, "x")
     layers = MODELS[name][-1]
-    assert list(t.columns[:6]) == ["layer", "position", "token", "head", "role", "node"]
+    assert list(t.columns[:6]) == ["layer", "position", "token", "head_index", "role", "node"]
     assert [sr.name for sr in SEMIRINGS] == list(t.columns[6:])
     counts = t.role.value_counts().to_dict()
     assert counts == {"embedding": 5, "head": 2 * 5 * layers, "mlp": 5 * layers,
                       "residual": 5 * layers, "target": 1}  # fmt: skip
     assert list(t[t.role == "residual"].token[:5]) == TOKENS
-    assert t[t.role != "head"]["head"].isna().all()
+    assert t[t.role != "head"]["head_index"].isna().all()
     assert t[t.role == "target"].position.isna().all()
 
 
@@ -116,7 +116,7 @@ def test_real_heads_and_mlps_from_marginals(name):
         m = res.marginal(proj_in.format(i=i), real, seed="x")[0]  # (positions, heads * d)
         per_head = m.reshape(m.shape[0], 2, -1).sum(-1)
         for h in range(2):
-            got = t[(t.role == "head") & (t.layer == i) & (t["head"] == h)]
+            got = t[(t.role == "head") & (t.layer == i) & (t["head_index"] == h)]
             _close(got["Real"].to_numpy(), per_head[:, h].numpy(), f"layer {i} head {h}")
         mlp = res.marginal(mlp_out.format(i=i), real, seed="x")[0].sum(-1)
         _close(t[(t.role == "mlp") & (t.layer == i)]["Real"].to_numpy(), mlp.numpy(),
@@ -134,7 +134,7 @@ def test_maxproduct_heads_from_marginals(name):
         lo = m.lo[0].reshape(5, 2, -1).amin(-1)
         best = torch.where(hi.abs() >= lo.abs(), hi, lo)
         for h in range(2):
-            got = t[(t.role == "head") & (t.layer == i) & (t["head"] == h)][MP.name]
+            got = t[(t.role == "head") & (t.layer == i) & (t["head_index"] == h)][MP.name]
             _close(got.to_numpy(), best[:, h].numpy(), f"layer {i} head {h}")
 
 
@@ -157,7 +157,7 @@ def _passes(res, path, row, positions):
         position, col = divmod(flat, width)
         if position != row.position:
             continue
-        if pd_na(row["head"]) or col // (width // 2) == row["head"]:  # two heads
+        if pd_na(row["head_index"]) or col // (width // 2) == row["head_index"]:  # two heads
             return True
     return False
 

@@ -42,7 +42,7 @@ class Site:
 
 def circuit_nodes(res, semirings=None, seed="structural", baseline=None, tokens=None,
                   heads=None, roles=None):  # fmt: skip
-    """Tidy DataFrame, one row per site: ``layer``, ``position``, ``token``, ``head``,
+    """Tidy DataFrame, one row per site: ``layer``, ``position``, ``token``, ``head_index``,
     ``role``, ``node`` and one value column per semiring (named by the semiring).
 
     Sites (``role``): ``"embedding"``, the sources shaped like the residual stream (the
@@ -87,7 +87,7 @@ def circuit_nodes(res, semirings=None, seed="structural", baseline=None, tokens=
                 "layer": site.layer,
                 "position": p,
                 "token": "" if p is None else labels[p],
-                "head": site.head,
+                "head_index": site.head,
                 "role": site.role,
                 "node": "+".join(n.name for n in site.nodes),
             }
@@ -95,7 +95,7 @@ def circuit_nodes(res, semirings=None, seed="structural", baseline=None, tokens=
                 row[sr.name] = float(values[0 if p is None else p])
             rows.append(row)
     frame = pd.DataFrame(rows)
-    for col in ("layer", "position", "head"):
+    for col in ("layer", "position", "head_index"):
         frame[col] = frame[col].astype("Int64")
     return frame
 
