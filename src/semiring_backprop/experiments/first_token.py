@@ -8,7 +8,7 @@ projections. The paper found the first token's top path goes through the query, 
 repeated token's through the key (the largest value of all).
 
 With ``paper`` (the default) each example is explained a second time in the paper's
-own quantity (issue 30): traced as the paper's library (brunoflow) built its graph, at
+own quantity: traced as the paper's library (brunoflow) built its graph, at
 tensor granularity, and aggregated as the paper did (``aggregate="paper"``: per token,
 the best hidden unit's value goes to the branch that wins that unit, every other branch
 gets 0, and the zeros are averaged in). ``paper_training`` trains the models as the paper

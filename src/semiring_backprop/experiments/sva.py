@@ -27,7 +27,7 @@ both verbs when they split into the same number of pieces; pieces the two share 
 place cancel exactly and are left out of the explained function.
 
 With ``paper`` (the default) every example is explained a second time in the paper's
-own quantity (issue 30), by a second runner pass into ``out/runner_paper``: traced as the
+own quantity, by a second runner pass into ``out/runner_paper``: traced as the
 paper's library (brunoflow) built its graph, ``MaxProduct`` at tensor granularity, the
 score taken as the difference of the two logits (as the paper's ``analyze_kvq.py`` did:
 the same number), and aggregated as the paper did (``aggregation="paper"``: per token, the
