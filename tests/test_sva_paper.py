@@ -204,3 +204,25 @@ def test_toggling_paper_in_a_rerun_is_allowed(paper_run):
     again = sva.run(out, CONFIG, progress=False)  # runner_paper is complete: resumed
     assert (out / "runner_paper" / "done.jsonl").read_text() == done  # nothing recomputed
     assert again["summary"]["paper"] == paper_run[1]["summary"]["paper"]
+
+
+def test_cli_run_paper(paper_run, tmp_path, capsys):
+    """``semiring-backprop run --paper``: tensor granularity and the paper's aggregation by
+    default, recorded in the run's settings; another granularity is one clear line."""
+    from semiring_backprop.cli import main
+
+    out, _ = paper_run
+    model, data = str(out / "model"), str(out / "synthetic.jsonl")
+    runs = tmp_path / "cli"
+    argv = ["run", model, "--data", data, "--limit", "2", "--semiring", "max", "--no-figures"]
+    assert main([*argv, "--paper", "--out", str(runs)]) == 0
+    settings = json.loads((runs / "config.json").read_text())
+    assert settings["paper"] is True and settings["granularity"] == "tensor"
+    assert list(settings["aggregation"]) == ["paper"]
+    branches = load_results(runs)["branches"]
+    assert set(branches["aggregation"]) == {"paper"} and len(branches)
+    capsys.readouterr()
+    bad = ["--paper", "--granularity", "neuron", "--out", str(tmp_path / "bad")]
+    assert main([*argv, *bad]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "tensor" in err and len(err.strip().splitlines()) == 1

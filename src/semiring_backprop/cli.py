@@ -346,14 +346,23 @@ def _run_parser(sub):
     r.add_argument(
         "--semiring", nargs="+", default=["max", "entropy", "real"], choices=list(SEMIRINGS)
     )
-    r.add_argument("--granularity", choices=["neuron", "tensor"], default="neuron")
+    r.add_argument(
+        "--granularity", choices=["neuron", "tensor"],
+        help="neuron (default) or tensor (--paper: tensor, the only one it takes)",
+    )  # fmt: skip
     r.add_argument("--kind", choices=["masked", "causal"], help="default: from the config")
     r.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     r.add_argument("--device", default="cpu")
     r.add_argument("--top-path", action="store_true", help="also the top gradient path")
     r.add_argument(
-        "--aggregation", nargs="+", default=["oplus"], choices=["oplus", "bucket_sum"],
-        help="branch values over hidden units: the semiring's oplus and/or bucket sums",
+        "--aggregation", nargs="+", choices=["oplus", "bucket_sum", "paper"],
+        help="branch values over hidden units: the semiring's oplus and/or bucket sums "
+        "(default oplus), or with --paper the paper's winner-take-all (its default)",
+    )  # fmt: skip
+    r.add_argument(
+        "--paper", action="store_true",
+        help="paper mode: trace as the paper's library (brunoflow) did, at tensor "
+        "granularity, the score as the difference of the two logits",
     )  # fmt: skip
     r.add_argument("--batch-size", type=int, default=8)
     r.add_argument("--limit", type=int, help="explain only the first N examples")
@@ -379,8 +388,8 @@ def _run(args) -> int:
             args.model, args.data, args.out, format=args.format, columns=columns,
             split=args.split, semirings=args.semiring, granularity=args.granularity,
             kind=args.kind, dtype=args.dtype, device=args.device, top_path=args.top_path,
-            aggregation=args.aggregation, batch_size=args.batch_size, limit=args.limit,
-            workers=args.workers, address=args.address, threads=args.threads,
+            aggregation=args.aggregation, paper=args.paper, batch_size=args.batch_size,
+            limit=args.limit, workers=args.workers, address=args.address, threads=args.threads,
             figures=not args.no_figures,
         )  # fmt: skip
     except SemiringBackpropError as e:
