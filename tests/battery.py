@@ -2160,7 +2160,8 @@ def _(env):
 
 
 def _trained(env, name, spoil):
-    common = _common()
+    from semiring_backprop.experiments import common
+
     d = env.tmp("trained") / name
     fits = []
 
