@@ -72,12 +72,18 @@ class WordChoice:
     #: log-sum-exp reach every logit and change what selective semirings find
     logits: bool = False
 
+    def uneven(self) -> dict:
+        """``{(example, position): net sign}`` where the signs do not cancel (empty: the
+        margin of log-probabilities is the margin of logits)."""
+        net: dict = {}
+        for example, position, _, sign in self.terms:
+            net[(example, position)] = net.get((example, position), 0) + sign
+        return {k: v for k, v in net.items() if v != 0}
+
     def __post_init__(self):
         if self.logits:
-            net: dict = {}
-            for example, position, _, sign in self.terms:
-                net[(example, position)] = net.get((example, position), 0) + sign
-            uneven = [k for k, v in net.items() if v != 0]
+            net = self.uneven()
+            uneven = list(net)
             if uneven:
                 raise InputError(
                     f"WordChoice(logits=True) reads a margin of logits, equal to the margin "

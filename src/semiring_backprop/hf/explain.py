@@ -305,10 +305,7 @@ def _paper_margin(prep):
     t = prep.target
     if not isinstance(t, WordChoice) or t.logits:
         return prep
-    net: dict = {}
-    for example, position, _, sign in t.terms:
-        net[(example, position)] = net.get((example, position), 0) + sign
-    if any(net.values()):
+    if t.uneven():
         return prep
     what = prep.what.replace("log p(", "logit(", 2)
     what += " (from the logits, as the paper did: the same number as the log-probabilities')"
