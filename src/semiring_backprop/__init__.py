@@ -17,6 +17,7 @@ from . import views
 from ._backprop import Backprop, backprop, clear_traces
 from ._threads import threads
 from .analysis import Path, Step
+from .circuits import Circuit, circuit
 from .errors import (
     ForwardError,
     InputError,
@@ -49,6 +50,7 @@ from .tracing.trace import trace
 
 __all__ = [
     "Backprop",
+    "Circuit",
     "ClassLabel",
     "EmbeddingDim",
     "Entropy",
@@ -78,6 +80,7 @@ __all__ = [
     "UnsupportedOpError",
     "WordChoice",
     "backprop",
+    "circuit",
     "clear_traces",
     "load_results",
     "register",

@@ -18,11 +18,14 @@ def main(argv=None) -> int:
     q.add_argument("--json", action="store_true", help="print the table as JSON")
     sub.add_parser("ops", help="list the ops that have semiring rules")
     _explain_parser(sub)
+    _circuit_parser(sub)
     _run_parser(sub)
     _experiment_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "explain":
         return _explain(args)
+    if args.command == "circuit":
+        return _circuit(args)
     if args.command == "run":
         return _run(args)
     if args.command in ("experiment", "demo"):
@@ -172,6 +175,76 @@ def _explain(args) -> int:
             )
         if args.html:
             print(f"wrote {ex.to_html(args.html)}")
+    except SemiringBackpropError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _circuit_parser(sub):
+    c = sub.add_parser(
+        "circuit",
+        help="the circuit (heads, MLPs and the edges between them) of a word choice",
+        description="One pass over a Hugging Face language model: per attention head, MLP "
+        "and position the total flow (Real) and the best path (MaxProduct) of log "
+        "p(target) - log p(foil), with the edges between them; written as EAP-IG graph "
+        "JSON, a Neuronpedia / circuit-tracer attribution graph and an HTML drawing.",
+    )
+    c.add_argument("model", help="Hugging Face hub id or local directory (masked or causal LM)")
+    c.add_argument("--text", required=True, help="the input; a masked LM needs one mask token")
+    c.add_argument("--target", required=True, help="the word whose log-probability is explained")
+    c.add_argument("--foil", help="the word whose log-probability is subtracted")
+    c.add_argument(
+        "--baseline-text",
+        help="a corrupted text of as many tokens: the seed is the difference of the two "
+        "texts' token embeddings (x - x'), as in activation patching",
+    )
+    c.add_argument("--top-n", type=int, help="keep the N strongest head/MLP sites (|Real|)")
+    c.add_argument("--threshold", type=float, help="keep the sites of |Real| at least this")
+    c.add_argument(
+        "--cumulative", type=float, help="keep the strongest sites that carry this share of |Real|"
+    )
+    c.add_argument("--kind", choices=["masked", "causal"], help="default: from the config")
+    c.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--json", metavar="FILE", help="write EAP-IG / MIB graph JSON (Real scores)")
+    c.add_argument(
+        "--neuronpedia", metavar="DIR", help="write a circuit-tracer / Neuronpedia graph here"
+    )
+    c.add_argument("--html", metavar="FILE", help="write the drawing as one HTML file")
+
+
+def _circuit(args) -> int:
+    import torch
+
+    from .circuits.hf import circuit_of_text
+    from .errors import InputError, SemiringBackpropError
+
+    try:
+        if args.html:
+            _check_html_file(args.html)
+        c = circuit_of_text(
+            args.model, args.text, args.target, args.foil, baseline_text=args.baseline_text,
+            kind=args.kind, dtype=getattr(torch, args.dtype), device=args.device,
+        )  # fmt: skip
+        if args.top_n is not None or args.threshold is not None or args.cumulative is not None:
+            c = c.prune(top_n=args.top_n, threshold=args.threshold, cumulative=args.cumulative)
+        print(c.view().text())
+        try:
+            if args.json:
+                c.to_eap_json(args.json)
+                print(f"wrote {args.json}")
+            if args.neuronpedia:
+                from .hf.explain import model_name
+
+                slug = "".join(ch if ch.isalnum() else "-" for ch in model_name(c.model_id))
+                c.to_neuronpedia(args.neuronpedia, slug=f"{slug}-circuit",
+                                 scan=model_name(c.model_id))  # fmt: skip
+                print(f"wrote {args.neuronpedia}")
+        except OSError as e:
+            raise InputError(f"cannot write {e.filename or 'the files'} ({e.strerror})") from None
+        if args.html:
+            print(f"wrote {c.to_html(args.html)}")
     except SemiringBackpropError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,356 @@
+"""Circuits: the components of a model (attention heads, MLPs) through which the
+explained output flows, with the edges between them, from one semiring pass
+(DESIGN §3b).
+
+:func:`circuit` runs the pass and builds a :class:`Circuit`: per site (a component at a
+position; the token embeddings; the target) the ⊕ of the whole paths through it, per
+edge between sites the ⊕ of the whole paths through it, under each semiring (Real: the
+total flow; MaxProduct: the best path's product, signed). ``prune`` keeps the
+strongest components; the circuit draws itself (``_repr_html_``, ``to_html``) and
+writes EAP-IG / MIB graph JSON, circuit-tracer / Neuronpedia attribution graph JSON,
+networkx graphs and Graphviz DOT (:mod:`.exports`).
+
+The best whole paths through components are not read off the edges: an edge's value is
+the best path through that edge, and chaining edges does not give a path's value (a
+path must enter and leave a site through the same element). ``Result.top_path`` gives
+the exact best path, element by element.
+
+For example (``tests/test_circuit.py`` runs it on a small BERT)::
+
+    c = sbp.circuit(model, kwargs={"input_ids": ids}, output=margin, tokens=tokens)
+    small = c.prune(cumulative=0.8)
+    small.to_html("circuit.html")
+    small.to_eap_json("circuit.json")
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ..errors import InputError
+from . import exports
+from .exports import ATTENTION_COLUMNS, COMPONENT_ROLES, EDGE_COLUMNS, NODE_COLUMNS
+
+__all__ = ["Circuit", "circuit"]
+
+
+def _frame(frame, columns, what):
+    import pandas as pd
+
+    if frame is None:
+        return pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise InputError(f"circuit {what}: missing columns {missing} (expected {list(columns)} "
+                         "and one value column per semiring)")  # fmt: skip
+    return frame.reset_index(drop=True)
+
+
+def _name(sr) -> str:
+    return sr if isinstance(sr, str) else sr.name
+
+
+@dataclass
+class Circuit:
+    """Sites, edges and attention edges of a circuit, as DataFrames (the columns of
+    ``analysis.circuit.circuit_nodes`` and ``analysis.circuit_edges``), one value
+    column per semiring. ``tokens``: the text's tokens; ``what``: the explained output
+    in words; ``mask``: 1 per token, 0 per padding position (padding has no sites);
+    ``model_id``: the model's name, where known; ``source``: the circuit this one was
+    pruned from (None: this is whole)."""
+
+    nodes: object
+    edges: object = None
+    attention_edges: object = None
+    semirings: list | None = None
+    tokens: list | None = None
+    result: object = field(default=None, repr=False)
+    what: str = ""
+    token_ids: list | None = None
+    mask: list | None = None
+    d_model: int | None = None
+    model_id: str = ""
+    source: Circuit | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        self.nodes = _frame(self.nodes, NODE_COLUMNS, "nodes")
+        self.edges = _frame(self.edges, EDGE_COLUMNS, "edges")
+        self.attention_edges = _frame(self.attention_edges, ATTENTION_COLUMNS,
+                                      "attention edges")  # fmt: skip
+        if self.semirings is None:
+            self.semirings = [c for c in self.nodes.columns if c not in NODE_COLUMNS]
+        for frame, what in ((self.nodes, "nodes"), (self.edges, "edges"),
+                            (self.attention_edges, "attention edges")):  # fmt: skip
+            gone = [n for n in self.names if n not in frame.columns]
+            if gone and len(frame):
+                raise InputError(f"circuit {what}: no column for {gone}")
+        if self.mask is not None:
+            pad = {p for p, m in enumerate(self.mask) if not m}
+            self.nodes = self.nodes[~self.nodes.position.isin(pad)].reset_index(drop=True)
+            self.edges = self.edges[~self.edges.position.isin(pad)].reset_index(drop=True)
+            a = self.attention_edges
+            self.attention_edges = a[~(a.src_position.isin(pad) | a.dst_position.isin(pad))
+                                     ].reset_index(drop=True)  # fmt: skip
+
+    # -- building ---------------------------------------------------------------------
+
+    @classmethod
+    def from_result(cls, res, semirings=None, seed="x", baseline=None, tokens=None,
+                    heads=None, roles=None, *, edges=None, attention_edges=None,
+                    what: str = "", mask=None) -> Circuit:  # fmt: skip
+        """The circuit of a pass (``sbp.backprop``'s Result): sites from
+        ``analysis.circuit.circuit_nodes``, edges from ``analysis.circuit_edges`` (or
+        the frames given), with ``seed``, ``baseline``, ``heads`` and ``roles`` as
+        there. ``semirings``: those of the pass to read (default: all)."""
+        from ..analysis.circuit import circuit_nodes
+
+        srs = list(semirings) if semirings is not None else list(res.semirings)
+        kw = {"seed": seed, "baseline": baseline, "tokens": tokens, "heads": heads,
+              "roles": roles}  # fmt: skip
+        nodes = circuit_nodes(res, srs, **kw)
+        if edges is None or attention_edges is None:
+            try:
+                from ..analysis import circuit_edges as ce
+            except ImportError:
+                ce = None
+            if ce is not None:
+                if edges is None:
+                    edges = ce.circuit_edges(res, srs, **kw)
+                if attention_edges is None:
+                    attention_edges = ce.attention_edges(res, srs, **kw)
+        emb = nodes[nodes.role == "embedding"].node
+        d_model = None
+        if len(emb):
+            shape = res.values[res.node(emb.iloc[0].split("+")[0])].shape
+            d_model = int(shape[-1])
+        ids = _token_ids(res)
+        labels = list(nodes[nodes.role == "embedding"].token)
+        return cls(nodes, edges, attention_edges, srs, labels, res, what, ids, mask, d_model)
+
+    # -- reading ----------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        """The value columns (one per semiring)."""
+        return [_name(s) for s in self.semirings]
+
+    def column(self, semiring=None) -> str:
+        """The value column of ``semiring`` (an object or its name; default Real where
+        computed, else the first)."""
+        names = self.names
+        if not names:
+            raise InputError("this circuit has no value column (no semiring)")
+        if semiring is None:
+            return "Real" if "Real" in names else names[0]
+        want = _name(semiring)
+        if want in names:
+            return want
+        if want == "MaxProduct":
+            found = [n for n in names if n.startswith("MaxProduct")]
+            if found:
+                return found[0]
+        raise InputError(f"semiring {want!r} is not in this circuit (it has {names})")
+
+    @property
+    def full(self) -> Circuit:
+        """The whole circuit this one was pruned from (itself when whole)."""
+        return self.source if self.source is not None else self
+
+    @property
+    def n_layers(self) -> int:
+        target = self.full.nodes[self.full.nodes.role == "target"]
+        if len(target):
+            return int(target.layer.iloc[0])
+        layers = self.full.nodes.layer.dropna()
+        return int(layers.max()) + 1 if len(layers) else 0
+
+    @property
+    def n_heads(self) -> int:
+        heads = self.full.nodes[self.full.nodes.role == "head"]["head_index"].dropna()
+        return int(heads.max()) + 1 if len(heads) else 0
+
+    @property
+    def token_list(self) -> list[str]:
+        """The tokens, one per position (padding included)."""
+        if self.tokens is not None:
+            return [str(t) for t in self.tokens]
+        rows = self.full.nodes[self.full.nodes.role == "embedding"]
+        return [str(t) for t in rows.sort_values("position").token]
+
+    @property
+    def prompt(self) -> str:
+        return " ".join(t for t, m in zip(self.token_list, self.mask or [1] * 10**6) if m)
+
+    @property
+    def last_position(self) -> int:
+        pos = self.full.nodes.position.dropna()
+        return int(pos.max()) if len(pos) else 0
+
+    def components(self):
+        """The rows of ``nodes`` that are heads or MLPs."""
+        return self.nodes[self.nodes.role.isin(COMPONENT_ROLES)]
+
+    # -- pruning ----------------------------------------------------------------------
+
+    def prune(self, top_n: int | None = None, threshold: float | None = None,
+              cumulative: float | None = None, semiring=None) -> Circuit:  # fmt: skip
+        """A new circuit keeping the components (heads and MLPs, each at one position;
+        the embeddings, residual streams and target always stay) whose |value| under
+        ``semiring`` (default Real) is among the ``top_n`` largest, at least
+        ``threshold``, or among the largest that together make up ``cumulative`` (a
+        share, 0 to 1) of the total |value| of all components; several criteria: all
+        must hold. Sites of no path (non-finite values) are never kept. Edges and
+        attention edges are kept where both their ends are.
+
+        Examples:
+            >>> c.prune(top_n=10)          # the ten strongest head / MLP sites
+            >>> c.prune(cumulative=0.9)    # the fewest that carry 90 % of |Real|
+        """
+        if top_n is None and threshold is None and cumulative is None:
+            raise InputError("prune: give top_n, threshold or cumulative")
+        if top_n is not None and (not isinstance(top_n, int) or top_n < 0):
+            raise InputError(f"prune: top_n={top_n!r}; give a count, 0 or more")
+        if cumulative is not None and not 0 <= cumulative <= 1:
+            raise InputError(f"prune: cumulative={cumulative!r}; give a share from 0 to 1")
+        col = self.column(semiring)
+        comps = self.full.components()
+        size = comps[col].astype(float).abs()
+        size = size.where(size.map(math.isfinite), float("nan"))
+        order = size.dropna().sort_values(ascending=False, kind="stable")
+        keep = set(order.index)
+        if top_n is not None:
+            keep &= set(order.index[:top_n])
+        if threshold is not None:
+            keep &= set(order.index[order >= threshold])
+        if cumulative is not None:
+            total, running, chosen = float(order.sum()), 0.0, []
+            for i, v in order.items():
+                if total == 0 or running >= cumulative * total - 1e-12 * total:
+                    break
+                chosen.append(i)
+                running += v
+            keep &= set(chosen)
+        kept_rows = comps.loc[sorted(keep)]
+        return self._keeping(kept_rows)
+
+    def _keeping(self, kept_rows) -> Circuit:
+        full = self.full
+        keys = {_key(r["role"], r["layer"], r["head_index"], r["position"])
+                for r in kept_rows.to_dict("records")}  # fmt: skip
+        n = full.nodes
+        stays = ~n.role.isin(COMPONENT_ROLES) | n.index.isin(kept_rows.index)
+        e = full.edges
+        ok = [
+            _key(r["src_role"], r["src_layer"], r["src_head_index"], r["position"]) in keys
+            or r["src_role"] == "embedding"
+            for r in e.to_dict("records")
+        ]
+        ok = [
+            a and (r["dst_role"] == "target"
+                   or _key(r["dst_role"], r["dst_layer"], r["dst_head_index"], r["position"])
+                   in keys)
+            for a, r in zip(ok, e.to_dict("records"))
+        ]  # fmt: skip
+        a = full.attention_edges
+        att = [
+            _key("head", r["layer"], r["head_index"], r["src_position"]) in keys
+            and _key("head", r["layer"], r["head_index"], r["dst_position"]) in keys
+            for r in a.to_dict("records")
+        ]
+        return replace(
+            full,
+            nodes=n[stays].reset_index(drop=True),
+            edges=e[ok].reset_index(drop=True) if len(e) else e,
+            attention_edges=a[att].reset_index(drop=True) if len(a) else a,
+            source=full,
+        )
+
+    # -- exports ----------------------------------------------------------------------
+
+    def to_networkx(self):
+        """A ``networkx.MultiDiGraph`` of the sites and edges (:mod:`.exports`)."""
+        return exports.to_networkx(self)
+
+    def to_dot(self, semiring=None) -> str:
+        """Graphviz DOT text of the sites and edges, coloured by ``semiring``'s values."""
+        return exports.to_dot(self, semiring)
+
+    def to_eap_json(self, path=None, semiring=None) -> dict:
+        """EAP-IG / MIB graph JSON (``Graph.from_json`` reads it): scores under
+        ``semiring`` (default Real), ⊕ over positions; ``in_graph``, this circuit's
+        components and edges. Written to ``path`` when given; returns the dict."""
+        graph = exports.eap_graph(self, semiring)
+        if path is not None:
+            import json
+
+            from .._files import atomic_write
+
+            text = json.dumps(graph, allow_nan=False)
+            atomic_write(path, lambda tmp: tmp.write_text(text))
+        return graph
+
+    def to_neuronpedia(self, where=None, semiring=None, slug: str = "circuit",
+                       scan: str = "") -> dict:  # fmt: skip
+        """circuit-tracer / Neuronpedia attribution graph JSON of this circuit's sites
+        (``scan``: the model's name). ``where``: a ``.json`` file, or a directory (then
+        ``{slug}.json`` and ``graph-metadata.json``, as circuit-tracer writes them).
+        Returns the dict."""
+        graph = exports.neuronpedia_graph(self, semiring, slug=slug, scan=scan)
+        if where is not None:
+            exports.write_neuronpedia(graph, where)
+        return graph
+
+    # -- views ------------------------------------------------------------------------
+
+    def view(self, semiring=None, max_edges: int = 300):
+        """The circuit drawn (:func:`semiring_backprop.views.circuit.circuit_view`)."""
+        from ..views.circuit import circuit_view
+
+        return circuit_view(self, semiring, max_edges=max_edges)
+
+    def _repr_html_(self) -> str:
+        return self.view()._repr_html_()
+
+    def to_html(self, path, semiring=None) -> str:
+        """Write the drawing to one self-contained HTML file; returns its path."""
+        return self.view(semiring).to_html(path)
+
+    def __repr__(self) -> str:
+        comps = self.components()
+        return (f"<Circuit: {len(comps)} of {len(self.full.components())} head/MLP sites, "
+                f"{len(self.edges)} edges; {', '.join(self.names)}>")  # fmt: skip
+
+
+def _key(role, layer, head, position) -> str:
+    return exports.site_id(role, layer, head, position)
+
+
+def _token_ids(res) -> list | None:
+    from ..errors import NotFoundError
+
+    try:
+        ids = res.values[res.node("input_ids")]
+    except (NotFoundError, InputError, KeyError):  # no input_ids (a float input): no ids
+        return None
+    return [int(i) for i in ids.reshape(-1).tolist()] if ids.dim() <= 2 else None
+
+
+def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=None,
+            seed="x", tokens=None, heads=None, roles=None, what: str = "") -> Circuit:  # fmt: skip
+    """Run ``sbp.backprop`` (``semirings``: default Real and MaxProduct) and build the
+    :class:`Circuit` of one example (a batch of one). ``seed``: ``"x"`` (default; each
+    source's own value), ``"structural"``, or with ``baseline`` (``{place: tensor}``,
+    e.g. the embeddings of a corrupted input) the difference ``x - baseline``.
+    ``tokens``: the token strings; ``heads``, ``roles``: as for ``layer_table``."""
+    from .._backprop import backprop
+    from ..semirings import MaxProduct, Real
+
+    srs = list(semirings) if semirings is not None else [Real(), MaxProduct()]
+    res = backprop(model, args, kwargs, output=output, semirings=srs)
+    mask = None
+    m = (kwargs or {}).get("attention_mask")
+    if m is not None and m.dim() == 2 and m.shape[0] == 1 and not bool((m != 0).all()):
+        mask = [int(x != 0) for x in m[0].tolist()]
+    return Circuit.from_result(res, srs, seed, baseline, tokens, heads, roles, what=what,
+                               mask=mask)  # fmt: skip

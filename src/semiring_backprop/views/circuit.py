@@ -1,0 +1,264 @@
+"""A circuit drawn: layers (rows, the embeddings at the bottom, the target at the top) by
+positions (columns, under their tokens). Per layer and position, the attention heads
+side by side (a small box each) and above them the MLP; a box's colour is its value
+(red positive, blue negative, on a diverging scale centred at zero) and its size
+grows with |value|. Edges are lines, their width by |value|; a head's attention from
+one position to another is a dashed curve. One inline SVG, no script; padding has no
+column. Reads a ``Circuit`` (``semiring_backprop.circuits``) and computes nothing."""
+
+from __future__ import annotations
+
+import math
+
+from . import View
+from . import html as _html
+from .colors import NO_VALUE, Scale
+
+ROW_H = 34
+HEAD_W = 14
+LEFT = 150
+
+
+def _int(x):
+    try:
+        if x is None or x != x:
+            return None
+    except TypeError:
+        return None
+    try:
+        import pandas as pd
+
+        if x is pd.NA:
+            return None
+    except ImportError:
+        pass
+    return int(x)
+
+
+def _site(role, layer, head, position) -> str:
+    names = {"embedding": "input", "target": "logits"}
+    if role == "head":
+        name = f"a{_int(layer)}.h{_int(head)}"
+    elif role == "mlp":
+        name = f"m{_int(layer)}"
+    else:
+        name = names.get(role, f"r{_int(layer)}")
+    return name if role == "target" else f"{name}@{_int(position)}"
+
+
+def _sign(v) -> str:
+    if v is None or not math.isfinite(v):
+        return "none"
+    return "+" if v > 0 else "-" if v < 0 else "0"
+
+
+class _Layout:
+    """Where each site's box is: columns by position, rows by layer and sublayer."""
+
+    def __init__(self, circuit):
+        full = circuit.full.nodes
+        emb = full[full.role == "embedding"].sort_values("position")
+        self.positions = [int(p) for p in emb.position]
+        self.labels = [str(t) for t in emb.token]
+        self.n_layers, self.n_heads = circuit.n_layers, max(circuit.n_heads, 1)
+        self.col = {p: j for j, p in enumerate(self.positions)}
+        self.cw = max(self.n_heads * (HEAD_W + 2) + 8, 56)
+        self.rows = 2 + 2 * self.n_layers
+        longest = min(max((len(t) for t in self.labels), default=1), 14)
+        self.top = 30
+        self.bottom = 14 + 7 * longest
+        self.width = LEFT + self.cw * max(len(self.positions), 1) + 16
+        self.height = self.top + ROW_H * self.rows + self.bottom
+
+    def row_y(self, r: int) -> float:
+        """The top of row ``r`` counted from the bottom (0: the embeddings)."""
+        return self.top + ROW_H * (self.rows - 1 - r)
+
+    def row_of(self, role, layer) -> int:
+        if role == "embedding":
+            return 0
+        if role == "target":
+            return self.rows - 1
+        return 1 + 2 * int(layer) + (1 if role == "mlp" else 0)
+
+    def box(self, role, layer, head, position) -> tuple[float, float, float, float]:
+        """``(x, y, width, height)`` of a site's slot."""
+        y = self.row_y(self.row_of(role, layer)) + 5
+        h = ROW_H - 10
+        if role == "target":
+            w = min(160, self.cw * max(len(self.positions), 1) - 8)
+            x = LEFT + (self.cw * max(len(self.positions), 1) - w) / 2
+            return x, y, w, h
+        x0 = LEFT + self.cw * self.col[int(position)] + 4
+        if role == "head":
+            return x0 + int(head) * (HEAD_W + 2), y, HEAD_W, h
+        return x0, y, self.cw - 8, h
+
+    def row_names(self) -> list[tuple[int, str]]:
+        out = [(0, "embeddings"), (self.rows - 1, "target")]
+        for layer in range(self.n_layers):
+            out += [(1 + 2 * layer, f"layer {layer} heads"), (2 + 2 * layer, f"layer {layer} MLP")]
+        return out
+
+
+def circuit_svg(circuit, semiring=None, max_edges: int = 300) -> tuple[str, dict]:
+    """The SVG, and what it drew (``components``, ``edges``, ``edges_total``)."""
+    col = circuit.column(semiring)
+    lay = _Layout(circuit)
+    nodes = circuit.nodes[circuit.nodes.role != "residual"]
+    nodes = nodes[(nodes.role == "target") | nodes.position.isin(lay.positions)]
+    scale = _scale(circuit, col)
+    bound = scale.bound or 1.0
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="circuit" width="{lay.width:g}" '
+        f'height="{lay.height:g}" viewBox="0 0 {lay.width:g} {lay.height:g}" font-size="11">'
+    ]
+    for r, name in lay.row_names():
+        y = lay.row_y(r) + ROW_H / 2 + 4
+        out.append(f'<text x="4" y="{y:g}">{_html.esc(name)}</text>')
+    base = lay.row_y(0) + ROW_H + 4
+    for j, t in enumerate(lay.labels):
+        x = LEFT + lay.cw * j + lay.cw / 2 + 4
+        short = t if len(t) <= 14 else t[:13] + "…"
+        out.append(
+            f'<text class="token" transform="translate({x:g},{base:g}) rotate(-90)" '
+            f'text-anchor="end"><title>{_html.esc(t)} (position {lay.positions[j]})</title>'
+            f"{_html.esc(short)}</text>"
+        )
+    full = circuit.full.nodes
+    for row in full[full.role.isin(("head", "mlp"))].to_dict("records"):
+        if _int(row["position"]) in lay.col:
+            x, y, w, h = lay.box(row["role"], row["layer"], row["head_index"], row["position"])
+            out.append(f'<rect class="slot" x="{x:g}" y="{y:g}" width="{w:g}" height="{h:g}" '
+                       'fill="none" stroke="#ddd"/>')  # fmt: skip
+    centers, drawn = {}, 0
+    boxes = []
+    for row in nodes.to_dict("records"):
+        v = float(row[col])
+        sid = _site(row["role"], row["layer"], row["head_index"], row["position"])
+        x, y, w, h = lay.box(row["role"], row["layer"], row["head_index"], row["position"])
+        centers[sid] = (x + w / 2, y, y + h)
+        f = (
+            1.0
+            if row["role"] == "target" or not math.isfinite(v)
+            else max(0.2, math.sqrt(min(abs(v) / bound, 1.0)))
+        )
+        bw, bh = w * f, h * f
+        color = scale.color(v) if math.isfinite(v) else NO_VALUE
+        where = "" if row["role"] == "target" else f" at {row['token']!r} ({_int(row['position'])})"
+        tip = f"{sid}{where}: {col} {_html.fmt(v)}"
+        boxes.append(
+            f'<rect class="comp" data-id="{_html.esc(sid)}" data-role="{row["role"]}" '
+            f'data-sign="{_sign(v)}" data-value="{v!r}" x="{x + (w - bw) / 2:.1f}" '
+            f'y="{y + (h - bh) / 2:.1f}" width="{bw:.1f}" height="{bh:.1f}" rx="2" '
+            f'fill="{color}" stroke="#555" stroke-width="0.6">'
+            f"<title>{_html.esc(tip)}</title></rect>"
+        )
+        if w >= 20 and math.isfinite(v) and v != 0:
+            glyph = "+" if v > 0 else "−"
+            boxes.append(f'<text x="{x + w - 9:g}" y="{y + h / 2 + 4:g}" '
+                         f'class="sign">{glyph}</text>')  # fmt: skip
+        drawn += 1
+    lines, total = _edges(circuit, col, centers, lay, max_edges)
+    out += lines + boxes + ["</svg>"]
+    return "".join(out), {"components": drawn, "edges": len(lines), "edges_total": total}
+
+
+def _edges(circuit, col, centers, lay, max_edges) -> tuple[list[str], int]:
+    items = []
+    for row in circuit.edges.to_dict("records"):
+        p = row["position"]
+        src = _site(row["src_role"], row["src_layer"], row["src_head_index"], p)
+        dst = _site(row["dst_role"], row["dst_layer"], row["dst_head_index"], p)
+        items.append((float(row[col]), src, dst, str(row["input"])))
+    for row in circuit.attention_edges.to_dict("records"):
+        src = _site("head", row["layer"], row["head_index"], row["src_position"])
+        dst = _site("head", row["layer"], row["head_index"], row["dst_position"])
+        if src != dst:
+            items.append((float(row[col]), src, dst, "attention"))
+    items = [i for i in items if i[1] in centers and i[2] in centers and math.isfinite(i[0])]
+    items.sort(key=lambda i: -abs(i[0]))
+    top = max((abs(i[0]) for i in items), default=0.0) or 1.0
+    lines = []
+    for v, src, dst, kind in items[:max_edges]:
+        (x1, t1, _), (x2, t2, _) = centers[src], centers[dst]
+        width = 0.4 + 3.6 * abs(v) / top
+        color = "#B2182B" if v > 0 else "#2166AC" if v < 0 else "#999"
+        tip = f"<title>{_html.esc(f'{src} → {dst} ({kind}): {col} {_html.fmt(v)}')}</title>"
+        data = f'data-src="{_html.esc(src)}" data-dst="{_html.esc(dst)}" data-input="{kind}"'
+        if kind == "attention":
+            lift = 10 + 4 * abs(lay.col.get(_pos(dst), 0) - lay.col.get(_pos(src), 0))
+            lines.append(
+                f'<path class="attn" {data} d="M{x1:.1f} {t1:.1f} Q{(x1 + x2) / 2:.1f} '
+                f'{t1 - lift:.1f} {x2:.1f} {t2:.1f}" fill="none" stroke="{color}" '
+                f'stroke-width="{width:.2f}" stroke-dasharray="3 2" opacity="0.6">{tip}</path>'
+            )
+        else:
+            lines.append(
+                f'<line class="edge" {data} x1="{x1:.1f}" y1="{t1:.1f}" x2="{x2:.1f}" '
+                f'y2="{centers[dst][2]:.1f}" stroke="{color}" stroke-width="{width:.2f}" '
+                f'opacity="0.55">{tip}</line>'
+            )
+    return lines, len(items)
+
+
+def _scale(circuit, col) -> Scale:
+    """Colours and sizes on the scale of the heads and MLPs (the embeddings and the
+    target, whose values are larger, take the scale's ends)."""
+    comps = [float(v) for v in circuit.full.components()[col]]
+    if not any(math.isfinite(v) and v != 0 for v in comps):
+        comps = [float(v) for v in circuit.full.nodes[col]]
+    return Scale(comps, signed=True)
+
+
+def _pos(sid: str) -> int:
+    return int(sid.rsplit("@", 1)[1]) if "@" in sid else -1
+
+
+def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
+    """The circuit as a :class:`~semiring_backprop.views.View`: the drawing, a caption
+    naming the example and the semiring, a colour bar and a legend."""
+    col = circuit.column(semiring)
+    svg, drawn = circuit_svg(circuit, semiring, max_edges)
+    comps = circuit.components()
+    every = circuit.full.components()
+    text = circuit.prompt
+    scale = _scale(circuit, col)
+    said = f"; explained: {circuit.what}" if circuit.what else ""
+    kept = (f"{len(comps)} of {len(every)} head/MLP sites kept"
+            if len(comps) < len(every) else f"all {len(every)} head/MLP sites")  # fmt: skip
+    shown = f"{drawn['edges']} of {drawn['edges_total']} edges drawn (the strongest)"
+    caption = (
+        f"<h3>Circuit of “{_html.esc(text)}”</h3><div class=note>"
+        f"{_html.esc(said[2:] + '; ' if said else '')}values under {_html.esc(col)} "
+        f"({_html.esc(_meaning(col))}); {kept}; {shown}.</div>"
+    )
+    legend = (
+        "<div class=note>Rows: the embeddings (bottom), per layer the attention heads "
+        "(small boxes, head 0 first) and the MLP, the target (top); columns: positions. "
+        "A box's colour is its value (red raises the output, blue lowers it; + and − on "
+        "the wider boxes) and its size grows with |value|, on the scale of the heads and "
+        "MLPs (the embeddings and the target, larger, take its ends); grey outlines are sites left "
+        "out. Lines: edges through the residual stream (width by |value|); dashed curves: "
+        "a head's attention from one position to another.</div>"
+    )
+    body = caption + _html.color_bar(scale, col) + f'<div class="scroll">{svg}</div>' + legend
+
+    def as_text(color=False):
+        order = sorted(comps.to_dict("records"), key=lambda r: -abs(float(r[col]))
+                       if math.isfinite(float(r[col])) else 0)  # fmt: skip
+        lines = [f"circuit of {text!r}{said}", f"values under {col}; {kept}; {shown}"]
+        for r in order[:15]:
+            sid = _site(r["role"], r["layer"], r["head_index"], r["position"])
+            lines.append(f"  {sid:14} {r['token']!s:12} {_html.fmt(r[col])}")
+        return "\n".join(lines)
+
+    return View(body, as_text, "circuit")
+
+
+def _meaning(col: str) -> str:
+    if col == "Real":
+        return "the total flow through each site: its share of the output"
+    if col.startswith("MaxProduct"):
+        return "the product of the best path through each site, signed"
+    return "the ⊕ of the paths through each site"
