@@ -58,7 +58,18 @@ class Circuit:
     column per semiring. ``tokens``: the text's tokens; ``what``: the explained output
     in words; ``mask``: 1 per token, 0 per padding position (padding has no sites);
     ``model_id``: the model's name, where known; ``source``: the circuit this one was
-    pruned from (None: this is whole)."""
+    pruned from (None: this is whole).
+
+    Examples:
+        >>> c = sbp.Circuit.from_result(res, [sbp.Real(), sbp.MaxProduct()], tokens=tokens)
+        >>> c                                  # 11 tokens x (2 heads + the MLP)
+        <Circuit: 33 of 33 head/MLP sites, ... edges; Real, MaxProduct(neuron)>
+        >>> small = c.prune(top_n=3)           # the three strongest sites under Real
+        >>> small
+        <Circuit: 3 of 33 head/MLP sites, ... edges; Real, MaxProduct(neuron)>
+        >>> sorted(small.to_eap_json()["cfg"].items())[:3]
+        [('d_model', 16), ('n_heads', 2), ('n_layers', 1)]
+    """
 
     nodes: object
     edges: object = None
@@ -203,9 +214,8 @@ class Circuit:
         must hold. Sites of no path (non-finite values) are never kept. Edges and
         attention edges are kept where both their ends are.
 
-        Examples:
-            >>> c.prune(top_n=10)          # the ten strongest head / MLP sites
-            >>> c.prune(cumulative=0.9)    # the fewest that carry 90 % of |Real|
+        ``prune(top_n=10)``: the ten strongest sites; ``prune(cumulative=0.9)``: the
+        fewest that carry 90 % of |Real| (the class's example runs one).
         """
         if top_n is None and threshold is None and cumulative is None:
             raise InputError("prune: give top_n, threshold or cumulative")
@@ -342,7 +352,15 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
     :class:`Circuit` of one example (a batch of one). ``seed``: ``"x"`` (default; each
     source's own value), ``"structural"``, or with ``baseline`` (``{place: tensor}``,
     e.g. the embeddings of a corrupted input) the difference ``x - baseline``.
-    ``tokens``: the token strings; ``heads``, ``roles``: as for ``layer_table``."""
+    ``tokens``: the token strings; ``heads``, ``roles``: as for ``layer_table``.
+
+    Examples:
+        >>> c = sbp.circuit(model, kwargs=dict(enc), output=are_is, tokens=tokens)
+        >>> c.names
+        ['Real', 'MaxProduct(neuron)']
+        >>> c.to_html("api-circuit.html")    # the drawing, one self-contained file
+        'api-circuit.html'
+    """
     from .._backprop import backprop
     from ..semirings import MaxProduct, Real
 
