@@ -442,3 +442,47 @@ def stats(products: list, shape, k: int) -> dict:
     per = [_stats(np.asarray(p, dtype=np.float64), k) for p in products]
     return {key: np.stack([d[key] for d in per]).reshape((*shape, *np.shape(per[0][key])))
             for key in per[0]}  # fmt: skip
+
+
+# -- paths grouped by the events they pass (the edges of a circuit) ---------------------
+
+
+def grouped_suffixes(dag: ScalarDag, event) -> callable:
+    """A function ``(node, flat) -> {events: np.ndarray of products}``: every path from
+    ``node[flat]`` to the output, grouped by the tuple of ``event(node, flat)`` values
+    (None: no event) of the elements it passes, ``node[flat]`` itself first. The products
+    are each path's own, listed one by one (nothing is summed or maximized)."""
+    memo: dict = {}
+
+    def suffixes(node, flat):
+        key = (node, flat)
+        if key in memo:
+            return memo[key]
+        if node is dag.out_node:
+            groups = {(): [np.ones(1)]}
+        else:
+            groups = {}
+            for dst, _, mask, w in dag.consumers.get(node, []):
+                for o in np.nonzero(mask[:, flat])[0]:
+                    for sig, arr in suffixes(dst, int(o)).items():
+                        groups.setdefault(sig, []).append(float(w[o, flat]) * arr)
+        ev = event(node, flat)
+        out = {((ev, *sig) if ev is not None else sig): np.concatenate(parts)
+               for sig, parts in groups.items()}  # fmt: skip
+        memo[key] = out
+        return out
+
+    return suffixes
+
+
+def grouped_paths(result, dag: ScalarDag, seeds: dict, event) -> dict:
+    """``{events: np.ndarray}``: every whole path from a seeded source element (``seeds``:
+    ``{node: flat array}``, each path's product times its seed) to the output, grouped by
+    the events it passes (see :func:`grouped_suffixes`)."""
+    suffixes = grouped_suffixes(dag, event)
+    out: dict = {}
+    for node, seed in seeds.items():
+        for i in range(result.values[node].numel()):
+            for sig, arr in suffixes(node, i).items():
+                out.setdefault(sig, []).append(seed[i] * arr)
+    return {sig: np.concatenate(parts) for sig, parts in out.items()}

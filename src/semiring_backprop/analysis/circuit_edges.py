@@ -1,0 +1,458 @@
+"""The edges of a circuit: the ⊕ over the whole paths that leave one component and enter
+the next through the residual stream alone, split by the input they enter (DESIGN §3b).
+
+Components are the sites of :func:`.circuit.circuit_nodes` other than the residual
+stream: the token embedding, each attention head (its slice of the output projection's
+input), each MLP (its output) and the target. A path passes a chain of them; between two
+that follow each other it runs through the residual stream only (adds, norms, the output
+projection, the lm head: nothing that is another component; the residual sites, the
+layers' inputs, included). The edge ``u -> v`` is the ⊕ over the whole paths that pass
+``u`` and then ``v``, entering ``v`` by
+
+- ``"q"``, ``"k"``, ``"v"`` (a head): that head's columns of the query / key / value
+  projection, i.e. the paths from the projection's input that reach the head's slice of
+  the output projection's input (under grouped-query attention: the paths through the
+  shared K/V columns that reach this query head);
+- ``"mlp"`` (an MLP): the MLP's first ops;
+- ``"target"``: the output itself.
+
+Each entry point is a tensor ``x`` (the projection's input, the tensor the MLP reads, the
+output) with ``D_e(x)``, the ⊕ over the paths from ``x`` that go on through that entry
+alone. A reverse pass from ``x``, restricted to the nodes between the components (it
+ends at every component's site and may not enter one), gives at a site ``u`` the ⊕ over
+the residual-only paths from ``u`` to ``x`` times ``D_e``; ``alpha(u) ⊗`` that, ⊕-ed over
+the hidden units of ``u`` at each position, is the edge. Residual paths keep their
+position (norms mix the units of one position), so an edge's position is the position of
+``u`` and of the entry both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..engine.reverse import contributions, propagate
+from ..errors import InputError, NotFoundError
+from .branches import blocks
+from .circuit import _labels, _readout, find_sites
+from .fanout import Roles, ancestors, descendants, entries, first_contraction
+from .heads import QKV, _only
+from .marginals import alphas
+
+#: the ``input`` column: how a path enters its destination
+INPUTS = ("q", "k", "v", "mlp", "target")
+_SHORT = {"query": "q", "key": "k", "value": "v"}
+#: the columns of :func:`circuit_edges` before the value columns (one per semiring)
+EDGE_COLUMNS = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
+                "dst_head_index", "input", "position", "token")  # fmt: skip
+#: the columns of :func:`attention_edges` before the value columns
+ATTENTION_COLUMNS = ("layer", "head_index", "src_position", "dst_position", "src_token",
+                     "dst_token")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Component:
+    """A site of :func:`.circuit.find_sites` that a path passes between two residual
+    segments: ``nodes`` (⊕-ed together) per position, ``cols`` of the columns."""
+
+    role: str
+    layer: int
+    nodes: tuple
+    head: int | None = None
+    cols: slice | None = None
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One query, key or value projection of a block: the contraction ``proj`` whose
+    output columns ``cols`` are that role's (all of them unless fused), reading ``x``."""
+
+    role: str
+    proj: torch.fx.Node
+    x: torch.fx.Node
+    cols: tuple
+
+
+@dataclass
+class Layout:
+    """The components, the entries of each block and what residual passes may not cross."""
+
+    positions: int
+    components: list  #: sources of edges: embedding, heads, MLPs (in order)
+    heads: dict  #: layer -> [Component per head]
+    projections: dict  #: layer -> [Projection]
+    mlp_entries: dict  #: layer -> [(entry op, the tensor it reads)]
+    target: torch.fx.Node
+    layers: int
+    stops: frozenset  #: the components' nodes: residual passes end there
+    blocked: frozenset  #: the components' first ops: residual passes never cross them
+
+
+def layout(res, heads=None, roles=None) -> Layout:
+    """The components of ``res``'s model and the entries of each (InputError where the
+    model's blocks are not laid out as this analysis needs)."""
+    sites, positions = find_sites(res, heads, roles)
+    found = blocks(res, roles)
+    r = Roles(res, roles)
+    comps = [Component(s.role, s.layer, s.nodes, s.head, s.cols) for s in sites
+             if s.role in ("embedding", "head", "mlp")]  # fmt: skip
+    by_head: dict = {}
+    for c in comps:
+        if c.role == "head":
+            by_head.setdefault(c.layer, []).append(c)
+    projections, mlp_entries = {}, {}
+    for i, b in enumerate(found):
+        projections[i] = _projections(res, r, b, roles)
+        mlp_entries[i] = _mlp_entries(res, b, roles)
+    stops = frozenset(n for c in comps for n in c.nodes)
+    blocked = frozenset([p.proj for ps in projections.values() for p in ps]
+                        + [op for es in mlp_entries.values() for op, _ in es])  # fmt: skip
+    return Layout(positions, comps, by_head, projections, mlp_entries, res.graph.output_node,
+                  len(found), stops, blocked)  # fmt: skip
+
+
+def _expect(res, point, roles, allowed, block, what):
+    try:
+        _, ents = entries(res, point, roles)
+    except NotFoundError:
+        ents = []
+    odd = [e for e in ents if e.role not in allowed]
+    if odd:
+        raise InputError(
+            f"circuit edges: the {what} of {block.layer!r} (`{point.name}`) feeds "
+            f"{[f'{e.consumer or e.op.name} ({e.role})' for e in odd]}, not only "
+            f"{' / '.join(allowed)}: paths leaving there cannot be given to a component; "
+            "pass roles={'module regex': role} if the model names its modules otherwise"
+        )
+    return ents
+
+
+def _projections(res, r, block, roles) -> list:
+    ents = _expect(res, block.points["attention"], roles, ("skip", *QKV), block, "residual stream")
+    out: dict = {}
+    for e in ents:
+        if e.role not in QKV:
+            continue
+        proj = e.proj or first_contraction(r, e.op)
+        if proj is None:
+            raise InputError(
+                f"circuit edges: no matmul follows the {e.role} branch of {block.layer!r} "
+                f"({e.consumer!r}), so its heads' columns cannot be told apart"
+            )
+        xs = [a for a in proj.all_input_nodes if a in res.needed]
+        if len(xs) != 1:
+            raise InputError(
+                f"circuit edges: the {e.role} projection `{proj.name}` of {block.layer!r} "
+                f"reads {len(xs)} tensors that carry paths, not one input and weights"
+            )
+        cols = e.cols or tuple(range(res.values[proj].shape[-1]))
+        out.setdefault((proj, e.role), Projection(e.role, proj, xs[0], cols))
+    if {p.role for p in out.values()} != set(QKV):
+        raise InputError(
+            f"circuit edges: found {sorted({p.role for p in out.values()})} projections in "
+            f"{block.layer!r}, not a query, a key and a value"
+        )
+    return list(out.values())
+
+
+def _mlp_entries(res, block, roles) -> list:
+    ents = _expect(res, block.points["mlp"], roles, ("skip", "mlp"), block, "MLP's input")
+    out = [(e.op, e.via) for e in ents if e.role == "mlp"]
+    if not out:
+        raise InputError(f"circuit edges: found no MLP reading `{block.points['mlp'].name}`")
+    return out
+
+
+# -- D at each entry -------------------------------------------------------------------
+
+
+def head_entry_d(res, lay: Layout, srs, layer: int, head: int, position=None) -> dict:
+    """``{(role, x): [D per semiring]}``: at the input ``x`` of each projection of head
+    ``head``'s block, ⊕ over the paths through that role's columns that reach the head's
+    slice of the output projection's input (at ``position`` only, if given)."""
+    comp = lay.heads[layer][head]
+    (site,) = comp.nodes
+    like = res.values[site]
+    ks = [res.semirings.index(sr) for sr in srs]
+    mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
+    mask[comp.cols] = True
+    d = [_only(sr, res._store[site][k], mask, like) for sr, k in zip(srs, ks)]
+    if position is not None:
+        d = [_at_position(sr, v, like, lay.positions, position) for sr, v in zip(srs, d)]
+    projs = lay.projections[layer]
+    down = set().union(*(descendants(p.proj) for p in projs))
+    region = ancestors(site, down)
+    graph, values, needed = res.graph, res.values, res.needed
+    with torch.no_grad():
+        store = propagate(graph, values, srs, {site: d}, needed, within=region,
+                          start=graph.ids[site] + 1)  # fmt: skip
+    out: dict = {}
+    for p in projs:
+        if p.proj not in store:
+            continue
+        pl = values[p.proj]
+        cols = torch.zeros(pl.shape[-1], dtype=torch.bool, device=pl.device)
+        cols[list(p.cols)] = True
+        dp = [_only(sr, v, cols, pl) for sr, v in zip(srs, store[p.proj])]
+        with torch.no_grad():
+            for inp, s, c in contributions(graph, values, srs, graph.ids[p.proj], dp, needed):
+                if inp is p.x:
+                    slot = out.setdefault((p.role, p.x), [None] * len(srs))
+                    slot[s] = srs[s].accumulate(slot[s], c)
+    return out
+
+
+def _at_position(sr, value, like, positions, p):
+    """``value`` at position ``p`` of a (…, positions, hidden) tensor, the zero elsewhere."""
+    zero = sr.zero(like.shape, like)
+    keep = torch.zeros(positions, dtype=torch.bool, device=like.device)
+    keep[p] = True
+    out = []
+    for f, z in zip(value, zero):
+        flat = f.reshape(positions, -1, *f.shape[like.dim() :])
+        m = keep.reshape(positions, *(1,) * (flat.dim() - 1))
+        out.append(torch.where(m, flat, z.reshape(flat.shape)).reshape(f.shape))
+    return tuple(out)
+
+
+def _mlp_entry_d(res, lay: Layout, srs, layer: int) -> dict:
+    graph, values, needed = res.graph, res.values, res.needed
+    ks = [res.semirings.index(sr) for sr in srs]
+    out: dict = {}
+    with torch.no_grad():
+        for op, via in lay.mlp_entries[layer]:
+            if op not in res._store:
+                continue
+            d = [res._store[op][k] for k in ks]
+            for inp, s, c in contributions(graph, values, srs, graph.ids[op], d, needed):
+                if inp is via:
+                    slot = out.setdefault(via, [None] * len(srs))
+                    slot[s] = srs[s].accumulate(slot[s], c)
+    return out
+
+
+# -- residual passes -------------------------------------------------------------------
+
+
+def residual_pass(res, lay: Layout, srs, acc: dict) -> dict:
+    """``{component node: [value per semiring]}``: from the entry values ``acc``
+    (``{tensor: [D per semiring]}``), the ⊕ over the paths from each component's node
+    that reach an entry through the residual stream alone, times its D."""
+    needed = res.needed
+    region, todo = set(), list(acc)
+    while todo:
+        n = todo.pop()
+        if n in region:
+            continue
+        if n in lay.blocked:
+            raise InputError(
+                f"circuit edges: the residual stream before `{next(iter(acc)).name}` reads "
+                f"`{n.name}` inside a component (its first op) without passing the "
+                "component's output: the paths there cannot be given to one component"
+            )
+        region.add(n)
+        if n not in lay.stops:
+            todo.extend(a for a in n.all_input_nodes if a in needed)
+    for s in region & lay.stops:
+        inner = [a for a in s.all_input_nodes if a in region]
+        if inner:
+            raise InputError(
+                f"circuit edges: `{inner[0].name}`, an input of the component `{s.name}`, "
+                "is also read by the residual stream: paths through it pass no component"
+            )
+    graph = res.graph
+    start = max(graph.ids[n] for n in acc) + 1
+    with torch.no_grad():
+        store = propagate(graph, res.values, srs, dict(acc), needed, within=region, start=start)
+    return {n: v for n, v in store.items() if n in lay.stops}
+
+
+def _per_position(res, lay: Layout, comp: Component, srs, store, al):
+    """Per semiring: the ⊕ over ``comp``'s elements at each position of
+    ``alpha ⊗`` the residual pass's value (None where no node of ``comp`` was reached)."""
+    out = []
+    for s, sr in enumerate(srs):
+        total = None
+        for node in comp.nodes:
+            if node not in store:
+                continue
+            like = res.values[node]
+            m = sr.mul(_alpha(res, al, node, sr), store[node][s])
+            per = tuple(
+                f.reshape(lay.positions, -1, *f.shape[like.dim() :])[:, comp.cols or slice(None)]
+                for f in m
+            )
+            per = sr.sum(per, (1,))
+            total = per if total is None else sr.plus(total, per)
+        out.append(total)
+    return out
+
+
+def _alphas(res, srs, seed, baseline) -> dict:
+    """``{semiring: {node: alpha}}``: one forward pass per semiring."""
+    return {sr: alphas(res, sr, seed, baseline) for sr in srs}
+
+
+def _alpha(res, al, node, sr):
+    """alpha at ``node`` (the zero where no path arrives)."""
+    found = al[sr].get(node)
+    if found is None:
+        like = res.values[node]
+        return sr.zero(like.shape, like)
+    return found
+
+
+def _has_path(sr, value) -> torch.Tensor:
+    zero = sr.zero(value[0].shape, value[0])
+    return (value[0] != zero[0]).reshape(value[0].shape[0], -1).any(-1)
+
+
+def _check_semirings(res, semirings):
+    srs = list(semirings) if semirings is not None else list(res.semirings)
+    for sr in srs:
+        if sr not in res.semirings:
+            raise InputError(f"{sr} was not computed in this pass (computed: {res.semirings})")
+    return srs
+
+
+def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=None,
+                  heads=None, roles=None):  # fmt: skip
+    """Tidy DataFrame, one row per edge between two components and position: ``src_layer``,
+    ``src_role``, ``src_head_index``, ``dst_layer``, ``dst_role``, ``dst_head_index``,
+    ``input``, ``position``, ``token`` and one value column per semiring (named by it).
+
+    Components (``src_role`` / ``dst_role``): ``"embedding"`` (layer -1, a source only),
+    ``"head"``, ``"mlp"`` and ``"target"`` (layer = the number of layers, a destination
+    only), as in :func:`.circuit.circuit_nodes`. The value of ``u -> v`` at position ``p``
+    is the ⊕ over the whole paths (source to output, with ``seed`` and ``baseline`` as in
+    ``res.marginal``) that pass ``u`` at ``p``, then only the residual stream, then enter
+    ``v`` through ``input``: ``"q"``, ``"k"``, ``"v"`` (the head's columns of that
+    projection), ``"mlp"``, ``"target"``. Readouts as in ``circuit_nodes``: under Real
+    the flow, under MaxProduct the signed best path (-inf where none), under Entropy the
+    entropy of the paths, under TopK the best of the k. Under Real, the edges into one
+    input of ``v`` sum to that input's marginal (every path into it has one last
+    component).
+
+    Rows: the edges some path takes, i.e. those where a semiring's value is not its zero
+    (a Real sum can be 0 where paths exist; MaxProduct, PathCount and TopK see them).
+    ``tokens``, ``heads``, ``roles``: as for ``circuit_nodes``.
+    """
+    import pandas as pd
+
+    srs = _check_semirings(res, semirings)
+    lay = layout(res, heads, roles)
+    labels = _labels(tokens, lay.positions)
+    al = _alphas(res, srs, seed, baseline)
+    rows: list[dict] = []
+    for dst, inp, acc in _destinations(res, lay, srs):
+        store = residual_pass(res, lay, srs, acc)
+        for comp in lay.components:
+            values = _per_position(res, lay, comp, srs, store, al)
+            if values[0] is None:
+                continue
+            has = torch.stack([_has_path(sr, v) for sr, v in zip(srs, values)]).any(0)
+            read = [_readout(sr, v).detach().cpu().double() for sr, v in zip(srs, values)]
+            for p in range(lay.positions):
+                if not bool(has[p]):
+                    continue
+                row = {
+                    "src_layer": comp.layer, "src_role": comp.role, "src_head_index": comp.head,
+                    "dst_layer": dst.layer, "dst_role": dst.role, "dst_head_index": dst.head,
+                    "input": inp, "position": p, "token": labels[p],
+                }  # fmt: skip
+                for sr, r in zip(srs, read):
+                    row[sr.name] = float(r[p])
+                rows.append(row)
+    frame = pd.DataFrame(rows, columns=[*EDGE_COLUMNS, *(sr.name for sr in srs)])
+    for col in ("src_layer", "src_head_index", "dst_layer", "dst_head_index", "position"):
+        frame[col] = frame[col].astype("Int64")
+    return frame
+
+
+def _destinations(res, lay: Layout, srs):
+    """``(component, input, {entry tensor: [D per semiring]})`` for every entry."""
+    for layer in range(lay.layers):
+        for comp in lay.heads[layer]:
+            d = head_entry_d(res, lay, srs, layer, comp.head)
+            for role in QKV:
+                acc = {x: v for (r, x), v in d.items() if r == role}
+                if acc:
+                    yield comp, _SHORT[role], _filled(res, srs, acc)
+        acc = _mlp_entry_d(res, lay, srs, layer)
+        if acc:
+            yield Component("mlp", layer, ()), "mlp", _filled(res, srs, acc)
+    out = lay.target
+    like = res.values[out]
+    yield (
+        Component("target", lay.layers, ()),
+        "target",
+        {out: [sr.one(like.shape, like) for sr in srs]},
+    )
+
+
+def _filled(res, srs, acc):
+    for x, slot in acc.items():
+        like = res.values[x]
+        for s, sr in enumerate(srs):
+            if slot[s] is None:
+                slot[s] = sr.zero(like.shape, like)
+    return acc
+
+
+def attention_edges(res, semirings=None, seed="structural", baseline=None, tokens=None,
+                    heads=None, roles=None):  # fmt: skip
+    """Tidy DataFrame, one row per head and pair of positions: ``layer``, ``head_index``,
+    ``src_position``, ``dst_position``, ``src_token``, ``dst_token`` and one value column
+    per semiring: the ⊕ over the whole paths that enter the head's value input (its
+    columns of the value projection) at ``src_position`` and leave the head (its slice
+    of the output projection's input) at ``dst_position``; readouts and the other
+    arguments as in :func:`circuit_edges`. Every pair is a row (attention reads every
+    position it is not masked from; a masked pair holds the semiring's zero).
+    Under Real, the rows of one head summed over both positions equal the sum of
+    ``circuit_edges``' edges into that head's ``"v"`` input.
+    """
+    import pandas as pd
+
+    srs = _check_semirings(res, semirings)
+    lay = layout(res, heads, roles)
+    labels = _labels(tokens, lay.positions)
+    al = _alphas(res, srs, seed, baseline)
+    rows: list[dict] = []
+    for layer in range(lay.layers):
+        for comp in lay.heads[layer]:
+            for p in range(lay.positions):
+                d = head_entry_d(res, lay, srs, layer, comp.head, position=p)
+                acc = {x: v for (r, x), v in d.items() if r == "value"}
+                got = _entry_values(res, lay, srs, _filled(res, srs, acc), al)
+                read = [_readout(sr, v).detach().cpu().double() for sr, v in zip(srs, got)]
+                for q in range(lay.positions):
+                    row = {
+                        "layer": layer, "head_index": comp.head, "src_position": q,
+                        "dst_position": p, "src_token": labels[q], "dst_token": labels[p],
+                    }  # fmt: skip
+                    for sr, r in zip(srs, read):
+                        row[sr.name] = float(r[q])
+                    rows.append(row)
+    frame = pd.DataFrame(rows, columns=[*ATTENTION_COLUMNS, *(sr.name for sr in srs)])
+    for col in ("layer", "head_index", "src_position", "dst_position"):
+        frame[col] = frame[col].astype("Int64")
+    return frame
+
+
+def _entry_values(res, lay, srs, acc, al):
+    """Per semiring, per position: ⊕ over the entries' elements of ``alpha ⊗ D``."""
+    out = []
+    for s, sr in enumerate(srs):
+        total = None
+        for x, slot in acc.items():
+            m = sr.mul(_alpha(res, al, x, sr), slot[s])
+            like = res.values[x]
+            per = sr.sum(tuple(f.reshape(lay.positions, -1, *f.shape[like.dim() :]) for f in m),
+                         (1,))  # fmt: skip
+            total = per if total is None else sr.plus(total, per)
+        if total is None:
+            z = sr.zero((lay.positions,), res.values[lay.target])
+            total = z
+        out.append(total)
+    return out
