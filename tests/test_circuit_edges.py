@@ -13,8 +13,9 @@ Oracles:
   missing, none extra);
 - cut (Real, seed "x"): every path into an MLP's input or into the target has one last
   component, so the edges into it sum to the marginal of the MLP's input (by module
-  path) and to the output's total, on the tiny models and on BERT and GPT-2 (fused
-  query/key/value);
+  path) and to the output's total, on the tiny models and on BERT, GPT-2 (fused
+  query/key/value) and a grouped-query Llama; there the edges into the heads' q / k / v
+  inputs also sum to the marginal of each projection's input;
 - the attention edges of a head summed over both positions are the edges into its
   value input summed over their sources (Real).
 """
@@ -230,6 +231,8 @@ def _close(got, want, what):
 
 
 def _cuts(res, edges, layers, mlp_input):
+    """Real, seed "x": the edges into the target and into each MLP sum to the marginal
+    there."""
     real = sbp.Real()
     total = float(res.marginal(res.graph.output_node, real, seed="x"))
     assert total != 0
@@ -253,19 +256,69 @@ def test_real_edges_into_an_input_sum_to_its_marginal(name):
         _close(rows["Real"].sum(), into["Real"].sum(), f"value input of {layer}.{head}")
 
 
-@pytest.mark.parametrize("name", ["bert1", "gpt2"])
+# name: (MLP input, {inputs: projection input}, layers, rtol); Llama's RMSNorm computes in
+# float32 inside the float64 model: alpha and D round differently there (6e-5 seen on
+# the smallest sums, 1e-8)
+HF = {
+    "bert1": ("bert.encoder.layer.{i}.intermediate:input",
+              {"q": "bert.encoder.layer.{i}.attention.self.query:input",
+               "k": "bert.encoder.layer.{i}.attention.self.key:input",
+               "v": "bert.encoder.layer.{i}.attention.self.value:input"}, 1, 1e-9),
+    "gpt2": ("transformer.h.{i}.mlp:input", {"qkv": "transformer.h.{i}.attn.c_attn:input"},
+             2, 1e-9),
+    "llama_gqa": ("model.layers.{i}.mlp:input",
+                  {"q": "model.layers.{i}.self_attn.q_proj:input",
+                   "k": "model.layers.{i}.self_attn.k_proj:input",
+                   "v": "model.layers.{i}.self_attn.v_proj:input"}, 1, 1e-3),
+}  # fmt: skip
+
+
+@functools.cache
+def hf_result(name):
+    import test_circuit_nodes as tcn
+
+    if name != "llama_gqa":
+        return tcn.result(name)
+    T = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=40, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+        attn_implementation="sdpa")).to(F64).eval()  # fmt: skip
+    return sbp.backprop(model, kwargs={"input_ids": tcn.IDS}, semirings=[sbp.Real(), MP],
+                        output=lambda out: out.logits[0, -1, 5] - out.logits[0, -2, 3])  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(HF))
 def test_real_cuts_on_hugging_face_models(name):
+    """Every path into a projection's input or an MLP's input, or to the output, has one
+    last component: the edges into it sum to its marginal (read by module path). Under
+    grouped-query attention the K/V heads are shared: the edges into each query head's
+    k / v input still sum, over the heads, to the marginal of the key / value input."""
     pytest.importorskip("transformers")
     import test_circuit_nodes as tcn
 
-    res = tcn.result(name)
+    res = hf_result(name)
+    mlp_input, projections, layers, rtol = HF[name]
     edges = circuit_edges(res, semirings=[sbp.Real(), MP], seed="x", tokens=tcn.TOKENS)
-    mlp_input = {"bert1": "bert.encoder.layer.{i}.intermediate:input",
-                 "gpt2": "transformer.h.{i}.mlp:input"}[name]  # fmt: skip
-    layers = tcn.MODELS[name][-1]
-    _cuts(res, edges, layers, mlp_input)
+    real = sbp.Real()
+    total = float(res.marginal(res.graph.output_node, real, seed="x"))
+    assert total != 0
+    heads = edges[edges.dst_role == "head"]
+    checks = [(edges[edges.dst_role == "target"]["Real"].sum(), total, "target")]
+    for i in range(layers):
+        mlp = edges[(edges.dst_role == "mlp") & (edges.dst_layer == i)]["Real"].sum()
+        checks.append((mlp, float(res.marginal(mlp_input.format(i=i), real, seed="x").sum()),
+                       f"mlp {i}"))  # fmt: skip
+        for inputs, where in projections.items():
+            got = heads[(heads.dst_layer == i) & heads.input.isin(list(inputs))]["Real"].sum()
+            want = float(res.marginal(where.format(i=i), real, seed="x").sum())
+            checks.append((got, want, f"{inputs} of layer {i}"))
+    for got, want, what in checks:
+        assert want != 0, what
+        assert np.isclose(got, want, rtol=rtol, atol=0), f"{name} {what}: {got} != {want}"
     assert set(edges.input) == {"q", "k", "v", "mlp", "target"}
-    assert set(edges[edges.dst_role == "head"].dst_head_index) == {0, 1}
+    assert set(heads.dst_head_index) == {0, 1}
     assert np.isfinite(edges[MP.name]).all()
     assert list(edges.columns[:9]) == ["src_layer", "src_role", "src_head_index", "dst_layer",
                                        "dst_role", "dst_head_index", "input", "position",
