@@ -189,6 +189,35 @@ def test_transformer_encoder_layer(batch_first, norm_first):
         assert_grad_close(res.at(place, sbp.Real()), want[place])
 
 
+class _ViewAfterFusedAttention(nn.Module):
+    """Self-attention as torch 2.11's ``multi_head_attention_forward`` wrote it: the
+    fused kernel's output, permuted, ``.contiguous().view(...)``. Export sees the fused
+    kernel's layout, for which ``.contiguous()`` copies nothing, and keeps a bare
+    ``view`` that is invalid for any other layout of the same values."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x):  # x: (seq, batch, hidden)
+        L, B, E = x.shape
+        q, k, v = self.qkv(x).chunk(3, -1)
+        q, k, v = (t.reshape(L, B * 2, 8).transpose(0, 1).view(B, 2, L, 8) for t in (q, k, v))
+        o = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.out(o.permute(2, 0, 1, 3).contiguous().view(B * L, E))
+
+
+def test_a_view_valid_only_for_the_fused_attention_kernels_layout():
+    torch.manual_seed(4)
+    model = _ViewAfterFusedAttention().to(F64).eval()
+    x = torch.randn(5, 2, 16, dtype=F64)
+    output = lambda y: y[3, 1] - y[7, 4]  # noqa: E731
+    res = sbp.backprop(model, args=(x,), output=output, semirings=ALL)
+    assert_grad_close(res.at(0, sbp.Real()), autograd_wrt(model, (x,), {}, output, 0))
+    check_semirings(res, 0)
+
+
 def test_multihead_self_attention_with_one_tensor_as_query_key_value():
     """``mha(x, x, x)``: export reads one placeholder; all three args get the full value."""
     torch.manual_seed(2)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 import sys
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from functools import cache
@@ -51,7 +52,9 @@ from semiring_backprop import rules
 pytest.importorskip(
     "expecttest", reason="torch.testing._internal needs expecttest: add it to the test extra"
 )
-from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+with warnings.catch_warnings():  # where numba-cuda is installed, torch's test helpers
+    warnings.simplefilter("ignore", DeprecationWarning)  # import it, and it warns on import
+    from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -165,7 +168,10 @@ def _selected() -> dict:
         if torch.float64 in op.supported_dtypes("cpu") and op.supports_autograd
     }
     missing = set(COMPOSITES) - set(usable)
-    assert not missing, f"COMPOSITES names no OpInfo (torch renamed it?): {sorted(missing)}"
+    # the names are those of the torch that CI installs (2.13); an older torch's OpInfo
+    # database lacks some of them (2.11: aminmax, native_group_norm), and those are not run
+    if tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        assert not missing, f"COMPOSITES names no OpInfo (torch renamed it?): {sorted(missing)}"
     return {
         name: op
         for name, op in usable.items()

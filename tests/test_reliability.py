@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -282,8 +283,10 @@ def _held_peak(fn) -> int:
     """Peak bytes held by tensors during ``fn()`` (every allocation and free, in order)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    with warnings.catch_warnings():  # (some torch versions note how the profiler keeps events)
+        warnings.simplefilter("ignore", UserWarning)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
     live = peak = 0
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     for e in sorted(events, key=lambda e: e.start_ns()):

@@ -245,6 +245,7 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
             if functions:
                 check_functions(_Explained(model, output), args, kwargs, functions)
             _detach_no_grad_blocks(program)
+            _views_as_reshapes(program)
             program = program.run_decompositions(table)
             _select_by_indices(program)
             _drop_identity_restrides(program)
@@ -435,6 +436,22 @@ def _select_by_indices(program) -> None:
         changed = True
     if changed:
         graph.lint()
+        program.graph_module.recompile()
+
+
+def _views_as_reshapes(program) -> None:
+    """Every ``view`` of the exported graph becomes a ``reshape`` before the
+    decompositions run. Export records the strides that eager's kernels gave: after a
+    fused attention kernel, ``out.permute(2, 0, 1, 3).contiguous()`` is already
+    contiguous and leaves no copy, and the ``view`` that follows is valid only for that
+    kernel's layout. Our decomposition of the kernel (matmul / softmax / matmul) lays its
+    output out otherwise, and the ``view`` would fail. A ``reshape`` is that ``view``
+    wherever the ``view`` is valid, and a copy elsewhere: the same values either way."""
+    graph = program.graph_module.graph
+    views = [n for n in graph.nodes if n.target is aten.view.default]
+    for node in views:
+        node.target = aten.reshape.default
+    if views:
         program.graph_module.recompile()
 
 
