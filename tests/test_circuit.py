@@ -490,7 +490,6 @@ def test_circuit_on_bert(bert_circuit):
 
 
 def test_circuit_edges_on_bert(bert_circuit):
-    pytest.importorskip("semiring_backprop.analysis.circuit_edges")
     c = bert_circuit
     assert len(c.edges) and list(c.edges.columns[:9]) == [
         "src_layer", "src_role", "src_head_index", "dst_layer", "dst_role", "dst_head_index",

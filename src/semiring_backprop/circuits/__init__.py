@@ -121,15 +121,12 @@ class Circuit:
               "roles": roles}  # fmt: skip
         nodes = circuit_nodes(res, srs, **kw)
         if edges is None or attention_edges is None:
-            try:
-                from ..analysis import circuit_edges as ce
-            except ImportError:
-                ce = None
-            if ce is not None:
-                if edges is None:
-                    edges = ce.circuit_edges(res, srs, **kw)
-                if attention_edges is None:
-                    attention_edges = ce.attention_edges(res, srs, **kw)
+            from ..analysis import circuit_edges as ce
+
+            if edges is None:
+                edges = ce.circuit_edges(res, srs, **kw)
+            if attention_edges is None:
+                attention_edges = ce.attention_edges(res, srs, **kw)
         emb = nodes[nodes.role == "embedding"].node
         d_model = None
         if len(emb):
