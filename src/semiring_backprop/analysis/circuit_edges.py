@@ -28,10 +28,12 @@ position (norms mix the units of one position), so an edge's position is the pos
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from ..engine import checkpoints
 from ..engine.reverse import contributions, propagate
 from ..errors import InputError, NotFoundError
 from .branches import blocks
@@ -164,6 +166,99 @@ def _mlp_entries(res, block, roles) -> list:
     return out
 
 
+# -- one call's values -----------------------------------------------------------------
+
+
+def pinned(res):
+    """``res`` itself, or where its pass holds checkpoints, a shallow copy whose values
+    and D keep every segment computed once for as long as the copy lives (the residual
+    passes walk the whole stream once per entry: a cache of a few segments would compute
+    each one again every time). The alphas are kept on ``res``."""
+    if not isinstance(res.values, checkpoints._Values):
+        return res
+    ckpt = res.values.ckpt
+    res.__dict__.setdefault("_alphas", {})
+    new = type(res).__new__(type(res))
+    new.__dict__.update(res.__dict__)
+    new.values = _PinnedValues(ckpt)
+    new._store = _PinnedStore(ckpt)
+    return new
+
+
+class _PinnedValues(Mapping):
+    def __init__(self, ckpt):
+        self.ckpt, self.segments = ckpt, {}
+
+    def segment(self, s):
+        got = self.segments.get(s)
+        if got is None:
+            got = self.segments[s] = self.ckpt.segment_values(s)
+        return got
+
+    def __getitem__(self, node):
+        c = self.ckpt
+        if node in c.held:
+            return c.held[node]
+        s = c.layout.segment.get(node)
+        if s is None:
+            raise KeyError(node)
+        return self.segment(s)[node]
+
+    def __contains__(self, node):
+        return node in self.ckpt.held or node in self.ckpt.layout.segment
+
+    def __iter__(self):
+        return (n for n in self.ckpt.graph.nodes if n in self)
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+class _PinnedStore(Mapping):
+    def __init__(self, ckpt):
+        self.ckpt, self.d = ckpt, {}
+
+    def get_d(self, node, k):
+        c = self.ckpt
+        if node in c.held_store:
+            return c.held_store[node][k]
+        key = (c.layout.segment[node], k)
+        got = self.d.get(key)
+        if got is None:
+            got = self.d[key] = c.segment_d(*key)
+        return got[node]
+
+    def __getitem__(self, node):
+        if node not in self:
+            raise KeyError(node)
+        return _PinnedRow(self, node)
+
+    def __contains__(self, node):
+        return node in self.ckpt.reached
+
+    def __iter__(self):
+        return (n for n in self.ckpt.graph.nodes if n in self.ckpt.reached)
+
+    def __len__(self):
+        return len(self.ckpt.reached)
+
+
+class _PinnedRow(Sequence):
+    def __init__(self, store, node):
+        self.store, self.node = store, node
+
+    def __getitem__(self, k):
+        n = len(self)
+        if isinstance(k, slice):
+            return [self[i] for i in range(n)[k]]
+        if not -n <= k < n:
+            raise IndexError(k)
+        return self.store.get_d(self.node, k % n)
+
+    def __len__(self):
+        return len(self.store.ckpt.semirings)
+
+
 # -- D at each entry -------------------------------------------------------------------
 
 
@@ -171,6 +266,27 @@ def head_entry_d(res, lay: Layout, srs, layer: int, head: int, position=None) ->
     """``{(role, x): [D per semiring]}``: at the input ``x`` of each projection of head
     ``head``'s block, ⊕ over the paths through that role's columns that reach the head's
     slice of the output projection's input (at ``position`` only, if given)."""
+    plan = _head_plan(res, lay, srs, layer, head)
+    return _head_entry_d(res, lay, srs, plan, position)
+
+
+@dataclass(frozen=True)
+class _HeadPlan:
+    """What every pass from one head's slice reads: its site, the D there masked to the
+    head's columns, the projections followed and the nodes between them and the site."""
+
+    site: torch.fx.Node
+    d: list
+    projs: list
+    region: frozenset
+    stop: int
+    cols: dict  #: projection -> its columns, as a mask of the projection's output
+
+
+def _head_plan(res, lay: Layout, srs, layer: int, head: int, roles=QKV) -> _HeadPlan:
+    """The :class:`_HeadPlan` of a head, following the projections of ``roles`` only (the
+    paths from the others' projections are never reached from these: leaving them out
+    changes no value)."""
     comp = lay.heads[layer][head]
     (site,) = comp.nodes
     like = res.values[site]
@@ -178,23 +294,35 @@ def head_entry_d(res, lay: Layout, srs, layer: int, head: int, position=None) ->
     mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
     mask[comp.cols] = True
     d = [_only(sr, res._store[site][k], mask, like) for sr, k in zip(srs, ks)]
-    if position is not None:
-        d = [_at_position(sr, v, like, lay.positions, position) for sr, v in zip(srs, d)]
-    projs = lay.projections[layer]
+    projs = [p for p in lay.projections[layer] if p.role in roles]
     down = set().union(*(descendants(p.proj) for p in projs))
-    region = ancestors(site, down)
+    region = frozenset(ancestors(site, down))
+    ids = res.graph.ids
+    cols = {}
+    for p in projs:
+        pl = res.values[p.proj]
+        c = torch.zeros(pl.shape[-1], dtype=torch.bool, device=pl.device)
+        c[list(p.cols)] = True
+        cols[p] = c
+    stop = min(ids[n] for n in region) if region else ids[site]
+    return _HeadPlan(site, d, projs, region, stop, cols)
+
+
+def _head_entry_d(res, lay: Layout, srs, plan: _HeadPlan, position=None) -> dict:
+    site, d = plan.site, plan.d
+    if position is not None:
+        like = res.values[site]
+        d = [_at_position(sr, v, like, lay.positions, position) for sr, v in zip(srs, d)]
     graph, values, needed = res.graph, res.values, res.needed
     with torch.no_grad():
-        store = propagate(graph, values, srs, {site: d}, needed, within=region,
-                          start=graph.ids[site] + 1)  # fmt: skip
+        store = propagate(graph, values, srs, {site: d}, needed, within=plan.region,
+                          start=graph.ids[site] + 1, stop=plan.stop)  # fmt: skip
     out: dict = {}
-    for p in projs:
+    for p in plan.projs:
         if p.proj not in store:
             continue
         pl = values[p.proj]
-        cols = torch.zeros(pl.shape[-1], dtype=torch.bool, device=pl.device)
-        cols[list(p.cols)] = True
-        dp = [_only(sr, v, cols, pl) for sr, v in zip(srs, store[p.proj])]
+        dp = [_only(sr, v, plan.cols[p], pl) for sr, v in zip(srs, store[p.proj])]
         with torch.no_grad():
             for inp, s, c in contributions(graph, values, srs, graph.ids[p.proj], dp, needed):
                 if inp is p.x:
@@ -264,7 +392,8 @@ def residual_pass(res, lay: Layout, srs, acc: dict) -> dict:
     graph = res.graph
     start = max(graph.ids[n] for n in acc) + 1
     with torch.no_grad():
-        store = propagate(graph, res.values, srs, dict(acc), needed, within=region, start=start)
+        store = propagate(graph, res.values, srs, dict(acc), needed, within=region, start=start,
+                          stop=min(graph.ids[n] for n in region))  # fmt: skip
     return {n: v for n, v in store.items() if n in lay.stops}
 
 
@@ -277,16 +406,30 @@ def _per_position(res, lay: Layout, comp: Component, srs, store, al):
         for node in comp.nodes:
             if node not in store:
                 continue
-            like = res.values[node]
-            m = sr.mul(_alpha(res, al, node, sr), store[node][s])
-            per = tuple(
-                f.reshape(lay.positions, -1, *f.shape[like.dim() :])[:, comp.cols or slice(None)]
-                for f in m
-            )
-            per = sr.sum(per, (1,))
+            a = _alpha_cols(res, lay, al, comp, node, sr)
+            m = sr.mul(a, _cols(res, lay, comp, node, store[node][s]))
+            per = sr.sum(m, (1,))
             total = per if total is None else sr.plus(total, per)
         out.append(total)
     return out
+
+
+def _cols(res, lay, comp, node, value):
+    """``value`` at ``node`` as (positions, ``comp``'s columns, …): ⊗ is elementwise, so
+    taking the columns first changes no value."""
+    like = res.values[node]
+    cols = comp.cols or slice(None)
+    return tuple(f.reshape(lay.positions, -1, *f.shape[like.dim() :])[:, cols] for f in value)
+
+
+def _alpha_cols(res, lay, al, comp, node, sr):
+    """:func:`_cols` of alpha at ``node`` (kept on ``al`` for the next destinations)."""
+    cache = al.setdefault(("cols", sr), {})
+    key = (node, comp.cols.start, comp.cols.stop, comp.cols.step) if comp.cols else (node,)
+    got = cache.get(key)
+    if got is None:
+        got = cache[key] = _cols(res, lay, comp, node, _alpha(res, al, node, sr))
+    return got
 
 
 def _alphas(res, srs, seed, baseline) -> dict:
@@ -341,9 +484,10 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     import pandas as pd
 
     srs = _check_semirings(res, semirings)
+    res = pinned(res)
+    al = _alphas(res, srs, seed, baseline)
     lay = layout(res, heads, roles)
     labels = _labels(tokens, lay.positions)
-    al = _alphas(res, srs, seed, baseline)
     rows: list[dict] = []
     for dst, inp, acc in _destinations(res, lay, srs):
         store = residual_pass(res, lay, srs, acc)
@@ -415,14 +559,16 @@ def attention_edges(res, semirings=None, seed="structural", baseline=None, token
     import pandas as pd
 
     srs = _check_semirings(res, semirings)
+    res = pinned(res)
+    al = _alphas(res, srs, seed, baseline)
     lay = layout(res, heads, roles)
     labels = _labels(tokens, lay.positions)
-    al = _alphas(res, srs, seed, baseline)
     rows: list[dict] = []
     for layer in range(lay.layers):
         for comp in lay.heads[layer]:
+            plan = _head_plan(res, lay, srs, layer, comp.head, roles=("value",))
             for p in range(lay.positions):
-                d = head_entry_d(res, lay, srs, layer, comp.head, position=p)
+                d = _head_entry_d(res, lay, srs, plan, position=p)
                 acc = {x: v for (r, x), v in d.items() if r == "value"}
                 got = _entry_values(res, lay, srs, _filled(res, srs, acc), al)
                 read = [_readout(sr, v).detach().cpu().double() for sr, v in zip(srs, got)]
