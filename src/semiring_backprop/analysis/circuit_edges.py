@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import checkpoints
+from ..engine.alpha import _apply as _forward_rule
 from ..engine.reverse import contributions, propagate
 from ..errors import InputError, NotFoundError
 from .branches import blocks
@@ -568,9 +569,7 @@ def attention_edges(res, semirings=None, seed="structural", baseline=None, token
         for comp in lay.heads[layer]:
             plan = _head_plan(res, lay, srs, layer, comp.head, roles=("value",))
             for p in range(lay.positions):
-                d = _head_entry_d(res, lay, srs, plan, position=p)
-                acc = {x: v for (r, x), v in d.items() if r == "value"}
-                got = _entry_values(res, lay, srs, _filled(res, srs, acc), al)
+                got = _value_entry(res, lay, srs, plan, p, al)
                 read = [_readout(sr, v).detach().cpu().double() for sr, v in zip(srs, got)]
                 for q in range(lay.positions):
                     row = {
@@ -586,19 +585,51 @@ def attention_edges(res, semirings=None, seed="structural", baseline=None, token
     return frame
 
 
-def _entry_values(res, lay, srs, acc, al):
-    """Per semiring, per position: ⊕ over the entries' elements of ``alpha ⊗ D``."""
-    out = []
+def _value_entry(res, lay, srs, plan: _HeadPlan, position, al):
+    """Per semiring, per position ``q``: the ⊕ over the paths that enter the head's value
+    columns at ``q`` and leave its slice at ``position``. The pass from the slice stops at
+    the value projection's output ``v`` (only the nodes between them are followed); the
+    paths into ``v``'s columns ``j`` through the projection, ⊕_i alpha(x_i) ⊗ w_ij, are
+    the projection's forward rule on alpha at its input, once per projection (the same
+    ⊕ as ⊕_i alpha(x_i) ⊗ (⊕_j w_ij ⊗ D(v_j)), grouped the other way)."""
+    site, d = plan.site, plan.d
+    like = res.values[site]
+    d = [_at_position(sr, v, like, lay.positions, position) for sr, v in zip(srs, d)]
+    graph, values = res.graph, res.values
+    with torch.no_grad():
+        store = propagate(graph, values, srs, {site: d}, plan.region, within=plan.region,
+                          start=graph.ids[site] + 1, stop=plan.stop)  # fmt: skip
+    out = [None] * len(srs)
+    for p in plan.projs:
+        if p.proj not in store:
+            continue
+        pl = values[p.proj]
+        a = _projected_alpha(res, srs, p, al)
+        for s, sr in enumerate(srs):
+            if a[s] is None:
+                continue
+            dp = _only(sr, store[p.proj][s], plan.cols[p], pl)
+            flat = tuple(f.reshape(lay.positions, -1, *f.shape[pl.dim() :])
+                         for f in sr.mul(a[s], dp))  # fmt: skip
+            per = sr.sum(flat, (1,))
+            out[s] = per if out[s] is None else sr.plus(out[s], per)
     for s, sr in enumerate(srs):
-        total = None
-        for x, slot in acc.items():
-            m = sr.mul(_alpha(res, al, x, sr), slot[s])
-            like = res.values[x]
-            per = sr.sum(tuple(f.reshape(lay.positions, -1, *f.shape[like.dim() :]) for f in m),
-                         (1,))  # fmt: skip
-            total = per if total is None else sr.plus(total, per)
-        if total is None:
-            z = sr.zero((lay.positions,), res.values[lay.target])
-            total = z
-        out.append(total)
+        if out[s] is None:
+            out[s] = sr.zero((lay.positions,), res.values[lay.target])
     return out
+
+
+def _projected_alpha(res, srs, p: Projection, al) -> list:
+    """Per semiring: ⊕ over the paths into the projection's output through its input
+    ``p.x`` (None where no path reaches ``p.x``), kept on ``al``."""
+    cache = al.setdefault(("projected", tuple(srs)), {})
+    if p.proj not in cache:
+        got = [al[sr].get(p.x) for sr in srs]
+        out = [None] * len(srs)
+        if any(g is not None for g in got):
+            graph = res.graph
+            with torch.no_grad():
+                out = _forward_rule(graph, res.values, srs, graph.ids[p.proj], {p.x: got},
+                                    res.needed)  # fmt: skip
+        cache[p.proj] = out
+    return cache[p.proj]
