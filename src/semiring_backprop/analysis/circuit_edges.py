@@ -415,6 +415,42 @@ def _per_position(res, lay: Layout, comp: Component, srs, store, al):
     return out
 
 
+def _per_group(res, lay: Layout, comps, srs, store, al):
+    """:func:`_per_position` of components on the same nodes (the heads of one block),
+    stacked: per semiring a value of shape (components, positions, …); None where no
+    node was reached. ``alpha ⊗`` the pass's value is taken once per node."""
+    nodes = comps[0].nodes
+    if not any(n in store for n in nodes):
+        return None
+    out = []
+    for s, sr in enumerate(srs):
+        totals = [None] * len(comps)
+        for node in nodes:
+            if node not in store:
+                continue
+            like = res.values[node]
+            m = sr.mul(_alpha(res, al, node, sr), store[node][s])
+            flat = tuple(f.reshape(lay.positions, -1, *f.shape[like.dim() :]) for f in m)
+            for c, comp in enumerate(comps):
+                per = sr.sum(tuple(f[:, comp.cols or slice(None)] for f in flat), (1,))
+                totals[c] = per if totals[c] is None else sr.plus(totals[c], per)
+        zero = None
+        for c, t in enumerate(totals):  # a node reached by none of this group's passes
+            if t is None:
+                like = res.values[lay.target]
+                zero = zero or sr.zero((lay.positions,), like)
+                totals[c] = zero
+        out.append(tuple(torch.stack(fs) for fs in zip(*totals)))
+    return out
+
+
+def _has_path_rows(sr, value) -> torch.Tensor:
+    """:func:`_has_path` of a stacked value: (components, positions)."""
+    zero = sr.zero(value[0].shape, value[0])
+    f = value[0]
+    return (f != zero[0]).reshape(f.shape[0], f.shape[1], -1).any(-1)
+
+
 def _cols(res, lay, comp, node, value):
     """``value`` at ``node`` as (positions, ``comp``'s columns, …): ⊗ is elementwise, so
     taking the columns first changes no value."""
@@ -490,25 +526,31 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     lay = layout(res, heads, roles)
     labels = _labels(tokens, lay.positions)
     rows: list[dict] = []
+    groups: dict = {}  # components on the same nodes (the heads of one block): one ⊗
+    for comp in lay.components:
+        groups.setdefault(comp.nodes, []).append(comp)
     for dst, inp, acc in _destinations(res, lay, srs):
         store = residual_pass(res, lay, srs, acc)
-        for comp in lay.components:
-            values = _per_position(res, lay, comp, srs, store, al)
-            if values[0] is None:
+        for comps in groups.values():
+            values = _per_group(res, lay, comps, srs, store, al)
+            if values is None:
                 continue
-            has = torch.stack([_has_path(sr, v) for sr, v in zip(srs, values)]).any(0)
-            read = [_readout(sr, v).detach().cpu().double() for sr, v in zip(srs, values)]
-            for p in range(lay.positions):
-                if not bool(has[p]):
-                    continue
-                row = {
-                    "src_layer": comp.layer, "src_role": comp.role, "src_head_index": comp.head,
-                    "dst_layer": dst.layer, "dst_role": dst.role, "dst_head_index": dst.head,
-                    "input": inp, "position": p, "token": labels[p],
-                }  # fmt: skip
-                for sr, r in zip(srs, read):
-                    row[sr.name] = float(r[p])
-                rows.append(row)
+            has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)
+            read = [_readout(sr, v).detach().cpu().double().tolist() for sr, v in zip(srs, values)]
+            has = has.tolist()
+            for c, comp in enumerate(comps):
+                for p in range(lay.positions):
+                    if not has[c][p]:
+                        continue
+                    row = {
+                        "src_layer": comp.layer, "src_role": comp.role,
+                        "src_head_index": comp.head, "dst_layer": dst.layer,
+                        "dst_role": dst.role, "dst_head_index": dst.head, "input": inp,
+                        "position": p, "token": labels[p],
+                    }  # fmt: skip
+                    for sr, r in zip(srs, read):
+                        row[sr.name] = r[c][p]
+                    rows.append(row)
     frame = pd.DataFrame(rows, columns=[*EDGE_COLUMNS, *(sr.name for sr in srs)])
     for col in ("src_layer", "src_head_index", "dst_layer", "dst_head_index", "position"):
         frame[col] = frame[col].astype("Int64")
