@@ -398,27 +398,144 @@ def residual_pass(res, lay: Layout, srs, acc: dict) -> dict:
     return {n: v for n, v in store.items() if n in lay.stops}
 
 
-def _per_position(res, lay: Layout, comp: Component, srs, store, al):
-    """Per semiring: the ⊕ over ``comp``'s elements at each position of
-    ``alpha ⊗`` the residual pass's value (None where no node of ``comp`` was reached)."""
+def _residual_region(res, lay: Layout, acc: dict) -> set:
+    """The nodes a residual pass from the entries ``acc`` goes through (InputError where
+    the residual stream reads inside a component)."""
+    needed = res.needed
+    region, todo = set(), list(acc)
+    while todo:
+        n = todo.pop()
+        if n in region:
+            continue
+        if n in lay.blocked:
+            raise InputError(
+                f"circuit edges: the residual stream before `{next(iter(acc)).name}` reads "
+                f"`{n.name}` inside a component (its first op) without passing the "
+                "component's output: the paths there cannot be given to one component"
+            )
+        region.add(n)
+        if n not in lay.stops:
+            todo.extend(a for a in n.all_input_nodes if a in needed)
+    for s in region & lay.stops:
+        inner = [a for a in s.all_input_nodes if a in region]
+        if inner:
+            raise InputError(
+                f"circuit edges: `{inner[0].name}`, an input of the component `{s.name}`, "
+                "is also read by the residual stream: paths through it pass no component"
+            )
+    return region
+
+
+def _source_passes(res, lay: Layout, srs, al, entries: set) -> dict:
+    """``{entry tensor: [stacked value per semiring]}``: per component (in
+    ``lay.components``' order, stacked along a new first dim) the ⊕ over the paths that
+    pass the component (alpha at its nodes, its columns only) and reach the entry through
+    the residual stream alone. One forward pass per component, over the nodes between
+    the components; the semiring's zero where none arrives."""
+    graph, values, needed, ids = res.graph, res.values, res.needed, res.graph.ids
+    per_comp = []
+    for comp in lay.components:
+        seeds = {}
+        for node in comp.nodes:
+            like = values[node]
+            vals = []
+            for sr in srs:
+                a = _alpha(res, al, node, sr)
+                if comp.cols is not None:
+                    mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
+                    mask[comp.cols] = True
+                    a = _only(sr, a, mask, like)
+                vals.append(a)
+            seeds[node] = vals
+        region, todo = set(), list(seeds)
+        while todo:
+            n = todo.pop()
+            if n in region:
+                continue
+            region.add(n)
+            todo.extend(u for u in n.users if u in needed and u not in lay.stops
+                        and u not in lay.blocked)  # fmt: skip
+        store = dict(seeds)
+        with torch.no_grad():
+            for n in sorted(region - set(seeds), key=ids.__getitem__):
+                if not any(i in store for i in n.all_input_nodes):
+                    continue
+                got = _forward_rule(graph, values, srs, ids[n], store, needed)
+                if any(g is not None for g in got):
+                    store[n] = got
+        per_comp.append(store)
+    out = {}
+    for x in entries:
+        like = values[x]
+        rows = []
+        for s, sr in enumerate(srs):
+            zero = None
+            fs = []
+            for store in per_comp:
+                v = store.get(x)
+                v = None if v is None else v[s]
+                if v is None:
+                    zero = zero or sr.zero(like.shape, like)
+                    v = zero
+                fs.append(v)
+            rows.append(tuple(torch.stack(f) for f in zip(*fs)))
+        out[x] = rows
+    return out
+
+
+def _by_position(res, lay: Layout, x) -> bool:
+    """Whether ``x`` is laid out (…, positions, hidden) as the components are (a residual
+    path keeps its position: its edge's position can be read at the entry)."""
+    shape = res.values[x].shape
+    lead = 1
+    for d in shape[:-1]:
+        lead *= int(d)
+    return len(shape) >= 2 and lead == lay.positions and shape[-2] == lay.positions
+
+
+def _backward_edge_values(res, lay: Layout, srs, acc, al):
+    """:func:`_edge_values` by one residual pass back from the entries, read at each
+    component's nodes (zero where the pass does not reach them)."""
+    store = residual_pass(res, lay, srs, acc)
+    groups: dict = {}
+    for c, comp in enumerate(lay.components):
+        groups.setdefault(comp.nodes, []).append(c)
+    parts = [None] * len(lay.components)
+    like = res.values[lay.target]
+    for cs in groups.values():
+        comps = [lay.components[c] for c in cs]
+        got = _per_group(res, lay, comps, srs, store, al)
+        for i, c in enumerate(cs):
+            if got is None:
+                parts[c] = [sr.zero((lay.positions,), like) for sr in srs]
+            else:
+                parts[c] = [tuple(f[i] for f in v) for v in got]
+    return [tuple(torch.stack(f) for f in zip(*(p[s] for p in parts))) for s in range(len(srs))]
+
+
+def _edge_values(res, lay: Layout, srs, fwd, acc):
+    """Per semiring, (components, positions): ⊕ over the entries ``acc`` and their
+    elements at each position of the component's forward value ⊗ the entry's D."""
     out = []
+    n = len(lay.components)
     for s, sr in enumerate(srs):
         total = None
-        for node in comp.nodes:
-            if node not in store:
-                continue
-            a = _alpha_cols(res, lay, al, comp, node, sr)
-            m = sr.mul(a, _cols(res, lay, comp, node, store[node][s]))
-            per = sr.sum(m, (1,))
+        for x, slot in acc.items():
+            like = res.values[x]
+            d = tuple(f.expand(n, *f.shape) for f in slot[s])
+            m = sr.mul(fwd[x][s], d)
+            flat = tuple(f.reshape(n, lay.positions, -1, *f.shape[1 + like.dim() :]) for f in m)
+            per = sr.sum(flat, (2,))
             total = per if total is None else sr.plus(total, per)
         out.append(total)
     return out
 
 
 def _per_group(res, lay: Layout, comps, srs, store, al):
-    """:func:`_per_position` of components on the same nodes (the heads of one block),
-    stacked: per semiring a value of shape (components, positions, …); None where no
-    node was reached. ``alpha ⊗`` the pass's value is taken once per node."""
+    """The value at each position of components on the same nodes (the heads of one
+    block), stacked: per semiring a value of shape (components, positions, …): the ⊕
+    over the component's elements of ``alpha ⊗`` the residual pass's value (taken once
+    per node); None where no node was reached."""
     nodes = comps[0].nodes
     if not any(n in store for n in nodes):
         return None
@@ -449,24 +566,6 @@ def _has_path_rows(sr, value) -> torch.Tensor:
     zero = sr.zero(value[0].shape, value[0])
     f = value[0]
     return (f != zero[0]).reshape(f.shape[0], f.shape[1], -1).any(-1)
-
-
-def _cols(res, lay, comp, node, value):
-    """``value`` at ``node`` as (positions, ``comp``'s columns, …): ⊗ is elementwise, so
-    taking the columns first changes no value."""
-    like = res.values[node]
-    cols = comp.cols or slice(None)
-    return tuple(f.reshape(lay.positions, -1, *f.shape[like.dim() :])[:, cols] for f in value)
-
-
-def _alpha_cols(res, lay, al, comp, node, sr):
-    """:func:`_cols` of alpha at ``node`` (kept on ``al`` for the next destinations)."""
-    cache = al.setdefault(("cols", sr), {})
-    key = (node, comp.cols.start, comp.cols.stop, comp.cols.step) if comp.cols else (node,)
-    got = cache.get(key)
-    if got is None:
-        got = cache[key] = _cols(res, lay, comp, node, _alpha(res, al, node, sr))
-    return got
 
 
 def _alphas(res, srs, seed, baseline) -> dict:
@@ -526,31 +625,33 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     lay = layout(res, heads, roles)
     labels = _labels(tokens, lay.positions)
     rows: list[dict] = []
-    groups: dict = {}  # components on the same nodes (the heads of one block): one ⊗
-    for comp in lay.components:
-        groups.setdefault(comp.nodes, []).append(comp)
-    for dst, inp, acc in _destinations(res, lay, srs):
-        store = residual_pass(res, lay, srs, acc)
-        for comps in groups.values():
-            values = _per_group(res, lay, comps, srs, store, al)
-            if values is None:
-                continue
-            has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)
-            read = [_readout(sr, v).detach().cpu().double().tolist() for sr, v in zip(srs, values)]
-            has = has.tolist()
-            for c, comp in enumerate(comps):
-                for p in range(lay.positions):
-                    if not has[c][p]:
-                        continue
-                    row = {
-                        "src_layer": comp.layer, "src_role": comp.role,
-                        "src_head_index": comp.head, "dst_layer": dst.layer,
-                        "dst_role": dst.role, "dst_head_index": dst.head, "input": inp,
-                        "position": p, "token": labels[p],
-                    }  # fmt: skip
-                    for sr, r in zip(srs, read):
-                        row[sr.name] = r[c][p]
-                    rows.append(row)
+    dests = list(_destinations(res, lay, srs))
+    for _, _, acc in dests:
+        _residual_region(res, lay, acc)  # (refuses a residual stream that enters a component)
+    forward = [all(_by_position(res, lay, x) for x in acc) for _, _, acc in dests]
+    reached = {x for (_, _, acc), f in zip(dests, forward) if f for x in acc}
+    fwd = _source_passes(res, lay, srs, al, reached)
+    comps = lay.components
+    for (dst, inp, acc), f in zip(dests, forward):
+        if f:
+            values = _edge_values(res, lay, srs, fwd, acc)
+        else:  # an entry without positions (the output): a pass back from it
+            values = _backward_edge_values(res, lay, srs, acc, al)
+        has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)
+        read = [_readout(sr, v).detach().cpu().double().tolist() for sr, v in zip(srs, values)]
+        has = has.tolist()
+        for c, comp in enumerate(comps):
+            for p in range(lay.positions):
+                if not has[c][p]:
+                    continue
+                row = {
+                    "src_layer": comp.layer, "src_role": comp.role, "src_head_index": comp.head,
+                    "dst_layer": dst.layer, "dst_role": dst.role, "dst_head_index": dst.head,
+                    "input": inp, "position": p, "token": labels[p],
+                }  # fmt: skip
+                for sr, r in zip(srs, read):
+                    row[sr.name] = r[c][p]
+                rows.append(row)
     frame = pd.DataFrame(rows, columns=[*EDGE_COLUMNS, *(sr.name for sr in srs)])
     for col in ("src_layer", "src_head_index", "dst_layer", "dst_head_index", "position"):
         frame[col] = frame[col].astype("Int64")
