@@ -426,12 +426,13 @@ def _residual_region(res, lay: Layout, acc: dict) -> set:
     return region
 
 
-def _source_passes(res, lay: Layout, srs, al, entries: set) -> dict:
+def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dict:
     """``{entry tensor: [stacked value per semiring]}``: per component (in
     ``lay.components``' order, stacked along a new first dim) the ⊕ over the paths that
     pass the component (alpha at its nodes, its columns only) and reach the entry through
-    the residual stream alone. One forward pass per component, over the nodes between
-    the components; the semiring's zero where none arrives."""
+    the residual stream alone. One forward pass per component, over the nodes of
+    ``between`` (those on a residual path to an entry); the semiring's zero where none
+    arrives."""
     graph, values, needed, ids = res.graph, res.values, res.needed, res.graph.ids
     per_comp = []
     for comp in lay.components:
@@ -453,8 +454,7 @@ def _source_passes(res, lay: Layout, srs, al, entries: set) -> dict:
             if n in region:
                 continue
             region.add(n)
-            todo.extend(u for u in n.users if u in needed and u not in lay.stops
-                        and u not in lay.blocked)  # fmt: skip
+            todo.extend(u for u in n.users if u in between and u not in lay.stops)
         store = dict(seeds)
         with torch.no_grad():
             for n in sorted(region - set(seeds), key=ids.__getitem__):
@@ -626,11 +626,12 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     labels = _labels(tokens, lay.positions)
     rows: list[dict] = []
     dests = list(_destinations(res, lay, srs))
-    for _, _, acc in dests:
-        _residual_region(res, lay, acc)  # (refuses a residual stream that enters a component)
+    # (each region refuses a residual stream that enters a component)
+    regions = [_residual_region(res, lay, acc) for _, _, acc in dests]
     forward = [all(_by_position(res, lay, x) for x in acc) for _, _, acc in dests]
     reached = {x for (_, _, acc), f in zip(dests, forward) if f for x in acc}
-    fwd = _source_passes(res, lay, srs, al, reached)
+    between = set().union(*(r for r, f in zip(regions, forward) if f))
+    fwd = _source_passes(res, lay, srs, al, reached, between)
     comps = lay.components
     for (dst, inp, acc), f in zip(dests, forward):
         if f:
