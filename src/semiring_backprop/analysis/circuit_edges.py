@@ -430,9 +430,9 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dic
     """``{entry tensor: [stacked value per semiring]}``: per component (in
     ``lay.components``' order, stacked along a new first dim) the ⊕ over the paths that
     pass the component (alpha at its nodes, its columns only) and reach the entry through
-    the residual stream alone. One forward pass per component, over the nodes of
-    ``between`` (those on a residual path to an entry); the semiring's zero where none
-    arrives."""
+    the residual stream alone, as ``(components reaching it, [value per semiring])``.
+    One forward pass per component, over the nodes of ``between`` (those on a residual
+    path to an entry)."""
     graph, values, needed, ids = res.graph, res.values, res.needed, res.graph.ids
     per_comp = []
     for comp in lay.components:
@@ -466,20 +466,15 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dic
         per_comp.append(store)
     out = {}
     for x in entries:
-        like = values[x]
+        idx = [c for c, store in enumerate(per_comp) if x in store]
         rows = []
         for s, sr in enumerate(srs):
-            zero = None
-            fs = []
-            for store in per_comp:
-                v = store.get(x)
-                v = None if v is None else v[s]
-                if v is None:
-                    zero = zero or sr.zero(like.shape, like)
-                    v = zero
-                fs.append(v)
-            rows.append(tuple(torch.stack(f) for f in zip(*fs)))
-        out[x] = rows
+            fs = [per_comp[c][x][s] for c in idx]
+            if any(f is None for f in fs):  # (a semiring without a path there)
+                like = values[x]
+                fs = [sr.zero(like.shape, like) if f is None else f for f in fs]
+            rows.append(tuple(torch.stack(f) for f in zip(*fs)) if fs else None)
+        out[x] = (idx, rows)
     return out
 
 
@@ -518,15 +513,24 @@ def _edge_values(res, lay: Layout, srs, fwd, acc):
     elements at each position of the component's forward value ⊗ the entry's D."""
     out = []
     n = len(lay.components)
+    like = res.values[lay.target]
     for s, sr in enumerate(srs):
-        total = None
+        total = sr.zero((n, lay.positions), like)
         for x, slot in acc.items():
-            like = res.values[x]
-            d = tuple(f.expand(n, *f.shape) for f in slot[s])
-            m = sr.mul(fwd[x][s], d)
-            flat = tuple(f.reshape(n, lay.positions, -1, *f.shape[1 + like.dim() :]) for f in m)
+            idx, rows = fwd[x]
+            if not idx:
+                continue
+            shape = res.values[x].shape
+            d = tuple(f.expand(len(idx), *f.shape) for f in slot[s])
+            m = sr.mul(rows[s], d)
+            flat = tuple(f.reshape(len(idx), lay.positions, -1, *f.shape[1 + len(shape) :])
+                         for f in m)  # fmt: skip
             per = sr.sum(flat, (2,))
-            total = per if total is None else sr.plus(total, per)
+            at = torch.as_tensor(idx, device=per[0].device)
+            part = tuple(
+                z.index_put((at,), f) for z, f in zip(sr.zero((n, lay.positions), like), per)
+            )
+            total = sr.plus(total, part)
         out.append(total)
     return out
 
