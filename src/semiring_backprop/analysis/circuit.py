@@ -73,7 +73,7 @@ def circuit_nodes(res, semirings=None, seed="structural", baseline=None, tokens=
         if sr not in res.semirings:
             raise InputError(f"{sr} was not computed in this pass (computed: {res.semirings})")
     sites, positions = find_sites(res, heads, roles)
-    labels = _labels(tokens, positions)
+    labels = site_labels(tokens, positions)
     rows: list[dict] = []
     for site in sites:
         per_sr = [_scores(res, site, sr, seed, baseline, positions) for sr in srs]
@@ -200,17 +200,17 @@ def _scores(res, site, sr, seed, baseline, positions) -> torch.Tensor:
             )
             per = sr.sum(per, (1,))
         total = per if total is None else sr.plus(total, per)
-    return _readout(sr, total).detach().cpu().double()
+    return readout(sr, total).detach().cpu().double()
 
 
-def _readout(sr, value) -> torch.Tensor:
+def readout(sr, value) -> torch.Tensor:
     if isinstance(sr, MaxProduct):
         best = sr.finalize(value)
         return torch.where(best.hi.abs() >= best.lo.abs(), best.hi, best.lo)
     return sr.scalar(value)
 
 
-def _labels(tokens, positions) -> list[str]:
+def site_labels(tokens, positions) -> list[str]:
     if tokens is None:
         return [str(p) for p in range(positions)]
     from .tokens import per_example

@@ -34,13 +34,13 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import checkpoints
-from ..engine.alpha import _apply as _forward_rule
+from ..engine.alpha import apply_rule
 from ..engine.reverse import contributions, propagate
 from ..errors import InputError, NotFoundError
 from .branches import blocks
-from .circuit import _labels, _readout, find_sites
+from .circuit import find_sites, readout, site_labels
 from .fanout import Roles, ancestors, descendants, entries, first_contraction
-from .heads import QKV, _only
+from .heads import QKV, only_columns
 from .marginals import alphas
 
 #: the ``input`` column: how a path enters its destination
@@ -294,7 +294,7 @@ def _head_plan(res, lay: Layout, srs, layer: int, head: int, roles=QKV) -> _Head
     ks = [res.semirings.index(sr) for sr in srs]
     mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
     mask[comp.cols] = True
-    d = [_only(sr, res._store[site][k], mask, like) for sr, k in zip(srs, ks)]
+    d = [only_columns(sr, res._store[site][k], mask, like) for sr, k in zip(srs, ks)]
     projs = [p for p in lay.projections[layer] if p.role in roles]
     down = set().union(*(descendants(p.proj) for p in projs))
     region = frozenset(ancestors(site, down))
@@ -323,7 +323,7 @@ def _head_entry_d(res, lay: Layout, srs, plan: _HeadPlan, position=None) -> dict
         if p.proj not in store:
             continue
         pl = values[p.proj]
-        dp = [_only(sr, v, plan.cols[p], pl) for sr, v in zip(srs, store[p.proj])]
+        dp = [only_columns(sr, v, plan.cols[p], pl) for sr, v in zip(srs, store[p.proj])]
         with torch.no_grad():
             for inp, s, c in contributions(graph, values, srs, graph.ids[p.proj], dp, needed):
                 if inp is p.x:
@@ -445,7 +445,7 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dic
                 if comp.cols is not None:
                     mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
                     mask[comp.cols] = True
-                    a = _only(sr, a, mask, like)
+                    a = only_columns(sr, a, mask, like)
                 vals.append(a)
             seeds[node] = vals
         region, todo = set(), list(seeds)
@@ -460,7 +460,7 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dic
             for n in sorted(region - set(seeds), key=ids.__getitem__):
                 if not any(i in store for i in n.all_input_nodes):
                     continue
-                got = _forward_rule(graph, values, srs, ids[n], store, needed)
+                got = apply_rule(graph, values, srs, ids[n], store, needed)
                 if any(g is not None for g in got):
                     store[n] = got
         per_comp.append(store)
@@ -627,7 +627,7 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     res = pinned(res)
     al = _alphas(res, srs, seed, baseline)
     lay = layout(res, heads, roles)
-    labels = _labels(tokens, lay.positions)
+    labels = site_labels(tokens, lay.positions)
     rows: list[dict] = []
     dests = list(_destinations(res, lay, srs))
     # (each region refuses a residual stream that enters a component)
@@ -643,7 +643,7 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
         else:  # an entry without positions (the output): a pass back from it
             values = _backward_edge_values(res, lay, srs, acc, al)
         has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)
-        read = [_readout(sr, v).detach().cpu().double().tolist() for sr, v in zip(srs, values)]
+        read = [readout(sr, v).detach().cpu().double().tolist() for sr, v in zip(srs, values)]
         has = has.tolist()
         for c, comp in enumerate(comps):
             for p in range(lay.positions):
@@ -711,14 +711,14 @@ def attention_edges(res, semirings=None, seed="structural", baseline=None, token
     res = pinned(res)
     al = _alphas(res, srs, seed, baseline)
     lay = layout(res, heads, roles)
-    labels = _labels(tokens, lay.positions)
+    labels = site_labels(tokens, lay.positions)
     rows: list[dict] = []
     for layer in range(lay.layers):
         for comp in lay.heads[layer]:
             plan = _head_plan(res, lay, srs, layer, comp.head, roles=("value",))
             for p in range(lay.positions):
                 got = _value_entry(res, lay, srs, plan, p, al)
-                read = [_readout(sr, v).detach().cpu().double() for sr, v in zip(srs, got)]
+                read = [readout(sr, v).detach().cpu().double() for sr, v in zip(srs, got)]
                 for q in range(lay.positions):
                     row = {
                         "layer": layer, "head_index": comp.head, "src_position": q,
@@ -756,7 +756,7 @@ def _value_entry(res, lay, srs, plan: _HeadPlan, position, al):
         for s, sr in enumerate(srs):
             if a[s] is None:
                 continue
-            dp = _only(sr, store[p.proj][s], plan.cols[p], pl)
+            dp = only_columns(sr, store[p.proj][s], plan.cols[p], pl)
             flat = tuple(f.reshape(lay.positions, -1, *f.shape[pl.dim() :])
                          for f in sr.mul(a[s], dp))  # fmt: skip
             per = sr.sum(flat, (1,))
@@ -777,7 +777,7 @@ def _projected_alpha(res, srs, p: Projection, al) -> list:
         if any(g is not None for g in got):
             graph = res.graph
             with torch.no_grad():
-                out = _forward_rule(graph, res.values, srs, graph.ids[p.proj], {p.x: got},
+                out = apply_rule(graph, res.values, srs, graph.ids[p.proj], {p.x: got},
                                     res.needed)  # fmt: skip
         cache[p.proj] = out
     return cache[p.proj]

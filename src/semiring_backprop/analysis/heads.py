@@ -54,14 +54,14 @@ def head_parts(res, v, ents, down=None, heads=None, roles=None) -> tuple[list, l
         for h in range(counts[role]):
             mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
             mask[list(cols[h * size : (h + 1) * size])] = True
-            d = [_only(sr, val, mask, like) for sr, val in zip(res.semirings, d_proj)]
+            d = [only_columns(sr, val, mask, like) for sr, val in zip(res.semirings, d_proj)]
             out_p.append(carry_within(res, v, proj, d, region_of[proj]))
             e = es[0]
             out_e.append(Entry(role, e.consumer, e.op, e.via, proj, e.cols, h))
     return out_e, out_p
 
 
-def _only(sr, value, cols, like):
+def only_columns(sr, value, cols, like):
     """``value`` where the last dim is in ``cols`` (a bool mask), the zero elsewhere."""
     zero = sr.zero(like.shape, like)
     out = []

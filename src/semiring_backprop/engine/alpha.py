@@ -45,7 +45,7 @@ def alpha(graph, values, semirings, seeds: dict, needed, keep=None) -> dict:
         out = list(seeds.get(node, [None] * n_sr))
         inputs = plan[node_id][0]
         if any(i in store for i in inputs):
-            for s, c in enumerate(_apply(graph, values, semirings, node_id, store, needed)):
+            for s, c in enumerate(apply_rule(graph, values, semirings, node_id, store, needed)):
                 if c is not None:
                     out[s] = c if out[s] is None else semirings[s].plus(out[s], c)
         if any(v is not None for v in out):
@@ -68,7 +68,7 @@ def _last_use(graph, needed) -> dict:
     }
 
 
-def _apply(graph, values, semirings, node_id, store, needed) -> list:
+def apply_rule(graph, values, semirings, node_id, store, needed) -> list:
     """The forward rule of node ``node_id`` under every semiring: a value (or None)
     per semiring."""
     node = graph.nodes[node_id]
