@@ -369,27 +369,7 @@ def residual_pass(res, lay: Layout, srs, acc: dict) -> dict:
     (``{tensor: [D per semiring]}``), the ⊕ over the paths from each component's node
     that reach an entry through the residual stream alone, times its D."""
     needed = res.needed
-    region, todo = set(), list(acc)
-    while todo:
-        n = todo.pop()
-        if n in region:
-            continue
-        if n in lay.blocked:
-            raise InputError(
-                f"circuit edges: the residual stream before `{next(iter(acc)).name}` reads "
-                f"`{n.name}` inside a component (its first op) without passing the "
-                "component's output: the paths there cannot be given to one component"
-            )
-        region.add(n)
-        if n not in lay.stops:
-            todo.extend(a for a in n.all_input_nodes if a in needed)
-    for s in region & lay.stops:
-        inner = [a for a in s.all_input_nodes if a in region]
-        if inner:
-            raise InputError(
-                f"circuit edges: `{inner[0].name}`, an input of the component `{s.name}`, "
-                "is also read by the residual stream: paths through it pass no component"
-            )
+    region = _residual_region(res, lay, acc)
     graph = res.graph
     start = max(graph.ids[n] for n in acc) + 1
     with torch.no_grad():
