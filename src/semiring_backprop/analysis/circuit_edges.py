@@ -407,55 +407,83 @@ def _residual_region(res, lay: Layout, acc: dict) -> set:
 
 
 def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dict:
-    """``{entry tensor: [stacked value per semiring]}``: per component (in
+    """``{entry tensor: (components, [stacked value per semiring])}``: per component (in
     ``lay.components``' order, stacked along a new first dim) the ⊕ over the paths that
     pass the component (alpha at its nodes, its columns only) and reach the entry through
-    the residual stream alone, as ``(components reaching it, [value per semiring])``.
-    One forward pass per component, over the nodes of ``between`` (those on a residual
-    path to an entry)."""
+    the residual stream alone.
+
+    One forward pass for all components at once, over the nodes of ``between`` (those on
+    a residual path to an entry): each value carries a leading component dim (the rules
+    run under ``torch.vmap``), a component's seed sits in its own slice at its nodes and
+    the zero in the others' (a path never passes two components: the pass does not go
+    through the components' nodes, it starts there)."""
     graph, values, needed, ids = res.graph, res.values, res.needed, res.graph.ids
-    per_comp = []
-    for comp in lay.components:
-        seeds = {}
+    comps = lay.components
+    seeds: dict = {}
+    for c, comp in enumerate(comps):
         for node in comp.nodes:
             like = values[node]
-            vals = []
-            for sr in srs:
+            slot = seeds.setdefault(node, [[None] * len(comps) for _ in srs])
+            for s, sr in enumerate(srs):
                 a = _alpha(res, al, node, sr)
                 if comp.cols is not None:
                     mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
                     mask[comp.cols] = True
                     a = only_columns(sr, a, mask, like)
-                vals.append(a)
-            seeds[node] = vals
-        region, todo = set(), list(seeds)
-        while todo:
-            n = todo.pop()
-            if n in region:
-                continue
-            region.add(n)
-            todo.extend(u for u in n.users if u in between and u not in lay.stops)
-        store = dict(seeds)
-        with torch.no_grad():
-            for n in sorted(region - set(seeds), key=ids.__getitem__):
-                if not any(i in store for i in n.all_input_nodes):
-                    continue
-                got = apply_rule(graph, values, srs, ids[n], store, needed)
-                if any(g is not None for g in got):
-                    store[n] = got
-        per_comp.append(store)
-    out = {}
-    for x in entries:
-        idx = [c for c, store in enumerate(per_comp) if x in store]
-        rows = []
+                slot[s][c] = tuple(a)
+    stacked = {}
+    for node, slot in seeds.items():
+        like = values[node]
+        stacked[node] = []
         for s, sr in enumerate(srs):
-            fs = [per_comp[c][x][s] for c in idx]
-            if any(f is None for f in fs):  # (a semiring without a path there)
-                like = values[x]
-                fs = [sr.zero(like.shape, like) if f is None else f for f in fs]
-            rows.append(tuple(torch.stack(f) for f in zip(*fs)) if fs else None)
-        out[x] = (idx, rows)
-    return out
+            zero = None
+            vals = []
+            for v in slot[s]:
+                if v is None:
+                    zero = zero or tuple(sr.zero(like.shape, like))
+                    v = zero
+                vals.append(v)
+            stacked[node].append(tuple(torch.stack(f) for f in zip(*vals)))
+    region, todo = set(), list(stacked)
+    while todo:
+        n = todo.pop()
+        if n in region:
+            continue
+        region.add(n)
+        todo.extend(u for u in n.users if u in between and u not in lay.stops)
+    order = sorted(region - set(stacked), key=ids.__getitem__)
+    wanted = [x for x in entries if x in region]
+
+    def run(batch):
+        store = dict(batch)
+        for n in order:
+            if not any(i in store for i in n.all_input_nodes):
+                continue
+            got = apply_rule(graph, values, srs, ids[n], store, needed)
+            if any(g is not None for g in got):
+                store[n] = got
+        out = {}
+        for x in wanted:
+            if x in store:
+                out[x] = [_or_zero(sr, v, values[x]) for sr, v in zip(srs, store[x])]
+        return out
+
+    per = sum(values[x].numel() for x in region) * 2 * len(srs)
+    chunk = max(1, min(len(comps), _BATCH_BUDGET // max(per, 1)))
+    with torch.no_grad():
+        got = torch.vmap(run, chunk_size=chunk)(stacked)
+    every = list(range(len(comps)))
+    return {x: (every, rows) for x, rows in got.items()}
+
+
+#: elements a batched pass may hold at once (its chunks are sized by it)
+_BATCH_BUDGET = 2**27
+
+
+def _or_zero(sr, value, like):
+    if value is None:
+        return tuple(sr.zero(like.shape, like))
+    return tuple(value)
 
 
 def _by_position(res, lay: Layout, x) -> bool:

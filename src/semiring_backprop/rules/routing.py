@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..semirings.base import fmap, fmap2
+from ..semirings.base import fmap, fmap2, has_storage
 from ..tracing import ops as _ops  # noqa: F401  (defines the mark op)
 from .registry import reads_nothing, register, register_forward
 from .shapes import broadcast, unbroadcast
@@ -137,6 +137,8 @@ def _put(z, part, scatter):
         return scatter
 
     def put(zf, gf):
+        if not has_storage(gf):  # batched (``torch.vmap``): no writing into an unbatched zero
+            return scatter(zf, gf)
         part(zf).copy_(gf)
         return zf
 

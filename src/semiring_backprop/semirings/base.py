@@ -114,6 +114,17 @@ def reduced_shape(shape, dims, keepdim):
     return tuple(s for d, s in enumerate(shape) if d not in dims)
 
 
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has memory of its own: not a tensor batched by ``torch.vmap``
+    (a batched pass: many values per node, see ``analysis.circuit_edges``), into which
+    an unbatched tensor may not be written in place."""
+    try:
+        t.untyped_storage()
+    except NotImplementedError:
+        return False
+    return True
+
+
 def log_abs(w: torch.Tensor) -> torch.Tensor:
     """``log |w|`` as a fresh tensor (callers may write into it)."""
     return torch.abs(w).log_()

@@ -12,6 +12,7 @@ from .base import (
     Semiring,
     Value,
     dense_if,
+    has_storage,
     log_abs,
     move_to_end,
     normal_dims,
@@ -34,6 +35,8 @@ def _finite(m: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     finite, it never turns a real term into NaN (``exp(-inf) · m == 0``). One fast
     arithmetic op instead of a comparison and a select.
     """
+    if out is m:  # in place (an ``out=`` op has no batching rule under ``torch.vmap``)
+        return m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0, out=out)
 
 
@@ -78,7 +81,8 @@ class Entropy(Semiring):
     def times(self, a: Value, w: torch.Tensor) -> Value:
         lw = log_abs(w)
         lz = a[0] + lw
-        m = lw.neg_().add_(a[1]) if lw.shape == lz.shape else a[1] - lw  # lw is ours
+        fresh = lw.shape == lz.shape and has_storage(a[1])  # lw is ours
+        m = lw.neg_().add_(a[1]) if fresh else a[1] - lw
         return retype(a, (lz, _finite(m, out=m)))
 
     def mul(self, a: Value, b: Value) -> Value:

@@ -17,6 +17,7 @@ from .base import (
     dense_if,
     fmap,
     full_int,
+    has_storage,
     move_to_end,
     normal_dims,
     reduced_shape,
@@ -45,8 +46,9 @@ def _nan_to(t: torch.Tensor, fill: float, out: torch.Tensor | None = None) -> to
 
 
 def _nan_to_(t: torch.Tensor, fill: float) -> torch.Tensor:
-    """:func:`_nan_to` in place (``t`` a fresh result)."""
-    return _nan_to(t, fill, out=t)
+    """:func:`_nan_to` in place (``t`` a fresh result; a method, not ``out=``, which has
+    no batching rule under ``torch.vmap``)."""
+    return t.nan_to_num_(nan=fill, posinf=INF, neginf=-INF)
 
 
 # What the tensor-granularity operations know of a value as a whole, as its tuple type
@@ -223,9 +225,13 @@ class MaxProduct(Semiring):
         # into fresh tensors, then the positive part added in place (one temporary less)
         wn = w.clamp(max=0)
         out_hi = lo * wn
-        out_lo = wn.mul_(hi) if wn.shape == hi.shape else hi * wn
+        out_lo = wn.mul_(hi) if wn.shape == hi.shape and has_storage(hi) else hi * wn
         wp = w.clamp(min=0)
-        out = (_nan_to_(out_hi.addcmul_(hi, wp), -INF), _nan_to_(out_lo.addcmul_(lo, wp), INF))
+        if has_storage(hi):
+            out_hi, out_lo = out_hi.addcmul_(hi, wp), out_lo.addcmul_(lo, wp)
+        else:  # batched (``torch.vmap``): addcmul_ has no batching rule
+            out_hi, out_lo = out_hi.add_(hi * wp), out_lo.add_(lo * wp)
+        out = (_nan_to_(out_hi, -INF), _nan_to_(out_lo, INF))
         if not ph:
             return retype(a, out)
         pos = w >= 0

@@ -13,6 +13,7 @@ from .base import (
     Semiring,
     Value,
     full_int,
+    has_storage,
     log_abs,
     move_to_end,
     node_index,
@@ -33,7 +34,7 @@ def _stack(fields) -> torch.Tensor:
     """``torch.stack(fields, -1)``; a view, not a copy, where the fields are equally
     spaced views of one tensor (as ``_unpack`` makes them, and as moves keep them)."""
     f0 = fields[0]
-    if len(fields) > 1:
+    if len(fields) > 1 and has_storage(f0):
         step = fields[1].storage_offset() - f0.storage_offset()
         shape, stride, storage = f0.shape, f0.stride(), f0.untyped_storage().data_ptr()
         if step != 0 and all(
@@ -171,7 +172,7 @@ class TopK(Semiring):
             return self.zero((*torch.broadcast_shapes(groups[0].shape[:-3], w.shape[:-2]),
                               groups[0].shape[-3], w.shape[-1]), groups[0])  # fmt: skip
         heads, rows = kernels.maxplus_topk(groups[0][..., 0], lwt, min(k, m))  # (..., n, p, h)
-        rows = rows.clamp_(max=m - 1)  # where no path is left (heads -inf): any row
+        rows = rows.clamp(max=m - 1)  # where no path is left (heads -inf): any row
         lwt = lwt[..., :m]
         *groups, lwt, wt = _batch_broadcast_groups(groups, lwt, w.transpose(-2, -1))
         n, p, h = rows.shape[-3:]
