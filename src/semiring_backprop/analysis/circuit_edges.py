@@ -332,6 +332,47 @@ def _head_entry_d(res, lay: Layout, srs, plan: _HeadPlan, position=None) -> dict
     return out
 
 
+def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
+    """:func:`head_entry_d` of every head of a block (all positions), from one pass back
+    from the heads' site for all heads at once: a leading head dim, the rules under
+    ``torch.vmap`` (the heads share the site and the region between it and the
+    projections; they differ in the columns their D starts from)."""
+    comps = lay.heads[layer]
+    plans = [_head_plan(res, lay, srs, layer, c.head) for c in comps]
+    first = plans[0]
+    graph, values, needed = res.graph, res.values, res.needed
+    seeds = [tuple(torch.stack(f) for f in zip(*(tuple(pl.d[s]) for pl in plans)))
+             for s in range(len(srs))]  # fmt: skip
+
+    def run(d):
+        store = propagate(graph, values, srs, {first.site: list(d)}, needed,
+                          within=first.region, start=graph.ids[first.site] + 1,
+                          stop=first.stop)  # fmt: skip
+        return {p.proj: [tuple(v) for v in store[p.proj]] for p in first.projs
+                if p.proj in store}  # fmt: skip
+
+    per = sum(values[n].numel() for n in first.region) * 2 * len(srs)
+    chunk = max(1, min(len(comps), _BATCH_BUDGET // max(per, 1)))
+    with torch.no_grad():
+        got = torch.vmap(run, chunk_size=chunk)(seeds)
+    out = []
+    for h, plan in enumerate(plans):
+        d_out: dict = {}
+        for p in plan.projs:
+            if p.proj not in got:
+                continue
+            pl = values[p.proj]
+            dp = [only_columns(sr, tuple(f[h] for f in v), plan.cols[p], pl)
+                  for sr, v in zip(srs, got[p.proj])]  # fmt: skip
+            with torch.no_grad():
+                for inp, s, c in contributions(graph, values, srs, graph.ids[p.proj], dp, needed):
+                    if inp is p.x:
+                        slot = d_out.setdefault((p.role, p.x), [None] * len(srs))
+                        slot[s] = srs[s].accumulate(slot[s], c)
+        out.append(d_out)
+    return out
+
+
 def _at_position(sr, value, like, positions, p):
     """``value`` at position ``p`` of a (…, positions, hidden) tensor, the zero elsewhere."""
     zero = sr.zero(like.shape, like)
@@ -674,8 +715,8 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
 def _destinations(res, lay: Layout, srs):
     """``(component, input, {entry tensor: [D per semiring]})`` for every entry."""
     for layer in range(lay.layers):
-        for comp in lay.heads[layer]:
-            d = head_entry_d(res, lay, srs, layer, comp.head)
+        per_head = _layer_entry_d(res, lay, srs, layer)
+        for comp, d in zip(lay.heads[layer], per_head):
             for role in QKV:
                 acc = {x: v for (r, x), v in d.items() if r == role}
                 if acc:

@@ -59,6 +59,17 @@ def set_compile(enabled: bool | str) -> None:
     _state["compile"] = enabled
 
 
+def has_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` has memory of its own: not a tensor batched by ``torch.vmap``
+    (a batched pass: many values per node, see ``analysis.circuit_edges``), into which
+    an unbatched tensor may not be written in place, and which runs no compiled kernel."""
+    try:
+        t.untyped_storage()
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _should_compile(key, work: int, device) -> bool:
     mode = _state["compile"]
     if not mode or work < MIN_WORK or key in _state["failed"]:
@@ -151,7 +162,7 @@ def _run(name, a, wt):
     # contiguous inputs: one compiled graph for every shape (no stride guards)
     out = _try_compiled(
         key,
-        work,
+        work if has_storage(a[0]) and has_storage(wt) else 0,  # (batched: eagerly)
         a[0].device,
         lambda: _compiled(name)(*(f.contiguous() for f in a), wt.contiguous()),
     )
@@ -263,7 +274,7 @@ def maxplus_topk(m, lwt, k: int):
     if inner >= BLOCKED_MIN and inner % PAD == 0:
         out = _try_compiled(
             key,
-            b * n * inner * p,
+            b * n * inner * p if has_storage(m) and has_storage(lwt) else 0,
             m.device,
             lambda: _topk_blocked(m.contiguous(), lwt.contiguous(), k),
         )

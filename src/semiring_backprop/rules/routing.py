@@ -151,6 +151,8 @@ def _slice(sr, g, op, x, dim=0, start=None, end=None, step=1):
     if op.out.shape[dim] == x.shape[dim]:  # every element, in order: D is g itself
         return [g]
     z = sr.zero(x.shape, op.out)
+    # concrete bounds (an ``end`` of 2**63 - 1, as traced, is no SymInt under torch.vmap)
+    start, end, step = slice(start, end, step).indices(x.shape[dim])
     put = _put(
         z,
         lambda zf: aten.slice(zf, dim, start, end, step),

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import chunk_rows  # noqa: F401  (re-exported for the semirings)
+from ..kernels import chunk_rows, has_storage  # noqa: F401  (re-exported for the semirings)
 
 Value = tuple[torch.Tensor, ...]
 
@@ -112,17 +112,6 @@ def reduced_shape(shape, dims, keepdim):
     if keepdim:
         return tuple(1 if d in dims else s for d, s in enumerate(shape))
     return tuple(s for d, s in enumerate(shape) if d not in dims)
-
-
-def has_storage(t: torch.Tensor) -> bool:
-    """Whether ``t`` has memory of its own: not a tensor batched by ``torch.vmap``
-    (a batched pass: many values per node, see ``analysis.circuit_edges``), into which
-    an unbatched tensor may not be written in place."""
-    try:
-        t.untyped_storage()
-    except NotImplementedError:
-        return False
-    return True
 
 
 def log_abs(w: torch.Tensor) -> torch.Tensor:
