@@ -203,6 +203,11 @@ def _np_node(circuit, row, col) -> dict:
             str(_int(row["layer"])),
         )
         kind, clerp = "mlp", f"MLP {_int(row['layer'])}"
+    said = f"{clerp}: {col} {value:.4g}" if influence is not None else clerp
+    if role == "target":
+        # the viewer reads a logit's label as `Output "TOKEN" (p=P)` and stops on any
+        # other; the scalar explained is no one token's probability, so p=n/a
+        said = 'Output "{}" (p=n/a)'.format(said.replace('"', "'"))
     return {
         "node_id": node_id,
         "feature": int(feature),
@@ -214,7 +219,7 @@ def _np_node(circuit, row, col) -> dict:
         "run_idx": 0,
         "reverse_ctx_idx": 0,
         "jsNodeId": f"{layer}_{feature}-{p}",
-        "clerp": f"{clerp}: {col} {value:.4g}" if influence is not None else clerp,
+        "clerp": said,
         "influence": influence,
         "activation": None,
     }
