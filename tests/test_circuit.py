@@ -193,14 +193,16 @@ def test_pruned_keeps_ends_and_edges_between_kept(hb):
     kept = _kept_ids(small)
     roles = small.nodes.role.value_counts().to_dict()
     assert roles["embedding"] == P and roles["target"] == 1 and roles["residual"] == L * P
-    want = [e for e in _edge_ids(hb.edges)
-            if (e[0].startswith("input") or e[0] in kept)
-            and (e[1] == "logits" or e[1] in kept)]  # fmt: skip
-    assert sorted(_edge_ids(small.edges)) == sorted(want)
+    # a head is kept where it writes and reads keys and values where its attention
+    # reaches (tests/test_circuit_prune.py has the exact sets)
     att = {(f"a{r['layer']}.h{r['head_index']}@{r['src_position']}",
             f"a{r['layer']}.h{r['head_index']}@{r['dst_position']}")
            for r in small.attention_edges.to_dict("records")}  # fmt: skip
-    assert all(s in kept and d in kept for s, d in att)
+    assert all(d in kept for _, d in att)
+    reads = {s for s, _ in att}
+    for src, dst, entry in _edge_ids(small.edges):
+        assert src.startswith("input") or src in kept
+        assert dst == "logits" or dst in kept or (entry in "kv" and dst in reads)
     assert small.full is hb and small.prune(top_n=2).full is hb
 
 
@@ -391,7 +393,8 @@ def test_neuronpedia_schema(hb, tmp_path):
     assert len(ids) == len(set(ids)) == len(set(n.jsNodeId for n in model.nodes))
     kinds = [n.feature_type for n in model.nodes]
     assert kinds.count("embedding") == P and kinds.count("logit") == 1
-    assert kinds.count("attention head") + kinds.count("mlp") == 5
+    reads = {r["id"] for r in small.read_sites()}  # where kept heads read, not kept
+    assert kinds.count("attention head") + kinds.count("mlp") == 5 + len(reads)
     assert all(0 <= n.ctx_idx < len(model.metadata.prompt_tokens) for n in model.nodes)
     assert model.metadata.prompt_tokens == TOKENS
     assert all(link.source in ids and link.target in ids and link.source != link.target
@@ -399,7 +402,7 @@ def test_neuronpedia_schema(hb, tmp_path):
     target = next(n for n in model.nodes if n.is_target_logit)
     assert target.layer == str(L + 1) and target.influence == 1.5
     # a link per pair of kept sites an edge joins
-    kept = _kept_ids(small) | {f"input@{p}" for p in range(P)} | {"logits"}
+    kept = _kept_ids(small) | reads | {f"input@{p}" for p in range(P)} | {"logits"}
     pairs = {(s, d) for s, d, _ in _edge_ids(small.edges) if s in kept and d in kept}
     pairs |= {(f"a{r['layer']}.h{r['head_index']}@{r['src_position']}",
                f"a{r['layer']}.h{r['head_index']}@{r['dst_position']}")
@@ -418,8 +421,9 @@ def test_networkx_sets_equal_the_frames(hb):
     for c in (hb, hb.prune(top_n=6)):
         g = c.to_networkx()
         assert isinstance(g, nx.MultiDiGraph)
-        assert set(g.nodes) == {_row_id(r) for r in c.nodes.to_dict("records")}
-        assert g.number_of_nodes() == len(c.nodes)
+        reads = {r["id"] for r in c.read_sites()}  # where kept heads read, not kept
+        assert set(g.nodes) == {_row_id(r) for r in c.nodes.to_dict("records")} | reads
+        assert g.number_of_nodes() == len(c.nodes) + len(reads)
         want = sorted(_edge_ids(c.edges)) + sorted(
             (f"a{r['layer']}.h{r['head_index']}@{r['src_position']}",
              f"a{r['layer']}.h{r['head_index']}@{r['dst_position']}", "attention")
@@ -435,7 +439,9 @@ def test_dot_parses(hb):
     assert dot.startswith("digraph circuit {") and dot.rstrip().endswith("}")
     nodes = set(re.findall(r'^  "([^"]+)" \[label=', dot, re.M))
     edges = re.findall(r'^  "([^"]+)" -> "([^"]+)" \[label="([^"]+)"', dot, re.M)
-    assert nodes == {_row_id(r) for r in small.nodes.to_dict("records") if r["role"] != "residual"}
+    reads = {r["id"] for r in small.read_sites()}  # where kept heads read, not kept
+    assert nodes == {_row_id(r) for r in small.nodes.to_dict("records")
+                     if r["role"] != "residual"} | reads  # fmt: skip
     assert len(edges) == len(small.edges) + len(small.attention_edges)
     assert {(s, d, k) for s, d, k in edges if k != "attention"} == set(_edge_ids(small.edges))
     assert dot.count("{") == dot.count("}")

@@ -208,8 +208,19 @@ class Circuit:
         ``semiring`` (default Real) is among the ``top_n`` largest, at least
         ``threshold``, or among the largest that together make up ``cumulative`` (a
         share, 0 to 1) of the total |value| of all components; several criteria: all
-        must hold. Sites of no path (non-finite values) are never kept. Edges and
-        attention edges are kept where both their ends are.
+        must hold. Sites of no path (non-finite values) are never kept; only sites are
+        ranked (a head's value at a position already counts every path through what it
+        reads), and the edges follow from them.
+
+        A head's site is the position ``p`` where it writes; it reads its query at
+        ``p`` and its keys and values at the positions its attention reaches. So an
+        attention edge ``q -> p`` stays when the head is kept at ``p`` (and the pair
+        carries a value: finite and non-zero under some semiring, not masked); an edge
+        into the head's key or value input at ``q`` stays when a kept attention edge
+        of that head reads ``q`` (or the head is kept at ``q``); an edge into its query,
+        an MLP or the target, at its own position. Every edge also needs its source
+        kept at its position (the embeddings always are). ``read_sites()`` lists the
+        positions read where the head itself is not kept.
 
         ``prune(top_n=10)``: the ten strongest sites; ``prune(cumulative=0.9)``: the
         fewest that carry 90 % of |Real| (the class's example runs one).
@@ -241,30 +252,32 @@ class Circuit:
         kept_rows = comps.loc[sorted(keep)]
         return self._keeping(kept_rows)
 
+    def read_sites(self) -> list[dict]:
+        """Where the kept heads read keys and values without being kept there (none in
+        a whole circuit): :func:`.exports.read_sites`, a dict per head and position."""
+        return exports.read_sites(self)
+
     def _keeping(self, kept_rows) -> Circuit:
         full = self.full
         keys = {_key(r["role"], r["layer"], r["head_index"], r["position"])
                 for r in kept_rows.to_dict("records")}  # fmt: skip
         n = full.nodes
         stays = ~n.role.isin(COMPONENT_ROLES) | n.index.isin(kept_rows.index)
-        e = full.edges
-        ok = [
-            _key(r["src_role"], r["src_layer"], r["src_head_index"], r["position"]) in keys
-            or r["src_role"] == "embedding"
-            for r in e.to_dict("records")
-        ]
-        ok = [
-            a and (r["dst_role"] == "target"
-                   or _key(r["dst_role"], r["dst_layer"], r["dst_head_index"], r["position"])
-                   in keys)
-            for a, r in zip(ok, e.to_dict("records"))
-        ]  # fmt: skip
+        # A head's site is where it writes; it reads its keys and values at every
+        # position its attention reaches. An attention edge q -> p stays when the head
+        # is kept at p and the pair carries something; the head then reads q.
         a = full.attention_edges
         att = [
-            _key("head", r["layer"], r["head_index"], r["src_position"]) in keys
-            and _key("head", r["layer"], r["head_index"], r["dst_position"]) in keys
+            _key("head", r["layer"], r["head_index"], r["dst_position"]) in keys
+            and (r["src_position"] == r["dst_position"] or _carries(r, self.names))
             for r in a.to_dict("records")
         ]
+        reads = {(_key("head", r["layer"], r["head_index"], r["src_position"]))
+                 for r, ok in zip(a.to_dict("records"), att) if ok}  # fmt: skip
+        reads |= {_key("head", r["layer"], r["head_index"], r["position"])
+                  for r in kept_rows[kept_rows.role == "head"].to_dict("records")}  # fmt: skip
+        e = full.edges
+        ok = [_edge_stays(r, keys, reads) for r in e.to_dict("records")]
         return replace(
             full,
             nodes=n[stays].reset_index(drop=True),
@@ -331,6 +344,26 @@ class Circuit:
 
 def _key(role, layer, head, position) -> str:
     return exports.site_id(role, layer, head, position)
+
+
+def _carries(row, names) -> bool:
+    """Whether an attention edge carries a value under some semiring (finite, not 0): a
+    masked pair holds the semiring's zero, and a pair no seeded path reaches holds 0."""
+    return any(math.isfinite(v := float(row[c])) and v != 0 for c in names if c in row)
+
+
+def _edge_stays(row, keys: set, reads: set) -> bool:
+    """Whether a residual edge (source and entry at ``row["position"]``) joins kept
+    components: its source kept there (the embeddings always are); its destination the
+    target, an MLP or a head's query kept there, or a head's key or value read there."""
+    p = row["position"]
+    src = _key(row["src_role"], row["src_layer"], row["src_head_index"], p)
+    if row["src_role"] != "embedding" and src not in keys:
+        return False
+    if row["dst_role"] == "target":
+        return True
+    dst = _key(row["dst_role"], row["dst_layer"], row["dst_head_index"], p)
+    return dst in (reads if row["input"] in ("k", "v") else keys)
 
 
 def _token_ids(res) -> list | None:

@@ -20,7 +20,11 @@ the same position (the residual stream is per position; ``input`` says which inp
 the destination it enters: q, k, v, mlp or target). An edge of
 ``circuit.attention_edges`` runs inside one head, from the head at ``src_position`` to
 the head at ``dst_position``. So a head's node at a position stands for the head there,
-reading (q, k, v) and writing its output. Non-finite values (MaxProduct's ``-inf``: no
+reading (q, k, v) and writing its output. In a pruned circuit a kept head also reads
+keys and values at positions where it is not kept: :func:`read_sites` lists them, and
+the graphs give each a node (``read: True``; no value of its own, since the head's value
+there is what it writes there), so that the edges into it and its attention edges to
+where the head is kept have both ends. Non-finite values (MaxProduct's ``-inf``: no
 path) are written as 0 (EAP-IG scores) or left out (links).
 """
 
@@ -76,6 +80,30 @@ def site_id(role, layer, head=None, position=None) -> str:
     name = component_name(role, layer, head)
     p = _int(position)
     return name if role == "target" or p is None else f"{name}@{p}"
+
+
+def read_sites(circuit) -> list[dict]:
+    """The sites where a kept head of ``circuit`` reads its keys and values but is not
+    itself kept (none in a whole circuit): per head and position, ``role`` ("head"),
+    ``layer``, ``head_index``, ``position``, ``token``, ``id`` (:func:`site_id`) and
+    ``read_by`` (the positions where the head is kept and reads this one, sorted)."""
+    kept = {site_id(r["role"], r["layer"], r["head_index"], r["position"])
+            for r in circuit.nodes.to_dict("records")}  # fmt: skip
+    tokens = circuit.token_list
+    found: dict = {}
+    for r in circuit.attention_edges.to_dict("records"):
+        q, p = _int(r["src_position"]), _int(r["dst_position"])
+        sid = site_id("head", r["layer"], r["head_index"], q)
+        if sid in kept:
+            continue
+        site = found.setdefault(sid, {
+            "role": "head", "layer": _int(r["layer"]), "head_index": _int(r["head_index"]),
+            "position": q, "token": tokens[q] if q < len(tokens) else str(r["src_token"]),
+            "id": sid, "read_by": set(),
+        })  # fmt: skip
+        site["read_by"].add(p)
+    out = sorted(found.values(), key=lambda s: (s["layer"], s["head_index"], s["position"]))
+    return [{**s, "read_by": sorted(s["read_by"])} for s in out]
 
 
 def oplus(name: str, values) -> float:
@@ -239,6 +267,13 @@ def neuronpedia_graph(circuit, semiring=None, slug: str = "circuit", scan: str =
         node = _np_node(circuit, row, col)
         ids[site_id(row["role"], row["layer"], row["head_index"], row["position"])] = node
         nodes.append(node)
+    for site in read_sites(circuit):
+        node = _np_node(circuit, {**site, col: math.nan}, col)
+        where = ", ".join(str(p) for p in site["read_by"])
+        head = f"attention head {site['layer']}.{site['head_index']}"
+        node["clerp"] = f"{head} reading position {site['position']} (kept at {where})"
+        ids[site["id"]] = node
+        nodes.append(node)
     weights: dict = {}
     for src, dst, _key, attrs in graph_edges(circuit):
         if src in ids and dst in ids and src != dst:
@@ -299,14 +334,19 @@ def write_neuronpedia(graph: dict, where) -> str:
 
 
 def graph_nodes(circuit):
-    """``(site id, attributes)`` of every row of ``circuit.nodes``."""
+    """``(site id, attributes)`` of every row of ``circuit.nodes`` (``read`` False) and
+    of every :func:`read_sites` site (``read`` True, its values NaN)."""
     names = circuit.names
     for row in circuit.nodes.to_dict("records"):
         attrs = {k: row[k] for k in ("role", "layer", "head_index", "position", "token")}
         attrs = {k: (_int(v) if k in ("layer", "head_index", "position") else v)
                  for k, v in attrs.items()}  # fmt: skip
-        attrs.update({n: float(row[n]) for n in names})
+        attrs.update({n: float(row[n]) for n in names}, read=False)
         yield site_id(row["role"], row["layer"], row["head_index"], row["position"]), attrs
+    for site in read_sites(circuit):
+        attrs = {k: site[k] for k in ("role", "layer", "head_index", "position", "token")}
+        attrs.update({n: math.nan for n in names}, read=True, read_by=site["read_by"])
+        yield site["id"], attrs
 
 
 def graph_edges(circuit):
@@ -358,7 +398,7 @@ def to_dot(circuit, semiring=None) -> str:
 
     col = circuit.column(semiring)
     rows = [(n, a) for n, a in graph_nodes(circuit) if a["role"] != "residual"]
-    scale = Scale([a[col] for _, a in rows], signed=True)
+    scale = Scale([a[col] for _, a in rows if not a["read"]], signed=True)
     edges = [e for e in graph_edges(circuit)]
     top = max((abs(a[col]) for *_, a in edges if math.isfinite(a[col])), default=0.0) or 1.0
     out = [
@@ -370,6 +410,9 @@ def to_dot(circuit, semiring=None) -> str:
     for name, a in rows:
         ranks.setdefault(a["layer"], []).append(name)
         what = name if a["role"] == "target" else f"{name}\\n{a['token']}"
+        if a["read"]:  # a kept head reads here; its value belongs to where it writes
+            out.append(f'  {_q(name)} [label="{what}\\nread", style=dashed];')
+            continue
         out.append(
             f'  {_q(name)} [label="{what}\\n{a[col]:.3g}", fillcolor="{scale.color(a[col])}"];'
         )

@@ -2,14 +2,19 @@
 positions (columns, under their tokens). Per layer and position, the attention heads
 side by side (a small box each) and above them the MLP; a box's colour is its value
 (red positive, blue negative, on a diverging scale centred at zero) and its size
-grows with |value|. Edges are lines, their width by |value|; a head's attention from
-one position to another is a dashed curve. One inline SVG, no script; padding has no
-column. Reads a ``Circuit`` (``semiring_backprop.circuits``) and computes nothing."""
+grows with |value|, with its sign (+ or −) written in it. Edges are lines, their width
+by |value| and their colour by sign; a head's attention from one position to another
+is a dashed curve. A head is kept at the position where it writes; where a kept head
+reads keys and values without being kept, a hollow dashed box (a read site) ends the
+edges into its key and value inputs and starts its attention curve. Edges of value 0
+or of no path are not drawn. One inline SVG, no script; padding has no column. Reads a
+``Circuit`` (``semiring_backprop.circuits``) and computes nothing."""
 
 from __future__ import annotations
 
 import math
 
+from ..circuits.exports import read_sites
 from . import View
 from . import html as _html
 from .colors import NO_VALUE, Scale
@@ -102,7 +107,8 @@ class _Layout:
 
 
 def circuit_svg(circuit, semiring=None, max_edges: int = 300) -> tuple[str, dict]:
-    """The SVG, and what it drew (``components``, ``edges``, ``edges_total``)."""
+    """The SVG, and what it drew (``components``, ``reads`` (read sites), ``edges``,
+    ``edges_total``)."""
     col = circuit.column(semiring)
     lay = _Layout(circuit)
     nodes = circuit.nodes[circuit.nodes.role != "residual"]
@@ -154,14 +160,32 @@ def circuit_svg(circuit, semiring=None, max_edges: int = 300) -> tuple[str, dict
             f'fill="{color}" stroke="#555" stroke-width="0.6">'
             f"<title>{_html.esc(tip)}</title></rect>"
         )
-        if w >= 20 and math.isfinite(v) and v != 0:
+        if math.isfinite(v) and v != 0:
             glyph = "+" if v > 0 else "−"
-            boxes.append(f'<text x="{x + w - 9:g}" y="{y + h / 2 + 4:g}" '
-                         f'class="sign">{glyph}</text>')  # fmt: skip
+            gx = x + w - 9 if w >= 20 else x + w / 2 - 3
+            boxes.append(f'<text x="{gx:g}" y="{y + h / 2 + 4:g}" class="sign" '
+                         f'data-id="{_html.esc(sid)}" font-size="10">{glyph}</text>')  # fmt: skip
         drawn += 1
+    reads = 0
+    for site in read_sites(circuit):
+        if site["position"] not in lay.col:
+            continue
+        reads += 1
+        x, y, w, h = lay.box("head", site["layer"], site["head_index"], site["position"])
+        centers[site["id"]] = (x + w / 2, y, y + h)
+        by = ", ".join(str(p) for p in site["read_by"])
+        tip = (f"{site['id']} at {site['token']!r} ({site['position']}): read (keys, values) "
+               f"by the head kept at position {by}")  # fmt: skip
+        boxes.append(
+            f'<rect class="read" data-id="{_html.esc(site["id"])}" data-role="read" '
+            f'x="{x + 1:g}" y="{y + 1:g}" width="{w - 2:g}" height="{h - 2:g}" rx="2" '
+            f'fill="#fff" stroke="#333" stroke-width="0.8" stroke-dasharray="2 1.5">'
+            f"<title>{_html.esc(tip)}</title></rect>"
+        )
     lines, total = _edges(circuit, col, centers, lay, max_edges)
     out += lines + boxes + ["</svg>"]
-    return "".join(out), {"components": drawn, "edges": len(lines), "edges_total": total}
+    return "".join(out), {"components": drawn, "reads": reads, "edges": len(lines),
+                          "edges_total": total}  # fmt: skip
 
 
 def _edges(circuit, col, centers, lay, max_edges) -> tuple[list[str], int]:
@@ -176,7 +200,9 @@ def _edges(circuit, col, centers, lay, max_edges) -> tuple[list[str], int]:
         dst = _site("head", row["layer"], row["head_index"], row["dst_position"])
         if src != dst:
             items.append((float(row[col]), src, dst, "attention"))
-    items = [i for i in items if i[1] in centers and i[2] in centers and math.isfinite(i[0])]
+    # an edge of value 0 (or of no path) carries nothing: not drawn
+    items = [i for i in items if i[1] in centers and i[2] in centers]
+    items = [i for i in items if math.isfinite(i[0]) and i[0] != 0]
     items.sort(key=lambda i: -abs(i[0]))
     top = max((abs(i[0]) for i in items), default=0.0) or 1.0
     lines = []
@@ -185,7 +211,8 @@ def _edges(circuit, col, centers, lay, max_edges) -> tuple[list[str], int]:
         width = 0.4 + 3.6 * abs(v) / top
         color = "#B2182B" if v > 0 else "#2166AC" if v < 0 else "#999"
         tip = f"<title>{_html.esc(f'{src} → {dst} ({kind}): {col} {_html.fmt(v)}')}</title>"
-        data = f'data-src="{_html.esc(src)}" data-dst="{_html.esc(dst)}" data-input="{kind}"'
+        data = (f'data-src="{_html.esc(src)}" data-dst="{_html.esc(dst)}" data-input="{kind}" '
+                f'data-sign="{_sign(v)}" data-value="{v!r}"')  # fmt: skip
         if kind == "attention":
             lift = 10 + 4 * abs(lay.col.get(_pos(dst), 0) - lay.col.get(_pos(src), 0))
             lines.append(
@@ -227,7 +254,7 @@ def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
     said = f"; explained: {circuit.what}" if circuit.what else ""
     kept = (f"{len(comps)} of {len(every)} head/MLP sites kept"
             if len(comps) < len(every) else f"all {len(every)} head/MLP sites")  # fmt: skip
-    shown = f"{drawn['edges']} of {drawn['edges_total']} edges drawn (the strongest)"
+    shown = f"{drawn['edges']} of {drawn['edges_total']} non-zero edges drawn (the strongest)"
     caption = (
         f"<h3>Circuit of “{_html.esc(text)}”</h3><div class=note>"
         f"{_html.esc(said[2:] + '; ' if said else '')}values under {_html.esc(col)} "
@@ -239,8 +266,10 @@ def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
         "A box's colour is its value (red raises the output, blue lowers it; + and − on "
         "the wider boxes) and its size grows with |value|, on the scale of the heads and "
         "MLPs (the embeddings and the target, larger, take its ends); grey outlines are sites left "
-        "out. Lines: edges through the residual stream (width by |value|); dashed curves: "
-        "a head's attention from one position to another.</div>"
+        "out; a hollow dashed box is a position where a kept head reads its keys and values "
+        "without being kept there. Lines: edges through the residual stream (width by "
+        "|value|, colour by sign); dashed curves: a head's attention from the position it "
+        "reads to the position it writes.</div>"
     )
     body = caption + _html.color_bar(scale, col) + f'<div class="scroll">{svg}</div>' + legend
 
