@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..errors import InputError
-from . import exports
+from . import exports, paths
 from .exports import ATTENTION_COLUMNS, COMPONENT_ROLES, EDGE_COLUMNS, NODE_COLUMNS
 
 __all__ = ["Circuit", "circuit"]
@@ -198,6 +198,29 @@ class Circuit:
     def components(self):
         """The rows of ``nodes`` that are heads or MLPs."""
         return self.nodes[self.nodes.role.isin(COMPONENT_ROLES)]
+
+    def top_paths(self, k: int = 1, semiring=None, seed="x", *, heads=None,
+                  roles=None) -> paths.CircuitPaths:  # fmt: skip
+        """The ``k`` best whole paths (any token embedding to the output, by |product|),
+        each as the sites it passes: a list of :class:`~.paths.CircuitPath`, best
+        first, with ``to_frame()`` (one row per path and site) and ``to_json()``.
+
+        Exact: these are the ``k`` best element paths of the pass, read from its
+        back-pointers (``k=1``: MaxProduct, both signs; ``k > 1``: ``TopK(k')``,
+        ``k' >= k``, which ``sbp.circuit(..., semirings=[..., sbp.TopK(k)])`` computes),
+        each projected onto the sites it passes; two of them may pass the same sites
+        (they differ inside a component): nothing is merged. ``seed``: ``"x"`` (default,
+        as ``sbp.circuit``'s; each path times its source element's value, so the best
+        path's value is the target's MaxProduct value) or ``"structural"`` (the product
+        alone, as ``Result.top_path``). ``heads``, ``roles``: as the circuit was built.
+        Padding positions start no path.
+
+        Examples:
+            >>> best = c.top_paths()[0]
+            >>> best.value == c.nodes[c.nodes.role == "target"]["MaxProduct(neuron)"].item()
+            True
+        """
+        return paths.top_paths(self, k, semiring, seed, heads, roles)
 
     # -- pruning ----------------------------------------------------------------------
 
