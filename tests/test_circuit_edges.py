@@ -324,3 +324,28 @@ def test_real_cuts_on_hugging_face_models(name):
                                        "dst_role", "dst_head_index", "input", "position",
                                        "token"]  # fmt: skip
     assert edges[edges.src_role != "head"].src_head_index.isna().all()
+
+
+@pytest.mark.parametrize("name", ["one", "two", "bert2", "gpt2", "llama_gqa"])
+def test_attention_edges_by_the_matmul_equal_a_pass_from_each_position(name):
+    """The attention edges read at the ``A @ V`` matmul (its edge marginals: alpha at V,
+    the weights A, D at its output) equal those of a pass back from the head's slice at
+    each position (the definition, run generically), under every semiring; and the
+    matmul is found (GPT-2's fused q/k/v and Llama's shared K/V heads included)."""
+    from semiring_backprop.analysis import circuit_edges as ce
+
+    res = tiny(name) if name in TINY else hf_result(name)
+    srs = list(res.semirings)
+    lay = ce.layout(res)
+    al = ce._alphas(res, srs, "x", None)
+    for layer in range(lay.layers):
+        for comp in lay.heads[layer]:
+            plan = ce._head_plan(res, lay, srs, layer, comp.head, roles=("value",))
+            fast = ce._attention_by_contraction(res, lay, srs, plan, al)
+            assert fast is not None, f"no A @ V found in layer {layer}"
+            slow = ce._attention_by_positions(res, lay, srs, plan, al)
+            for sr, x, y in zip(srs, fast, slow):
+                got, want = ce.readout(sr, x), ce.readout(sr, y)
+                assert torch.allclose(got, want, rtol=1e-9, atol=1e-14, equal_nan=True), (
+                    f"{sr} in layer {layer}, head {comp.head}: {got} != {want}"
+                )
