@@ -12,8 +12,9 @@ networkx graphs and Graphviz DOT (:mod:`.exports`).
 
 The best whole paths through components are not read off the edges: an edge's value is
 the best path through that edge, and chaining edges does not give a path's value (a
-path must enter and leave a site through the same element). ``Result.top_path`` gives
-the exact best path, element by element.
+path must enter and leave a site through the same element). ``Circuit.top_paths`` reads
+the exact best paths element by element from the pass and names the sites each passes
+(:mod:`.paths`).
 
 For example (``tests/test_circuit.py`` runs it on a small BERT)::
 
@@ -209,16 +210,32 @@ class Circuit:
         back-pointers (``k=1``: MaxProduct, both signs; ``k > 1``: ``TopK(k')``,
         ``k' >= k``, which ``sbp.circuit(..., semirings=[..., sbp.TopK(k)])`` computes),
         each projected onto the sites it passes; two of them may pass the same sites
-        (they differ inside a component): nothing is merged. ``seed``: ``"x"`` (default,
+        (they differ inside a component, or start at two sources of one embedding site,
+        e.g. the word and the token-type embedding): nothing is merged. ``seed``: ``"x"`` (default,
         as ``sbp.circuit``'s; each path times its source element's value, so the best
-        path's value is the target's MaxProduct value) or ``"structural"`` (the product
+        path's value is the target's MaxProduct value where the token embeddings are the
+        only sources) or ``"structural"`` (the product
         alone, as ``Result.top_path``). ``heads``, ``roles``: as the circuit was built.
         Padding positions start no path.
 
         Examples:
-            >>> best = c.top_paths()[0]
-            >>> best.value == c.nodes[c.nodes.role == "target"]["MaxProduct(neuron)"].item()
+            >>> c = sbp.Circuit.from_result(res, [sbp.MaxProduct()], tokens=tokens)
+            >>> best = c.top_paths()
+            >>> best
+            [<CircuitPath 1: 0.0138873, embedding@6 '[MASK]' → target>]
+            >>> import math
+            >>> math.isclose(best[0].value, c.nodes["MaxProduct(neuron)"].iloc[-1])  # the target's
             True
+
+            Two paths of one product: from the word and from the token-type embedding
+            (both are sources, added together):
+
+            >>> two = c.top_paths(2, seed="structural")   # the pass has TopK(2)
+            >>> two
+            [<CircuitPath 1: -0.675802, embedding@6 '[MASK]' → target>,
+             <CircuitPath 2: -0.675802, embedding@6 '[MASK]' → target>]
+            >>> [p.path.source.module for p in two]
+            ['bert.embeddings.word_embeddings', 'bert.embeddings.token_type_embeddings']
         """
         return paths.top_paths(self, k, semiring, seed, heads, roles)
 

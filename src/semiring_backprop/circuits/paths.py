@@ -17,12 +17,14 @@ head's columns). Each site on the way gets
 
 What comes back is the ``k`` best element paths, each with its sequence of sites;
 several may share one sequence (they differ inside a component, e.g. in the hidden unit
-they pass): nothing is merged.
+they pass, or start at two sources that the embedding site sums, such as the word and
+the token-type embedding): nothing is merged.
 
 Examples:
-    >>> best = c.top_paths()                       # the best path, both signs
+    >>> c = sbp.Circuit.from_result(res, [sbp.MaxProduct()], tokens=tokens)   # docs/api.md
+    >>> best = c.top_paths()
     >>> best[0].compact()
-    "embedding@1 'a' → head 0.1@3 (v) → mlp 0@3 → mlp 1@3 → target"
+    "embedding@6 '[MASK]' → target"
     >>> best.to_frame().columns[:6].tolist()
     ['rank', 'value', 'step', 'role', 'layer', 'head_index']
 """
