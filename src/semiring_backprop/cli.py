@@ -182,18 +182,52 @@ def _explain(args) -> int:
 
 
 def _circuit_parser(sub):
+    from .targets import POOLING, TASKS
+
     c = sub.add_parser(
         "circuit",
-        help="the circuit (heads, MLPs and the edges between them) of a word choice",
-        description="One pass over a Hugging Face language model: per attention head, MLP "
-        "and position the total flow (Real) and the best path (MaxProduct) of log "
-        "p(target) - log p(foil), with the edges between them; written as EAP-IG graph "
-        "JSON, a Neuronpedia / circuit-tracer attribution graph and an HTML drawing.",
+        help="the circuit (heads, MLPs and the edges between them) of a word choice, label "
+        "or embedding dimension",
+        description="One pass over a Hugging Face model: per attention head, MLP and "
+        "position the total flow (Real) and the best path (MaxProduct) of the explained "
+        "scalar (--task, as for explain: lm, log p(target) - log p(foil); classification, a "
+        "label's logit or its margin to --foil; token, a label's logit at --position; "
+        "similarity, one --dim of the pooled embedding), with the edges between them; "
+        "written as EAP-IG graph JSON, a Neuronpedia / circuit-tracer attribution graph and "
+        "an HTML drawing.",
     )
-    c.add_argument("model", help="Hugging Face hub id or local directory (masked or causal LM)")
+    c.add_argument("model", help="Hugging Face hub id or local directory")
+    c.add_argument("--task", choices=TASKS, default="lm", help="what is explained (default: lm)")
     c.add_argument("--text", required=True, help="the input; a masked LM needs one mask token")
-    c.add_argument("--target", required=True, help="the word whose log-probability is explained")
-    c.add_argument("--foil", help="the word whose log-probability is subtracted")
+    c.add_argument("--text-pair", help="classification, token: the second text of a pair")
+    c.add_argument(
+        "--target",
+        "--label",
+        dest="target",
+        help="lm: the word whose log-probability is explained; classification, token: the "
+        "label, a name or an index (default: the predicted label)",
+    )
+    c.add_argument(
+        "--foil", help="the word (lm) or label whose log-probability (logit) is subtracted"
+    )
+    c.add_argument("--position", type=int, help="token task: the token index explained")
+    c.add_argument(
+        "--score",
+        choices=["logit", "logprob"],
+        default="logit",
+        help="classification, token: a label's logit or its log-probability",
+    )
+    c.add_argument(
+        "--pooling",
+        choices=POOLING,
+        help="similarity: pooling over tokens (default: the checkpoint's 1_Pooling/config.json)",
+    )
+    c.add_argument(
+        "--dim",
+        type=int,
+        help="similarity: explain this dimension of the text's pooled embedding (a circuit "
+        "is read from one text, so not the similarity of two)",
+    )
     c.add_argument(
         "--baseline-text",
         help="a corrupted text of as many tokens: the seed is the difference of the two "
@@ -204,7 +238,7 @@ def _circuit_parser(sub):
     c.add_argument(
         "--cumulative", type=float, help="keep the strongest sites that carry this share of |Real|"
     )
-    c.add_argument("--kind", choices=["masked", "causal"], help="default: from the config")
+    c.add_argument("--kind", choices=["masked", "causal"], help="lm: default from the config")
     c.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     c.add_argument("--device", default="cpu")
     c.add_argument("--json", metavar="FILE", help="write EAP-IG / MIB graph JSON (Real scores)")
@@ -224,7 +258,9 @@ def _circuit(args) -> int:
         if args.html:
             _check_html_file(args.html)
         c = circuit_of_text(
-            args.model, args.text, args.target, args.foil, baseline_text=args.baseline_text,
+            args.model, args.text, args.target, args.foil, task=args.task,
+            text_pair=args.text_pair, position=args.position, pooling=args.pooling,
+            score=args.score, dim=args.dim, baseline_text=args.baseline_text,
             kind=args.kind, dtype=getattr(torch, args.dtype), device=args.device,
         )  # fmt: skip
         if args.top_n is not None or args.threshold is not None or args.cumulative is not None:

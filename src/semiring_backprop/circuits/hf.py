@@ -1,7 +1,11 @@
-"""The circuit of a Hugging Face language model's word choice: ``semiring-backprop
-circuit``. The explained scalar is ``explain``'s (``log p(target) - log p(foil)`` at the
-mask, or at the next position of a causal LM); a baseline text, of as many tokens, makes
-the seed the difference of the two texts' token embeddings (``x - x'``)."""
+"""The circuit of a Hugging Face model's output for one text: ``semiring-backprop
+circuit``. The explained scalar is ``explain``'s for the same ``task``
+(:data:`~semiring_backprop.targets.TASKS`): ``lm``, ``log p(target) - log p(foil)`` at
+the mask (or the next position of a causal LM); ``classification``, a label's logit
+(or its margin to a foil label); ``token``, a label's logit at one position;
+``similarity``, one dimension of the text's pooled embedding. A baseline text, of as
+many tokens, makes the seed the difference of the two texts' token embeddings
+(``x - x'``)."""
 
 from __future__ import annotations
 
@@ -9,28 +13,71 @@ import torch
 
 from ..errors import InputError
 
+#: the model class each task reads (a loaded model of another class is refused)
+_HEADS = {"classification": "ForSequenceClassification", "token": "ForTokenClassification"}
 
-def circuit_of_text(model, text: str, target: str, foil: str | None = None, *,
-                    tokenizer=None, baseline_text: str | None = None, semirings=None,
-                    kind: str | None = None, dtype=torch.float32, device="cpu"):  # fmt: skip
-    """The :class:`~semiring_backprop.circuits.Circuit` of ``log p(target) - log p(foil)``
-    for ``text``; ``model``: a hub id, a local directory, or a loaded model (with
-    ``tokenizer``). ``baseline_text``: a text of the same number of tokens; the seed is
-    then ``x - x'`` at the token embeddings (else ``x``)."""
+
+def circuit_of_text(model, text: str, target: str | None = None, foil: str | None = None, *,
+                    task: str = "lm", tokenizer=None, text_pair: str | None = None,
+                    position: int | None = None, pooling=None, score: str = "logit",
+                    dim: int | None = None, baseline_text: str | None = None,
+                    semirings=None, kind: str | None = None, dtype=torch.float32,
+                    device="cpu"):  # fmt: skip
+    """The :class:`~semiring_backprop.circuits.Circuit` of ``task``'s scalar for
+    ``text`` (the arguments as for ``explain``: ``target`` is the word of ``lm`` or the
+    label of ``classification`` and ``token``; ``text_pair``, ``position``,
+    ``pooling``, ``score``, ``dim`` where the task reads them). ``model``: a hub id, a
+    local directory, or a loaded model (with ``tokenizer``). ``baseline_text``: a text
+    of the same number of tokens; the seed is then ``x - x'`` at the token embeddings
+    (else ``x``).
+
+    A circuit is read from one example: a task that needs a batch (the similarity of
+    two texts; an ``lm`` word of several tokens) is refused with what to give instead.
+
+    For example::
+
+        circuit_of_text(DIR, "a fine film", "positive", task="classification")
+        circuit_of_text(DIR, "a cat sat", task="similarity", dim=3, pooling="mean")
+    """
     from ..hf.loading import check_device, lm_kind, load
-    from ..hf.tasks import prepare
+    from ..hf.tasks import load_task, prepare
+    from ..targets import TASKS
     from . import circuit
 
+    if task not in TASKS:
+        raise InputError(f"task {task!r}: choose one of {', '.join(TASKS)}")
+    if task == "similarity" and text_pair is not None:
+        raise InputError(
+            "a circuit is read from one text, and the similarity of two texts runs the "
+            "model on both (a batch of two): give --dim N (dim=N) to explain one "
+            "dimension of the text's pooled embedding instead of --text-pair"
+        )
     if isinstance(model, str):
         model_id = model
-        model, tokenizer, kind = load(model_id, kind, dtype, check_device(device))
+        if task == "lm":
+            model, tokenizer, kind = load(model_id, kind, dtype, check_device(device))
+        else:
+            model, tokenizer = load_task(model_id, task, dtype, check_device(device))
     elif tokenizer is None:
         raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")
     else:
         model_id = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        kind = kind or lm_kind(model.config, tokenizer, type(model).__name__)
+        if task == "lm":
+            kind = kind or lm_kind(model.config, tokenizer, type(model).__name__)
+        name = type(model).__name__
+        if task in _HEADS and _HEADS[task] not in name:
+            raise InputError(
+                f"the {task} task reads a {_HEADS[task][3:]} model's logits; {name} is not "
+                f"one: load it with AutoModel{_HEADS[task]}.from_pretrained"
+            )
         model = model.eval()
-    prep = prepare("lm", model, tokenizer, text, target, foil, kind=kind, model_id=model_id)
+
+    def prepared(words: str):
+        return prepare(task, model, tokenizer, words, target, foil, kind=kind,
+                       text_pair=text_pair, position=position, pooling=pooling, score=score,
+                       dim=dim, model_id=model_id)  # fmt: skip
+
+    prep = prepared(text)
     if len(prep.examples) != 1:
         raise InputError(
             f"a circuit is read from one text: {target!r} or {foil!r} is several tokens, "
@@ -40,8 +87,7 @@ def circuit_of_text(model, text: str, target: str, foil: str | None = None, *,
     place = next(n for n, m in model.named_modules() if m is emb)
     baseline = None
     if baseline_text is not None:
-        other = prepare("lm", model, tokenizer, baseline_text, target, foil, kind=kind,
-                        model_id=model_id)  # fmt: skip
+        other = prepared(baseline_text)
         ids, base_ids = prep.inputs["input_ids"], other.inputs["input_ids"]
         if base_ids.shape != ids.shape:
             raise InputError(
