@@ -685,7 +685,7 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     al = _alphas(res, srs, seed, baseline)
     lay = layout(res, heads, roles)
     labels = site_labels(tokens, lay.positions)
-    rows: list[dict] = []
+    rows: list = []
     dests = list(_destinations(res, lay, srs))
     # (each region refuses a residual stream that enters a component)
     regions = [_residual_region(res, lay, acc) for _, _, acc in dests]
@@ -700,24 +700,27 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
         else:  # an entry without positions (the output): a pass back from it
             values = _backward_edge_values(res, lay, srs, acc, al)
         has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)
-        read = [readout(sr, v).detach().cpu().double().tolist() for sr, v in zip(srs, values)]
-        has = has.tolist()
-        for c, comp in enumerate(comps):
-            for p in range(lay.positions):
-                if not has[c][p]:
-                    continue
-                row = {
-                    "src_layer": comp.layer, "src_role": comp.role, "src_head_index": comp.head,
-                    "dst_layer": dst.layer, "dst_role": dst.role, "dst_head_index": dst.head,
-                    "input": inp, "position": p, "token": labels[p],
-                }  # fmt: skip
-                for sr, r in zip(srs, read):
-                    row[sr.name] = r[c][p]
-                rows.append(row)
-    frame = pd.DataFrame(rows, columns=[*EDGE_COLUMNS, *(sr.name for sr in srs)])
-    for col in ("src_layer", "src_head_index", "dst_layer", "dst_head_index", "position"):
-        frame[col] = frame[col].astype("Int64")
-    return frame
+        c, p = (t.cpu().numpy() for t in has.nonzero(as_tuple=True))
+        if not len(c):
+            continue
+        ints = {
+            "src_layer": [comps[i].layer for i in c], "src_head_index": [comps[i].head for i in c],
+            "dst_layer": [dst.layer] * len(c), "dst_head_index": [dst.head] * len(c),
+            "position": p.tolist(),
+        }  # fmt: skip
+        cols = {k: pd.array(v, dtype="Int64") for k, v in ints.items()}
+        cols.update({"src_role": [comps[i].role for i in c], "dst_role": dst.role, "input": inp,
+                     "token": [labels[i] for i in p]})  # fmt: skip
+        for sr, v in zip(srs, values):
+            cols[sr.name] = readout(sr, v).detach().cpu().double().numpy()[c, p]
+        rows.append(pd.DataFrame(cols))
+    columns = [*EDGE_COLUMNS, *(sr.name for sr in srs)]
+    if not rows:
+        frame = pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
+        for col in ("src_layer", "src_head_index", "dst_layer", "dst_head_index", "position"):
+            frame[col] = frame[col].astype("Int64")
+        return frame
+    return pd.concat(rows, ignore_index=True)[columns]
 
 
 def _destinations(res, lay: Layout, srs):
