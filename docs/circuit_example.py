@@ -79,7 +79,7 @@ def main(argv=None):
                 print("no chromium: no screenshot")
                 continue
             subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
-                            f"--screenshot={Path(args.png).resolve()}", "--window-size=900,420",
+                            f"--screenshot={Path(args.png).resolve()}", "--window-size=900,480",
                             (out / f"example{i}.html").resolve().as_uri()],
                            check=True, capture_output=True, timeout=120)  # fmt: skip
             print(f"wrote {args.png}")

@@ -263,8 +263,8 @@ def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
     legend = (
         "<div class=note>Rows: the embeddings (bottom), per layer the attention heads "
         "(small boxes, head 0 first) and the MLP, the target (top); columns: positions. "
-        "A box's colour is its value (red raises the output, blue lowers it; + and − on "
-        "the wider boxes) and its size grows with |value|, on the scale of the heads and "
+        "A box's colour is its value (red raises the output, blue lowers it; + or − "
+        "in each box) and its size grows with |value|, on the scale of the heads and "
         "MLPs (the embeddings and the target, larger, take its ends); grey outlines are sites left "
         "out; a hollow dashed box is a position where a kept head reads its keys and values "
         "without being kept there. Lines: edges through the residual stream (width by "
