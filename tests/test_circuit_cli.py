@@ -174,3 +174,17 @@ def test_lm_task_and_refusals(saved, tmp_path):
     assert rc == 2 and "--position does not apply to the classification task" in err
     rc, _, err = _run(["circuit", saved["lm"], "--task", "lm", "--text", "the keys"])
     assert rc == 2 and "give --target WORD" in err
+
+
+def test_loaded_model_of_another_head_is_refused(saved):
+    import transformers as T
+
+    from semiring_backprop.circuits.hf import circuit_of_text
+    from semiring_backprop.errors import InputError
+
+    where = saved["similarity"]
+    model, tok = T.AutoModel.from_pretrained(where), T.AutoTokenizer.from_pretrained(where)
+    with pytest.raises(InputError, match="AutoModelForSequenceClassification"):
+        circuit_of_text(model, TEXT, task="classification", tokenizer=tok)
+    with pytest.raises(InputError, match="choose one of"):
+        circuit_of_text(model, TEXT, task="summary", tokenizer=tok)
