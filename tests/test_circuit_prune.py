@@ -178,9 +178,12 @@ def gpt2_circuit():
                        tokens=[f"w{i}" for i in ids[0].tolist()])  # fmt: skip
 
 
-@pytest.mark.parametrize("top_n", [1, 3, 8])
-def test_causal_heads_read_every_earlier_position(gpt2_circuit, top_n):
-    c = gpt2_circuit
+def test_causal_heads_read_every_earlier_position(gpt2_circuit):
+    for top_n in (1, 3, 8):
+        _check_causal(gpt2_circuit, top_n)
+
+
+def _check_causal(c, top_n):
     small = c.prune(top_n=top_n)
     writes: dict = {}
     for r in small.components().to_dict("records"):
@@ -188,6 +191,7 @@ def test_causal_heads_read_every_earlier_position(gpt2_circuit, top_n):
             writes.setdefault((int(r["layer"]), int(r["head_index"])), set()).add(
                 int(r["position"])
             )
+    assert writes or top_n < 8
     # causal: a head kept at p reads every q <= p (each pair carries under seed="x")
     att = {(layer, h, q, p) for (layer, h), ps in writes.items() for p in ps
            for q in range(p + 1)}  # fmt: skip
