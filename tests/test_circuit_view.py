@@ -124,7 +124,10 @@ def test_kept_reads_and_attention_drawn_with_signs(col):
             assert e.get("data-sign") == ("+" if v > 0 else "-")
             assert e.get("stroke") == ("#B2182B" if v > 0 else "#2166AC")
     # the head kept at 2 alone: its key and value edges at 0 and 1 end in read boxes
-    svg, _ = circuit_svg(whole._keeping(row), "Real")
+    alone = whole._keeping(row)
+    assert str(alone.view()).endswith("read without being kept there: a1.h0@0 (for 2); "
+                                      "a1.h0@1 (for 2)")  # fmt: skip
+    svg, _ = circuit_svg(alone, "Real")
     assert {e.get("data-id") for e in _reads(svg)} == {"a1.h0@0", "a1.h0@1"}
     _, _, _, edges = _parse(svg)
     into = {(e.get("data-dst"), e.get("data-input")) for e in edges}

@@ -280,6 +280,11 @@ def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
         for r in order[:15]:
             sid = _site(r["role"], r["layer"], r["head_index"], r["position"])
             lines.append(f"  {sid:14} {r['token']!s:12} {_html.fmt(r[col])}")
+        reads = [f"{s['id']} (for {', '.join(map(str, s['read_by']))})"
+                 for s in read_sites(circuit)]  # fmt: skip
+        if reads:
+            lines.append("read without being kept there: " + "; ".join(reads[:15])
+                         + ("; ..." if len(reads) > 15 else ""))  # fmt: skip
         return "\n".join(lines)
 
     return View(body, as_text, "circuit")
