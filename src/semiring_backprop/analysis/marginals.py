@@ -19,6 +19,7 @@ from ..engine.alpha import alpha as alpha_pass
 from ..engine.alpha import sources
 from ..engine.reverse import contributions
 from ..errors import InputError
+from ..tracing.trace import mark_op
 
 SEEDS = ("structural", "x")
 
@@ -46,7 +47,7 @@ def seed_values(res, semiring, seed="structural", baseline=None) -> dict:
         )
     out = {}
     for place, s in seed.items():
-        node = res.node(place)
+        node = seed_node(res, place)
         if node not in res.needed:
             raise InputError(
                 f"seed at {place!r}: no path from there reaches the output through the model's "
@@ -72,19 +73,53 @@ def seed_values(res, semiring, seed="structural", baseline=None) -> dict:
     return out
 
 
+def seed_node(res, place):
+    """The node where a seed at ``place`` starts its paths. A module's output is a
+    ``mark`` (an identity) of the op that made it; where the mark is that op's only
+    reader on a path to the output, the seed starts at the op itself (the same paths,
+    one weight-1 edge longer), so that the op's own site, such as a looked-up token
+    embedding (a source), carries it too."""
+    node = res.node(place)
+    while node.op == "call_function" and node.target is mark_op:
+        made = node.args[0]
+        if not isinstance(made, torch.fx.Node) or made not in res.needed:
+            break
+        if [u for u in made.users if u in res.needed] != [node]:
+            break
+        node = made
+    return node
+
+
 def alphas(res, semiring, seed="structural", baseline=None) -> dict:
-    """``{node: alpha value}`` under ``semiring`` (kept on ``res`` for the named seeds)."""
-    key = (seed, semiring) if isinstance(seed, str) and baseline is None else None
+    """``{node: alpha value}`` under ``semiring``, kept on ``res`` (the sites of a circuit
+    read it once each)."""
+    key = _cache_key(seed, baseline, semiring)
     cache = res.__dict__.setdefault("_alphas", {})
-    if key is not None and key in cache:
-        return cache[key]
+    if key in cache:
+        return cache[key][1]
     seeds = {n: [v] for n, v in seed_values(res, semiring, seed, baseline).items()}
     with torch.no_grad():
         store = alpha_pass(res.graph, res.values, [semiring], seeds, res.needed)
     out = {n: v[0] for n, v in store.items() if v[0] is not None}
     if key is not None:
-        cache[key] = out
+        cache[key] = ((seed, baseline), out)  # (holds the dicts: their ids stay theirs)
     return out
+
+
+def _cache_key(seed, baseline, semiring):
+    """Named seeds by name; a dict seed or baseline by its identity and the identity and
+    version of each tensor in it (a tensor written in place since is a new key); None
+    (not kept) for anything else."""
+    parts = []
+    for part in (seed, baseline):
+        if part is None or isinstance(part, str):
+            parts.append(part)
+        elif isinstance(part, dict):
+            parts.append((id(part), *((id(v), getattr(v, "_version", None))
+                                      for v in part.values())))  # fmt: skip
+        else:
+            return None
+    return (*parts, semiring)
 
 
 def alpha_at(res, node, semiring, seed="structural", baseline=None):

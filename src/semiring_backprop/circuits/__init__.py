@@ -110,17 +110,31 @@ class Circuit:
     @classmethod
     def from_result(cls, res, semirings=None, seed="x", baseline=None, tokens=None,
                     heads=None, roles=None, *, edges=None, attention_edges=None,
-                    what: str = "", mask=None) -> Circuit:  # fmt: skip
+                    what: str = "", mask=None, ig_steps: int = 0,
+                    ig_method: str = "gausslegendre") -> Circuit:  # fmt: skip
         """The circuit of a pass (``sbp.backprop``'s Result): sites from
         ``analysis.circuit.circuit_nodes``, edges from ``analysis.circuit_edges`` (or
         the frames given), with ``seed``, ``baseline``, ``heads`` and ``roles`` as
-        there. ``semirings``: those of the pass to read (default: all)."""
-        from ..analysis.circuit import circuit_nodes
+        there. ``semirings``: those of the pass to read (default: all).
 
+        ``ig_steps=N`` (with ``baseline``): the Real column summed over ``N``
+        integrated-gradients steps from the baseline to the input (``ig_method``: the
+        quadrature, Captum's names), i.e. each site's conductance; the other semirings
+        are read at the input, and each frame's ``attrs["notes"]`` says so per column
+        (:mod:`.ig`). ``ig_steps=0``: the seed ``x - x'`` at the input alone."""
+        from ..analysis.circuit import circuit_nodes
+        from .ig import check_steps, integrated
+
+        check_steps(ig_steps, ig_method)
         srs = list(semirings) if semirings is not None else list(res.semirings)
         kw = {"seed": seed, "baseline": baseline, "tokens": tokens, "heads": heads,
               "roles": roles}  # fmt: skip
-        nodes = circuit_nodes(res, srs, **kw)
+        if ig_steps:
+            nodes, edges, attention_edges = integrated(
+                res, srs, baseline, ig_steps, ig_method, seed=seed, tokens=tokens,
+                heads=heads, roles=roles, edges=edges, attention_edges=attention_edges)  # fmt: skip
+        else:
+            nodes = circuit_nodes(res, srs, **kw)
         if edges is None or attention_edges is None:
             from ..analysis import circuit_edges as ce
 
@@ -417,12 +431,16 @@ def _token_ids(res) -> list | None:
 
 
 def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=None,
-            seed="x", tokens=None, heads=None, roles=None, what: str = "") -> Circuit:  # fmt: skip
+            seed="x", tokens=None, heads=None, roles=None, what: str = "",
+            ig_steps: int = 0, ig_method: str = "gausslegendre") -> Circuit:  # fmt: skip
     """Run ``sbp.backprop`` (``semirings``: default Real and MaxProduct) and build the
     :class:`Circuit` of one example (a batch of one). ``seed``: ``"x"`` (default; each
     source's own value), ``"structural"``, or with ``baseline`` (``{place: tensor}``,
     e.g. the embeddings of a corrupted input) the difference ``x - baseline``.
     ``tokens``: the token strings; ``heads``, ``roles``: as for ``layer_table``.
+    ``ig_steps``, ``ig_method``: integrated-gradients steps for the seed (Real becomes
+    each site's conductance; the other semirings stay at the input), as for
+    :meth:`Circuit.from_result`.
 
     Examples:
         >>> c = sbp.circuit(model, kwargs=dict(enc), output=are_is, tokens=tokens)
@@ -433,7 +451,9 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
     """
     from .._backprop import backprop
     from ..semirings import MaxProduct, Real
+    from .ig import check_call
 
+    check_call(ig_steps, ig_method, baseline, seed)  # (before the pass)
     srs = list(semirings) if semirings is not None else [Real(), MaxProduct()]
     res = backprop(model, args, kwargs, output=output, semirings=srs)
     mask = None
@@ -441,4 +461,4 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
     if m is not None and m.dim() == 2 and m.shape[0] == 1 and not bool((m != 0).all()):
         mask = [int(x != 0) for x in m[0].tolist()]
     return Circuit.from_result(res, srs, seed, baseline, tokens, heads, roles, what=what,
-                               mask=mask)  # fmt: skip
+                               mask=mask, ig_steps=ig_steps, ig_method=ig_method)  # fmt: skip
