@@ -35,6 +35,7 @@ from torch.fx.node import map_arg
 
 from ..analysis.circuit import circuit_nodes, readout
 from ..analysis.marginals import seed_node
+from ..engine import budget
 from ..engine.reverse import reverse
 from ..errors import InputError
 from ..result import Result
@@ -176,6 +177,7 @@ def pass_at(res, moved: dict, a: float) -> Result:
             args = map_arg(node.args, values.__getitem__)
             kwargs = map_arg(node.kwargs, values.__getitem__)
             values[node] = args[0] if node.target is mark_op else node.target(*args, **kwargs)
+        budget.check(graph, values, [Real()], res.needed, None)  # (refuses what cannot fit)
         store = reverse(graph, values, [Real()], graph.output_node)
     return Result(graph, values, store, [Real()])
 
