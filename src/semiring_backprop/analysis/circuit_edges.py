@@ -461,68 +461,134 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dic
     pass the component (alpha at its nodes, its columns only) and reach the entry through
     the residual stream alone.
 
-    One forward pass for all components at once, over the nodes of ``between`` (those on
-    a residual path to an entry): each value carries a leading component dim (the rules
-    run under ``torch.vmap``), a component's seed sits in its own slice at its nodes and
-    the zero in the others' (a path never passes two components: the pass does not go
-    through the components' nodes, it starts there)."""
-    graph, values, needed, ids = res.graph, res.values, res.needed, res.graph.ids
+    One forward pass per group of components on the same nodes (the embedding, the heads
+    of one block, one MLP), over the nodes of ``between`` (those on a residual path to an
+    entry) that the group's nodes reach; the heads of a block at once, each value with a
+    leading head dim (the rules under ``torch.vmap``). Their output projection is taken
+    per head on its own columns and rows of the weight (:func:`_per_head_projection`):
+    the other columns hold no path of that head."""
+    ids = res.graph.ids
     comps = lay.components
-    seeds: dict = {}
+    groups: dict = {}
     for c, comp in enumerate(comps):
-        for node in comp.nodes:
-            like = values[node]
-            slot = seeds.setdefault(node, [[None] * len(comps) for _ in srs])
-            for s, sr in enumerate(srs):
-                a = _alpha(res, al, node, sr)
-                if comp.cols is not None:
-                    mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
-                    mask[comp.cols] = True
-                    a = only_columns(sr, a, mask, like)
-                slot[s][c] = tuple(a)
-    stacked = {}
-    for node, slot in seeds.items():
-        like = values[node]
-        stacked[node] = []
-        for s, sr in enumerate(srs):
-            zero = None
-            vals = []
-            for v in slot[s]:
-                if v is None:
-                    zero = zero or tuple(sr.zero(like.shape, like))
-                    v = zero
-                vals.append(v)
-            stacked[node].append(tuple(torch.stack(f) for f in zip(*vals)))
-    region, todo = set(), list(stacked)
+        groups.setdefault(comp.nodes, []).append(c)
+    found: dict = {}
+    for nodes, cs in groups.items():
+        seeds = {n: _group_seed(res, srs, al, [comps[c] for c in cs], n) for n in nodes}
+        region = _reached(seeds, between, lay.stops)
+        proj = _per_head_projection(res, srs, [comps[c] for c in cs], seeds, region)
+        if proj is not None:
+            seeds = proj
+            region = _reached(seeds, between, lay.stops)
+        order = sorted(region - set(seeds), key=ids.__getitem__)
+        wanted = [x for x in entries if x in region]
+        got = _batched_pass(res, srs, seeds, order, wanted, len(cs))
+        for x, rows in got.items():
+            found.setdefault(x, []).append((cs, rows))
+    out = {}
+    for x, parts in found.items():
+        idx = [c for cs, _ in parts for c in cs]
+        rows = [tuple(torch.cat(f) for f in zip(*(r[s] for _, r in parts)))
+                for s in range(len(srs))]  # fmt: skip
+        out[x] = (idx, rows)
+    return out
+
+
+def _group_seed(res, srs, al, comps, node) -> list:
+    """Per semiring, alpha at ``node`` for each component (its columns only), stacked."""
+    like = res.values[node]
+    out = []
+    for sr in srs:
+        a = _alpha(res, al, node, sr)
+        per = []
+        for comp in comps:
+            v = a
+            if comp.cols is not None:
+                mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
+                mask[comp.cols] = True
+                v = only_columns(sr, a, mask, like)
+            per.append(tuple(v))
+        out.append(tuple(torch.stack(f) for f in zip(*per)))
+    return out
+
+
+def _reached(seeds, between, stops) -> set:
+    region, todo = set(), list(seeds)
     while todo:
         n = todo.pop()
         if n in region:
             continue
         region.add(n)
-        todo.extend(u for u in n.users if u in between and u not in lay.stops)
-    order = sorted(region - set(stacked), key=ids.__getitem__)
-    wanted = [x for x in entries if x in region]
+        todo.extend(u for u in n.users if u in between and u not in stops)
+    return region
 
-    def run(batch):
-        store = dict(batch)
+
+def _batched_pass(res, srs, seeds, order, wanted, batch) -> dict:
+    """The forward rules over ``order`` from ``seeds`` (values with a leading dim of
+    ``batch``), read at ``wanted``: ``{node: [stacked value per semiring]}``."""
+    graph, values, needed, ids = res.graph, res.values, res.needed, res.graph.ids
+
+    def run(start):
+        store = dict(start)
         for n in order:
             if not any(i in store for i in n.all_input_nodes):
                 continue
             got = apply_rule(graph, values, srs, ids[n], store, needed)
             if any(g is not None for g in got):
                 store[n] = got
-        out = {}
-        for x in wanted:
-            if x in store:
-                out[x] = [_or_zero(sr, v, values[x]) for sr, v in zip(srs, store[x])]
-        return out
+        return {x: [_or_zero(sr, v, values[x]) for sr, v in zip(srs, store[x])]
+                for x in wanted if x in store}  # fmt: skip
 
-    per = sum(values[x].numel() for x in region) * 2 * len(srs)
-    chunk = max(1, min(len(comps), _BATCH_BUDGET // max(per, 1)))
     with torch.no_grad():
-        got = torch.vmap(run, chunk_size=chunk)(stacked)
-    every = list(range(len(comps)))
-    return {x: (every, rows) for x, rows in got.items()}
+        if batch == 1:  # no batch to carry: the rules on the values themselves
+            got = run({n: [tuple(f[0] for f in v) for v in vs] for n, vs in seeds.items()})
+            return {x: [tuple(f[None] for f in v) for v in vs] for x, vs in got.items()}
+        per = sum(values[x].numel() for x in order) * 2 * len(srs)
+        chunk = max(1, min(batch, _BATCH_BUDGET // max(per, 1)))
+        return torch.vmap(run, chunk_size=chunk)(seeds)
+
+
+_PROJECTIONS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                torch.ops.aten.bmm.default)  # fmt: skip
+_MOVES = (torch.ops.aten.view.default, torch.ops.aten.reshape.default,
+          torch.ops.aten._unsafe_view.default, torch.ops.aten.clone.default)  # fmt: skip
+
+
+def _per_head_projection(res, srs, comps, seeds, region):
+    """``{projection output: [stacked value per semiring]}``: where the heads' node is
+    read only by the output projection (a matmul ``x @ w``, ``addmm(bias, x, w)``, after
+    reshapes that keep the columns), each head's alpha through it computed on its own
+    columns of ``x`` and rows of ``w`` (the rest holds the semiring's zero: no path of
+    that head), the heads batched; None where it is not laid out so."""
+    if len(seeds) != 1 or any(c.cols is None for c in comps):
+        return None
+    ((site, stacked),) = seeds.items()
+    values, needed = res.values, res.needed
+    n = site
+    for _ in range(8):
+        users = [u for u in n.users if u in region]
+        if len(users) != 1:
+            return None
+        (u,) = users
+        if u.target in _PROJECTIONS:
+            x, w = u.args[1:3] if u.target is torch.ops.aten.addmm.default else u.args[:2]
+            ok = x is n and isinstance(w, torch.fx.Node) and w not in needed and not u.kwargs
+            if not ok or values[n].dim() != values[w].dim():
+                return None
+            weight = values[w]
+            out = []
+            for sr, v in zip(srs, stacked):
+                flat = tuple(f.reshape(len(comps), *values[n].shape) for f in v)
+                a = tuple(torch.stack([f[i][..., c.cols] for i, c in enumerate(comps)])
+                          for f in flat)  # fmt: skip
+                wt = torch.stack([weight[..., c.cols, :] for c in comps])
+                got = sr.leave(sr.inner.matmul(a, wt), res.graph.ids[u])
+                out.append(tuple(got))
+            return {u: out}
+        if u.target not in _MOVES or values[u].shape[-1] != values[site].shape[-1]:
+            return None
+        n = u
+    return None
 
 
 #: elements a batched pass may hold at once (its chunks are sized by it)
