@@ -102,8 +102,15 @@ def alphas(res, semiring, seed="structural", baseline=None) -> dict:
         store = alpha_pass(res.graph, res.values, [semiring], seeds, res.needed)
     out = {n: v[0] for n, v in store.items() if v[0] is not None}
     if key is not None:
+        if not _named(key):  # one tensor seed per semiring kept: a loop over many
+            for old in [k for k in cache if k[-1] == semiring and not _named(k)]:
+                del cache[old]  # baselines must not hold every one's alphas
         cache[key] = ((seed, baseline), out)  # (holds the dicts: their ids stay theirs)
     return out
+
+
+def _named(key) -> bool:
+    return all(p is None or isinstance(p, str) for p in key[:-1])
 
 
 def _cache_key(seed, baseline, semiring):
