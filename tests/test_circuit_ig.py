@@ -320,3 +320,10 @@ def test_refusals_before_the_pass(kwargs, message):
 def test_refusal_without_real():
     with pytest.raises(InputError, match="add sbp.Real"):
         sbp.Circuit.from_result(result(), [sbp.MaxProduct()], baseline=baseline(), ig_steps=2)
+
+
+def test_refusal_of_a_pass_that_kept_few_values():
+    res = sbp.backprop(model(), kwargs={"input_ids": IDS}, output=margin,
+                       semirings=[sbp.Real()], keep=[PLACE])  # fmt: skip
+    with pytest.raises(InputError, match="keep=None"):
+        sbp.Circuit.from_result(res, baseline=baseline(), ig_steps=2)
