@@ -68,6 +68,7 @@ def bench(case, tokens, reps, device, dtype):
     mem = {name: peak_bytes(fn, device) for name, fn in
            (("autograd", ref), ("pass", pass_only), ("circuit", circuit))}  # fmt: skip
     edges = 0 if first.edges is None else len(first.edges)
+    stages = _stages(bp(kwargs=kwargs))
     print(
         f"{label}, {tokens} tokens ({device}, {str(dtype).removeprefix('torch.')}): "
         f"autograd {med['autograd'] * 1e3:.0f} ms, pass {med['pass'] * 1e3:.0f} ms, "
@@ -75,9 +76,25 @@ def bench(case, tokens, reps, device, dtype):
         f"first call {first_s:.1f} s) | circuit / pass {to_pass:.2f}x, "
         f"circuit / autograd {to_ag:.1f}x | peak memory: pass {mem['pass'] / 2**20:.0f} MiB, "
         f"circuit {mem['circuit'] / 2**20:.0f} MiB ({mem['circuit'] / max(mem['pass'], 1):.2f}x "
-        f"the pass), autograd {mem['autograd'] / 2**20:.0f} MiB",
+        f"the pass), autograd {mem['autograd'] / 2**20:.0f} MiB | circuit stages: "
+        + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in stages.items()),
         flush=True,
     )
+
+
+def _stages(res):
+    """Seconds of each stage of ``Circuit.from_result`` on one pass's result, once: the
+    sites (with the forward semiring pass), the edges, the attention edges."""
+    from semiring_backprop.analysis import circuit_edges as ce
+    from semiring_backprop.analysis.circuit import circuit_nodes
+
+    out = {}
+    for name, fn in (("sites", circuit_nodes), ("edges", ce.circuit_edges),
+                     ("attention edges", ce.attention_edges)):  # fmt: skip
+        t = time.perf_counter()
+        fn(res, seed="x")
+        out[name] = time.perf_counter() - t
+    return out
 
 
 def main(argv=None):

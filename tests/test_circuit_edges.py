@@ -337,7 +337,7 @@ def test_attention_edges_by_the_matmul_equal_a_pass_from_each_position(name):
     res = tiny(name) if name in TINY else hf_result(name)
     srs = list(res.semirings)
     lay = ce.layout(res)
-    al = ce._alphas(res, srs, "x", None)
+    al = ce._alphas(res, srs, "x", None, lay)
     for layer in range(lay.layers):
         for comp in lay.heads[layer]:
             plan = ce._head_plan(res, lay, srs, layer, comp.head, roles=("value",))

@@ -22,7 +22,7 @@ from ..semirings import MaxProduct
 from .branches import blocks
 from .fanout import CONTRACTIONS, entries
 from .heads import head_counts
-from .marginals import marginal_value
+from .marginals import marginal_value, seed_values
 
 #: the ``role`` column, in the order rows come
 SITE_ROLES = ("embedding", "head", "mlp", "residual", "target")
@@ -74,9 +74,10 @@ def circuit_nodes(res, semirings=None, seed="structural", baseline=None, tokens=
             raise InputError(f"{sr} was not computed in this pass (computed: {res.semirings})")
     sites, positions = find_sites(res, heads, roles)
     labels = site_labels(tokens, positions)
+    upto = alpha_upto(sites)
     rows: list[dict] = []
     for site in sites:
-        per_sr = [_scores(res, site, sr, seed, baseline, positions) for sr in srs]
+        per_sr = [_scores(res, site, sr, seed, baseline, positions, upto) for sr in srs]
         where = [None] if site.role == "target" else range(positions)
         for p in where:
             row = {
@@ -184,23 +185,48 @@ def _projection_input(res, attn_out, block):
     )
 
 
-def _scores(res, site, sr, seed, baseline, positions) -> torch.Tensor:
+def alpha_upto(sites) -> frozenset:
+    """The nodes where a circuit reads alpha (every site's but the target's): the forward
+    pass need not go past them (a language model's vocabulary head, for one)."""
+    return frozenset(n for s in sites if s.role != "target" for n in s.nodes)
+
+
+def _scores(res, site, sr, seed, baseline, positions, upto) -> torch.Tensor:
     """One number per position (the target: one number) for ``site`` under ``sr``."""
+    if site.role == "target":
+        return readout(sr, _total(res, sr, seed, baseline)).detach().cpu().double()
     total = None
     for node in site.nodes:
-        value = marginal_value(res, node, sr, seed, baseline)
+        value = marginal_value(res, node, sr, seed, baseline, upto)
         like = res.values[node]
-        if site.role == "target":
-            per = sr.sum(value, tuple(range(like.dim()))) if like.dim() else value
-            per = tuple(f.reshape(1, *f.shape[like.dim() :]) for f in per)
-        else:
-            per = tuple(
-                f.reshape(positions, -1, *f.shape[like.dim() :])[:, site.cols or slice(None)]
-                for f in value
-            )
-            per = sr.sum(per, (1,))
+        per = tuple(
+            f.reshape(positions, -1, *f.shape[like.dim() :])[:, site.cols or slice(None)]
+            for f in value
+        )
+        per = sr.sum(per, (1,))
         total = per if total is None else sr.plus(total, per)
     return readout(sr, total).detach().cpu().double()
+
+
+def _total(res, sr, seed, baseline):
+    """The target's value, of shape (1,): the ⊕ over every path from a seeded node to the
+    output, read where the paths start (``⊕`` over the seeded nodes of seed ⊗ D: each
+    path once, by its first node) rather than at the output (which would take the
+    forward pass through everything before it)."""
+    k = res.semirings.index(sr)
+    total = None
+    for node, s in seed_values(res, sr, seed, baseline).items():
+        group = [n for n in res.graph.aliases.get(node, (node,)) if n in res._store]
+        for n in group:
+            m = sr.mul(s, res._store[n][k])
+            like = res.values[n]
+            per = sr.sum(m, tuple(range(like.dim()))) if like.dim() else m
+            per = tuple(f.reshape(1, *f.shape[like.dim() :]) for f in per)
+            total = per if total is None else sr.plus(total, per)
+    if total is None:
+        like = res.values[res.graph.output_node]
+        return sr.zero((1,), like)
+    return total
 
 
 def readout(sr, value) -> torch.Tensor:

@@ -39,7 +39,7 @@ from ..engine.alpha import apply_rule
 from ..engine.reverse import contributions, propagate
 from ..errors import InputError, NotFoundError
 from .branches import blocks
-from .circuit import find_sites, readout, site_labels
+from .circuit import alpha_upto, find_sites, readout, site_labels
 from .fanout import Roles, ancestors, descendants, entries, first_contraction
 from .heads import QKV, only_columns
 from .marginals import alphas
@@ -92,6 +92,7 @@ class Layout:
     layers: int
     stops: frozenset  #: the components' nodes: residual passes end there
     blocked: frozenset  #: the components' first ops: residual passes never cross them
+    upto: frozenset  #: where the circuit reads alpha (the forward pass goes no further)
 
 
 def layout(res, heads=None, roles=None) -> Layout:
@@ -114,7 +115,7 @@ def layout(res, heads=None, roles=None) -> Layout:
     blocked = frozenset([p.proj for ps in projections.values() for p in ps]
                         + [op for es in mlp_entries.values() for op, _ in es])  # fmt: skip
     return Layout(positions, comps, by_head, projections, mlp_entries, res.graph.output_node,
-                  len(found), stops, blocked)  # fmt: skip
+                  len(found), stops, blocked, alpha_upto(sites))  # fmt: skip
 
 
 def _expect(res, point, roles, allowed, block, what):
@@ -695,9 +696,10 @@ def _has_path_rows(sr, value) -> torch.Tensor:
     return (f != zero[0]).reshape(f.shape[0], f.shape[1], -1).any(-1)
 
 
-def _alphas(res, srs, seed, baseline) -> dict:
-    """``{semiring: {node: alpha}}``: one forward pass per semiring."""
-    return {sr: alphas(res, sr, seed, baseline) for sr in srs}
+def _alphas(res, srs, seed, baseline, lay: Layout) -> dict:
+    """``{semiring: {node: alpha}}``: one forward pass per semiring, up to the last
+    nodes the circuit reads (:func:`.circuit.alpha_upto`)."""
+    return {sr: alphas(res, sr, seed, baseline, lay.upto) for sr in srs}
 
 
 def _alpha(res, al, node, sr):
@@ -748,8 +750,8 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
 
     srs = _check_semirings(res, semirings)
     res = pinned(res)
-    al = _alphas(res, srs, seed, baseline)
     lay = layout(res, heads, roles)
+    al = _alphas(res, srs, seed, baseline, lay)
     labels = site_labels(tokens, lay.positions)
     rows: list = []
     dests = list(_destinations(res, lay, srs))
@@ -835,8 +837,8 @@ def attention_edges(res, semirings=None, seed="structural", baseline=None, token
 
     srs = _check_semirings(res, semirings)
     res = pinned(res)
-    al = _alphas(res, srs, seed, baseline)
     lay = layout(res, heads, roles)
+    al = _alphas(res, srs, seed, baseline, lay)
     labels = site_labels(tokens, lay.positions)
     n = lay.positions
     parts = []

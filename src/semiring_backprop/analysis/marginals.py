@@ -90,13 +90,17 @@ def seed_node(res, place):
     return node
 
 
-def alphas(res, semiring, seed="structural", baseline=None) -> dict:
+def alphas(res, semiring, seed="structural", baseline=None, upto=None) -> dict:
     """``{node: alpha value}`` under ``semiring``, kept on ``res`` (the sites of a circuit
-    read it once each)."""
+    read it once each). With ``upto`` (nodes), only the nodes on a path to one of them
+    (the others, such as a vocabulary head after the last layer a circuit reads, are
+    not computed and not in the dict)."""
     key = _cache_key(seed, baseline, semiring)
     cache = res.__dict__.setdefault("_alphas", {})
     if key in cache:
         return cache[key][1]
+    if upto is not None:
+        return _alphas_upto(res, semiring, seed, baseline, key, frozenset(upto))
     seeds = {n: [v] for n, v in seed_values(res, semiring, seed, baseline).items()}
     with torch.no_grad():
         store = alpha_pass(res.graph, res.values, [semiring], seeds, res.needed)
@@ -106,6 +110,28 @@ def alphas(res, semiring, seed="structural", baseline=None) -> dict:
             for old in [k for k in cache if k[-1] == semiring and not _named(k)]:
                 del cache[old]  # baselines must not hold every one's alphas
         cache[key] = ((seed, baseline), out)  # (holds the dicts: their ids stay theirs)
+    return out
+
+
+def _alphas_upto(res, semiring, seed, baseline, key, upto: frozenset) -> dict:
+    cache = res.__dict__.setdefault("_alphas_upto", {})
+    if key is not None and (key, upto) in cache:
+        return cache[key, upto][1]
+    within, todo = set(), [n for n in upto if n in res.needed]
+    while todo:  # closed under inputs: every rule in it sees all of its paths
+        n = todo.pop()
+        if n not in within:
+            within.add(n)
+            todo.extend(i for i in n.all_input_nodes if i in res.needed)
+    seeds = {n: [v] for n, v in seed_values(res, semiring, seed, baseline).items()
+             if n in within}  # fmt: skip
+    with torch.no_grad():
+        store = alpha_pass(res.graph, res.values, [semiring], seeds, frozenset(within))
+    out = {n: v[0] for n, v in store.items() if v[0] is not None}
+    if key is not None:
+        for old in [k for k in cache if k[0][-1] == semiring and k[0] != key]:
+            del cache[old]  # (one seed's kept per semiring)
+        cache[key, upto] = ((seed, baseline), out)
     return out
 
 
@@ -129,25 +155,27 @@ def _cache_key(seed, baseline, semiring):
     return (*parts, semiring)
 
 
-def alpha_at(res, node, semiring, seed="structural", baseline=None):
-    """The raw alpha value at ``node`` (the semiring's zero where no path arrives)."""
-    found = alphas(res, semiring, seed, baseline).get(node)
+def alpha_at(res, node, semiring, seed="structural", baseline=None, upto=None):
+    """The raw alpha value at ``node`` (the semiring's zero where no path arrives);
+    ``upto`` as for :func:`alphas` (``node`` on a path to one of them)."""
+    found = alphas(res, semiring, seed, baseline, upto).get(node)
     if found is None:
         like = res.values[node]
         return semiring.zero(like.shape, like)
     return found
 
 
-def marginal_value(res, node, semiring, seed="structural", baseline=None):
+def marginal_value(res, node, semiring, seed="structural", baseline=None, upto=None):
     """The raw max-marginal ``alpha ⊗ D`` at ``node`` (⊕ over its alias group: one
-    tensor passed as several inputs); the semiring's zero where no path passes it."""
+    tensor passed as several inputs); the semiring's zero where no path passes it.
+    ``upto`` as for :func:`alphas`."""
     group = [n for n in res.graph.aliases.get(node, (node,)) if n in res._store]
     if not group and node in res.needed:  # no path from it reaches the output
         like = res.values[node]
         return semiring.zero(like.shape, like)
     res.value(node, semiring)  # (checks ``semiring``; explains a node without values)
     k = res.semirings.index(semiring)
-    pairs = [(alpha_at(res, n, semiring, seed, baseline), res._store[n][k]) for n in group]
+    pairs = [(alpha_at(res, n, semiring, seed, baseline, upto), res._store[n][k]) for n in group]
     return node_marginal(semiring, pairs)
 
 
