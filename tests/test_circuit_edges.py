@@ -349,3 +349,31 @@ def test_attention_edges_by_the_matmul_equal_a_pass_from_each_position(name):
                 assert torch.allclose(got, want, rtol=1e-9, atol=1e-14, equal_nan=True), (
                     f"{sr} in layer {layer}, head {comp.head}: {got} != {want}"
                 )
+
+
+@pytest.mark.parametrize("name", ["two", "bert2", "gpt2", "llama_gqa"])
+def test_a_later_call_reads_each_heads_columns_where_the_heads_are_apart(name):
+    """The first call of a trace passes back from each head's slice and finds out
+    whether the heads of each block are apart (each with projection columns of its own,
+    through which only its paths leave); a later call then reads the reverse pass's D on
+    those columns. Both calls give the same edges, which on the tiny model are the
+    enumerated ones; under grouped-query attention (K/V columns shared by two query
+    heads) the heads are not apart and every call passes back."""
+    res = tiny(name) if name in TINY else hf_result(name)
+    res.graph.__dict__.pop("_heads_apart", None)
+    first = circuit_edges(res, seed="structural")
+    verdicts = list(res.graph.__dict__["_heads_apart"].values())
+    if name == "llama_gqa":
+        assert verdicts == [None]
+    else:
+        assert verdicts and all(isinstance(v, dict) for v in verdicts)
+    later = circuit_edges(res, seed="structural")
+    pd = pytest.importorskip("pandas")
+    pd.testing.assert_frame_equal(first, later, rtol=1e-12, atol=0)
+    if name in TINY:
+        want, _ = brute(name, "structural")
+        got = {tuple(_plain(row[c]) for c in KEY): row for _, row in later.iterrows()}
+        assert set(got) == set(want)
+        for key, products in want.items():
+            for sr in SEMIRINGS:
+                _check(got[key][sr.name], _expected(products, sr), f"later call {sr.name} {key}")

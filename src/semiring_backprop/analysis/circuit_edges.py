@@ -28,6 +28,7 @@ position (norms mix the units of one position), so an edge's position is the pos
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ from ..engine import checkpoints
 from ..engine.alpha import apply_rule
 from ..engine.reverse import contributions, propagate
 from ..errors import InputError, NotFoundError
+from ..semirings import MaxProduct
 from .branches import blocks
 from .circuit import alpha_upto, find_sites, readout, site_labels
 from .fanout import Roles, ancestors, descendants, entries, first_contraction
@@ -336,14 +338,30 @@ def _head_entry_d(res, lay: Layout, srs, plan: _HeadPlan, position=None) -> dict
 
 
 def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
-    """:func:`head_entry_d` of every head of a block (all positions), from one pass back
-    from the heads' site for all heads at once: a leading head dim, the rules under
-    ``torch.vmap`` (the heads share the site and the region between it and the
-    projections; they differ in the columns their D starts from)."""
+    """:func:`head_entry_d` of every head of a block (all positions).
+
+    Where the block's heads are known to be apart (below), each head's D at a
+    projection's output is the reverse pass's own D there, on the head's columns: every
+    path from those columns passes that head's slice and no other. Otherwise, and to
+    find out, one pass back from the heads' site for all heads at once: a leading head
+    dim, the rules under ``torch.vmap`` (the heads share the site and the region between
+    it and the projections; they differ in the columns their D starts from)."""
     comps = lay.heads[layer]
     plans = [_head_plan(res, lay, srs, layer, c.head) for c in comps]
     first = plans[0]
     graph, values, needed = res.graph, res.values, res.needed
+    apart = graph.__dict__.setdefault("_heads_apart", {})
+    key = (first.site.name, tuple(values[first.site].shape), len(plans))
+    masks = apart.get(key)
+    if masks and _still_apart(res, srs, first, masks):
+        ks = [res.semirings.index(sr) for sr in srs]
+        got = {p.proj: [tuple(res._store[p.proj][k]) for k in ks] for p in first.projs
+               if p.proj in res._store}  # fmt: skip
+
+        def mine(h, proj, sr, v):
+            return only_columns(sr, v, masks[proj.name][h], values[proj])
+
+        return _entry_d(res, srs, plans, mine, got)
     seeds = [tuple(torch.stack(f) for f in zip(*(tuple(pl.d[s]) for pl in plans)))
              for s in range(len(srs))]  # fmt: skip
 
@@ -358,6 +376,17 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
     chunk = max(1, min(len(comps), _BATCH_BUDGET // max(per, 1)))
     with torch.no_grad():
         got = torch.vmap(run, chunk_size=chunk)(seeds)
+    if key not in apart and any(isinstance(sr, MaxProduct) for sr in srs):
+        apart[key] = _heads_apart(res, srs, plans, got)
+    return _entry_d(res, srs, plans, lambda h, proj, sr, v: tuple(f[h] for f in v), got)
+
+
+def _entry_d(res, srs, plans, pick, got) -> list:
+    """Per head, ``{(role, x): [D per semiring]}`` from ``got`` (``{projection output:
+    [value per semiring]}``, read for head ``h`` by ``pick(h, projection, semiring,
+    value)``): D on the head's columns of each projection's output, through the
+    projection to its input."""
+    graph, values, needed = res.graph, res.values, res.needed
     out = []
     for h, plan in enumerate(plans):
         d_out: dict = {}
@@ -365,7 +394,7 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
             if p.proj not in got:
                 continue
             pl = values[p.proj]
-            dp = [only_columns(sr, tuple(f[h] for f in v), plan.cols[p], pl)
+            dp = [only_columns(sr, pick(h, p.proj, sr, v), plan.cols[p], pl)
                   for sr, v in zip(srs, got[p.proj])]  # fmt: skip
             with torch.no_grad():
                 for inp, s, c in contributions(graph, values, srs, graph.ids[p.proj], dp, needed):
@@ -374,6 +403,67 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
                         slot[s] = srs[s].accumulate(slot[s], c)
         out.append(d_out)
     return out
+
+
+def _still_apart(res, srs, plan, masks) -> bool:
+    """Whether this call's reverse pass has no path from a projection's columns that no
+    head's are (checked under MaxProduct where the pass has it)."""
+    k = next((res.semirings.index(sr) for sr in srs if isinstance(sr, MaxProduct)), None)
+    if k is None:
+        return True
+    for p in plan.projs:
+        if p.proj not in res._store:
+            continue
+        hi = res._store[p.proj][k][0]
+        union = torch.stack(masks[p.proj.name]).any(0)
+        if bool((hi.reshape(-1, hi.shape[-1])[:, ~union] != -math.inf).any()):
+            return False
+    return True
+
+
+def _heads_apart(res, srs, plans, got):
+    """``{projection output's name: [columns per head]}`` where the heads of a block are
+    apart, else None: each head's paths leave each projection's output from columns of
+    its own (no other head's paths leave there), and every path from the projection's
+    output to the output passes a head's slice. Read off one call's passes from each
+    head's slice (``got``, a leading head dim): under MaxProduct (whose zero is no path
+    at all: a product of 0 is a path) the heads' D have disjoint columns and the reverse
+    pass's D is the zero off them, and under every semiring each head's D equals the
+    reverse pass's on its columns. That depends on the graph alone (which paths
+    exist), so a later call of the same trace reads the reverse pass's D on each head's
+    columns instead of passing back from each head."""
+    m = next(i for i, sr in enumerate(srs) if isinstance(sr, MaxProduct))
+    out = {}
+    for p in plans[0].projs:
+        if p.proj not in got or p.proj not in res._store:
+            return None
+        like = res.values[p.proj]
+        n = like.shape[-1]
+        hi = got[p.proj][m][0]
+        cols = [(hi[h] != -math.inf).reshape(-1, n).any(0) for h in range(len(plans))]
+        union = torch.stack(cols).sum(0)
+        full_hi = res._store[p.proj][res.semirings.index(srs[m])][0]
+        if bool((union > 1).any()) or bool((full_hi.reshape(-1, n)[:, union == 0]
+                                           != -math.inf).any()):  # fmt: skip
+            return None
+        for s, sr in enumerate(srs):
+            full = res._store[p.proj][res.semirings.index(sr)]
+            for h in range(len(plans)):
+                mine = only_columns(sr, tuple(f[h] for f in got[p.proj][s]), cols[h], like)
+                theirs = only_columns(sr, full, cols[h], like)
+                if not all(_same(a, b) for a, b in zip(mine, theirs)):
+                    return None
+        out[p.proj.name] = cols
+    return out
+
+
+def _same(a, b) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    tol = 1e-12 if a.dtype == torch.float64 else 1e-5
+    return bool(torch.allclose(a, b, rtol=tol, atol=0.0, equal_nan=True))
 
 
 def _at_position(sr, value, like, positions, p):
