@@ -722,6 +722,47 @@ def _backward_edge_values(res, lay: Layout, srs, acc, al):
     return [tuple(torch.stack(f) for f in zip(*(p[s] for p in parts))) for s in range(len(srs))]
 
 
+def _meet(res, lay: Layout, srs, fwd, dests) -> dict:
+    """``{destination: [value per semiring]}`` for ``dests`` (``[(destination, {entry:
+    [D per semiring]})]``), each value of shape (components, positions): as
+    :func:`_edge_values`, the destinations that share an entry at once, as one
+    contraction of values per semiring (``Semiring.contract``: the components' values
+    at the entry against the destinations' D, over the hidden units, per position)."""
+    n, positions = len(lay.components), lay.positions
+    like = res.values[lay.target]
+    by_entry: dict = {}
+    for i, acc in dests:
+        for x, slot in acc.items():
+            by_entry.setdefault(x, []).append((i, slot))
+    out = {i: [None] * len(srs) for i, _ in dests}
+    for x, group in by_entry.items():
+        idx, rows = fwd[x]
+        shape = res.values[x].shape
+        plain = all(f.dim() == 1 + len(shape) for r in rows for f in r) and all(
+            f.dim() == len(shape) for _, slot in group for v in slot for f in v
+        )
+        if not idx or not plain:  # (fields with dims of their own: one at a time)
+            for i, slot in group:
+                got = _edge_values(res, lay, srs, fwd, {x: slot})
+                out[i] = [v if o is None else sr.plus(o, v) for sr, o, v in zip(srs, out[i], got)]
+            continue
+        at = torch.as_tensor(idx, device=like.device)
+        for s, sr in enumerate(srs):
+            a = tuple(f.reshape(len(idx), positions, -1).transpose(0, 1) for f in rows[s])
+            b = tuple(torch.stack(fs).reshape(len(group), positions, -1).permute(1, 2, 0)
+                      for fs in zip(*(slot[s] for _, slot in group)))  # fmt: skip
+            m = sr.contract(a, b)  # (positions, components, destinations)
+            for e, (i, _) in enumerate(group):
+                per = tuple(f[:, :, e].transpose(0, 1) for f in m)
+                part = tuple(
+                    z.index_put((at,), f) for z, f in zip(sr.zero((n, positions), like), per)
+                )
+                out[i][s] = part if out[i][s] is None else sr.plus(out[i][s], part)
+    for i in out:
+        out[i] = [sr.zero((n, positions), like) if v is None else v for sr, v in zip(srs, out[i])]
+    return out
+
+
 def _edge_values(res, lay: Layout, srs, fwd, acc):
     """Per semiring, (components, positions): ⊕ over the entries ``acc`` and their
     elements at each position of the component's forward value ⊗ the entry's D."""
@@ -851,10 +892,12 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     reached = {x for (_, _, acc), f in zip(dests, forward) if f for x in acc}
     between = set().union(*(r for r, f in zip(regions, forward) if f))
     fwd = _source_passes(res, lay, srs, al, reached, between)
+    met = _meet(res, lay, srs, fwd, [(i, d[2]) for i, (d, f) in enumerate(zip(dests, forward))
+                                     if f])  # fmt: skip
     comps = lay.components
-    for (dst, inp, acc), f in zip(dests, forward):
+    for i, ((dst, inp, acc), f) in enumerate(zip(dests, forward)):
         if f:
-            values = _edge_values(res, lay, srs, fwd, acc)
+            values = met[i]
         else:  # an entry without positions (the output): a pass back from it
             values = _backward_edge_values(res, lay, srs, acc, al)
         has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)

@@ -205,6 +205,22 @@ class Semiring:
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         raise NotImplementedError
 
+    def contract(self, a: Value, b: Value) -> Value:
+        """``⊕_j a[..., i, j] ⊗ b[..., j, k]``: the matmul of two values (of paths that
+        meet at ``j``; ``matmul`` is a value times edge weights). By default ``mul`` over
+        the broadcast, in chunks of rows, then ``sum`` over ``j``."""
+        n, m, p = a[0].shape[-2], a[0].shape[-1], b[0].shape[-1]
+        lead = math.prod(torch.broadcast_shapes(a[0].shape[:-2], b[0].shape[:-2]))
+        step = chunk_rows(n, 4 * m * p * max(lead, 1))
+        parts = []
+        for r in range(0, n, step):
+            left = tuple(f[..., r : r + step, :, None] for f in a)
+            right = tuple(f[..., None, :, :] for f in b)
+            full = torch.broadcast_shapes(left[0].shape, right[0].shape)
+            x = self.mul(tuple(f.expand(full) for f in left), tuple(f.expand(full) for f in right))
+            parts.append(self.sum(x, (x[0].dim() - 2,)))
+        return tuple(torch.cat(f, -2) for f in zip(*parts))
+
     def finalize(self, a: Value):
         raise NotImplementedError
 

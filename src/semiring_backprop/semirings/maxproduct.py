@@ -292,6 +292,18 @@ class MaxProduct(Semiring):
         # the kernels read the weights transposed (the reduced dim contiguous)
         return w.transpose(-2, -1).contiguous() if self.neuron else None
 
+    def contract(self, a: Value, b: Value) -> Value:
+        """Two max-times kernels, with ``b``'s hi and then its lo as the weights: for one
+        pair, ``max(a.hi * w, a.lo * w)`` is what the kernel takes for a weight ``w`` of
+        either sign, and the best of the four products is the better of the two. Where
+        ``b`` has the zero (no path: not a weight), the broadcast of the base class."""
+        a, b = self._normalize(a), self._normalize(b)
+        if not self.neuron or len(a) > 2 or not bool(torch.isfinite(b[1]).all()):
+            return super().contract(a, b)
+        one = kernels.maxtimes(a[0], a[1], b[0].transpose(-2, -1).contiguous(), argmax=False)
+        two = kernels.maxtimes(a[0], a[1], b[1].transpose(-2, -1).contiguous(), argmax=False)
+        return (torch.maximum(one[0], two[0]), torch.minimum(one[1], two[1]))
+
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         if not self.neuron:
             return self._matmul_tensor(*batch_broadcast(a, w))

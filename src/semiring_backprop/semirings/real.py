@@ -53,6 +53,9 @@ class Real(Semiring):
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         return retype(a, (torch.matmul(a[0], w),))
 
+    def contract(self, a: Value, b: Value) -> Value:
+        return (torch.matmul(a[0], b[0]),)
+
     def finalize(self, a: Value) -> torch.Tensor:
         return a[0]
 
