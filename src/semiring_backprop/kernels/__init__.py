@@ -154,10 +154,11 @@ def _try_compiled(key, work: int, device, call):
         return None
 
 
-def _run(name, a, wt):
-    """Run kernel ``name`` on batched (B, n, m) fields and (B, p, m) transposed weights."""
+def _run(name, a, wt, compiled: bool = True):
+    """Run kernel ``name`` on batched (B, n, m) fields and (B, p, m) transposed weights
+    (``compiled=False``: the eager one, whatever the policy)."""
     n, m, p = a[0].shape[-2], a[0].shape[-1], wt.shape[-2]
-    work = a[0].shape[0] * n * m * p
+    work = a[0].shape[0] * n * m * p if compiled else 0
     key = (name, a[0].dtype, a[0].device.type)
     # contiguous inputs: one compiled graph for every shape (no stride guards)
     out = _try_compiled(
@@ -181,10 +182,12 @@ def _flat(fields, wt):
     return batch, fields, wt
 
 
-def maxtimes(hi, lo, wt, argmax: bool = True):
+def maxtimes(hi, lo, wt, argmax: bool = True, compiled: bool = True):
     """``out_hi[..., i, k] = max_j hi|lo[..., i, j] * w[..., j, k]`` (hi where w >= 0, lo
     where w < 0), ``out_lo`` likewise with min; with the first argmax / argmin ``j``
     (``(out_hi, j_hi, out_lo, j_lo)``), or without them (``(out_hi, out_lo)``).
+    ``compiled=False``: eagerly, whatever the policy (shapes that would make the
+    compiled kernel recompile, where the pass's own calls must keep it).
 
     The weights come transposed, ``wt[..., k, j] = w[..., j, k]`` (the reduced dim
     contiguous). ``(hi, lo) = (-inf, +inf)`` is "no path": it never wins, even against a
@@ -194,7 +197,7 @@ def maxtimes(hi, lo, wt, argmax: bool = True):
     live = hi != -INF
     pen = torch.zeros_like(hi).masked_fill_(~live, -INF)
     hs, ls = hi.masked_fill(~live, 0), lo.masked_fill(~live, 0)
-    outs = _run("maxtimes" if argmax else "maxtimes_values", (hs, ls, pen), wt)
+    outs = _run("maxtimes" if argmax else "maxtimes_values", (hs, ls, pen), wt, compiled)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 

@@ -300,8 +300,10 @@ class MaxProduct(Semiring):
         a, b = self._normalize(a), self._normalize(b)
         if not self.neuron or len(a) > 2 or not bool(torch.isfinite(b[1]).all()):
             return super().contract(a, b)
-        one = kernels.maxtimes(a[0], a[1], b[0].transpose(-2, -1).contiguous(), argmax=False)
-        two = kernels.maxtimes(a[0], a[1], b[1].transpose(-2, -1).contiguous(), argmax=False)
+        # eagerly: these shapes (a batch of positions, any count of rows and columns)
+        # would make the compiled kernel recompile past its limit, and lose it for the pass
+        one, two = (kernels.maxtimes(a[0], a[1], w.transpose(-2, -1).contiguous(), argmax=False,
+                                     compiled=False) for w in b[:2])  # fmt: skip
         return (torch.maximum(one[0], two[0]), torch.minimum(one[1], two[1]))
 
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
