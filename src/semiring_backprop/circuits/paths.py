@@ -20,13 +20,12 @@ several may share one sequence (they differ inside a component, e.g. in the hidd
 they pass, or start at two sources that the embedding site sums, such as the word and
 the token-type embedding): nothing is merged.
 
-Examples:
-    >>> c = sbp.Circuit.from_result(res, [sbp.MaxProduct()], tokens=tokens)   # docs/api.md
-    >>> best = c.top_paths()
-    >>> best[0].compact()
-    "embedding@6 '[MASK]' → target"
-    >>> best.to_frame().columns[:6].tolist()
-    ['rank', 'value', 'step', 'role', 'layer', 'head_index']
+For example (``Circuit.top_paths``'s own examples run on docs/api.md's BERT)::
+
+    c = sbp.Circuit.from_result(res, [sbp.MaxProduct()], tokens=tokens)
+    best = c.top_paths()
+    best[0].compact()                       # "embedding@6 '[MASK]' → target"
+    best.to_frame().columns[:6].tolist()    # ['rank', 'value', 'step', 'role', ...]
 """
 
 from __future__ import annotations
