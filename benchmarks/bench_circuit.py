@@ -85,12 +85,13 @@ def bench(case, tokens, reps, device, dtype):
 def _stages(res):
     """Seconds of each stage of ``Circuit.from_result`` on one pass's result, once: the
     sites (with the forward semiring pass), the edges, the attention edges."""
+    from semiring_backprop.analysis import attention_edges as ae
     from semiring_backprop.analysis import circuit_edges as ce
     from semiring_backprop.analysis.circuit import circuit_nodes
 
     out = {}
     for name, fn in (("sites", circuit_nodes), ("edges", ce.circuit_edges),
-                     ("attention edges", ce.attention_edges)):  # fmt: skip
+                     ("attention edges", ae.attention_edges)):  # fmt: skip
         t = time.perf_counter()
         fn(res, seed="x")
         out[name] = time.perf_counter() - t

@@ -32,7 +32,8 @@ from torch import nn
 
 import oracles
 import semiring_backprop as sbp
-from semiring_backprop.analysis.circuit_edges import attention_edges, circuit_edges
+from semiring_backprop.analysis.attention_edges import attention_edges
+from semiring_backprop.analysis.circuit_edges import circuit_edges
 
 F64 = torch.float64
 MP = sbp.MaxProduct()
@@ -332,20 +333,21 @@ def test_attention_edges_by_the_matmul_equal_a_pass_from_each_position(name):
     the weights A, D at its output) equal those of a pass back from the head's slice at
     each position (the definition, run generically), under every semiring; and the
     matmul is found (GPT-2's fused q/k/v and Llama's shared K/V heads included)."""
-    from semiring_backprop.analysis import circuit_edges as ce
+    from semiring_backprop.analysis import attention_edges as ae
+    from semiring_backprop.analysis import circuit_layout as cl
 
     res = tiny(name) if name in TINY else hf_result(name)
     srs = list(res.semirings)
-    lay = ce.layout(res)
-    al = ce._alphas(res, srs, "x", None, lay)
+    lay = cl.layout(res)
+    al = cl.circuit_alphas(res, srs, "x", None, lay)
     for layer in range(lay.layers):
         for comp in lay.heads[layer]:
-            plan = ce._head_plan(res, lay, srs, layer, comp.head, roles=("value",))
-            fast = ce._attention_by_contraction(res, lay, srs, plan, al)
+            plan = cl.head_plan(res, lay, srs, layer, comp.head, roles=("value",))
+            fast = ae._attention_by_contraction(res, lay, srs, plan, al)
             assert fast is not None, f"no A @ V found in layer {layer}"
-            slow = ce._attention_by_positions(res, lay, srs, plan, al)
+            slow = ae._attention_by_positions(res, lay, srs, plan, al)
             for sr, x, y in zip(srs, fast, slow):
-                got, want = ce.readout(sr, x), ce.readout(sr, y)
+                got, want = ae.readout(sr, x), ae.readout(sr, y)
                 assert torch.allclose(got, want, rtol=1e-9, atol=1e-14, equal_nan=True), (
                     f"{sr} in layer {layer}, head {comp.head}: {got} != {want}"
                 )

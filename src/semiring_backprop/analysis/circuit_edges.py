@@ -29,292 +29,41 @@ position (norms mix the units of one position), so an edge's position is the pos
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
-from .. import rules
-from ..engine import checkpoints
 from ..engine.alpha import apply_rule
 from ..engine.reverse import contributions, propagate
-from ..errors import InputError, NotFoundError
+from ..errors import InputError
 from ..semirings import MaxProduct
-from .branches import blocks
-from .circuit import alpha_upto, find_sites, readout, site_labels
-from .fanout import Roles, ancestors, descendants, entries, first_contraction
+from .circuit import readout, site_labels
+from .circuit_layout import (
+    BATCH_BUDGET,
+    EDGE_COLUMNS,
+    SHORT_ROLES,
+    Component,
+    HeadPlan,
+    Layout,
+    alpha_or_zero,
+    at_positions,
+    check_semirings,
+    circuit_alphas,
+    head_plan,
+    layout,
+    pinned,
+)
 from .heads import QKV, only_columns
-from .marginals import alphas
-
-#: the ``input`` column: how a path enters its destination
-INPUTS = ("q", "k", "v", "mlp", "target")
-_SHORT = {"query": "q", "key": "k", "value": "v"}
-aten = torch.ops.aten
-#: the columns of :func:`circuit_edges` before the value columns (one per semiring)
-EDGE_COLUMNS = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
-                "dst_head_index", "input", "position", "token")  # fmt: skip
-#: the columns of :func:`attention_edges` before the value columns
-ATTENTION_COLUMNS = ("layer", "head_index", "src_position", "dst_position", "src_token",
-                     "dst_token")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Component:
-    """A site of :func:`.circuit.find_sites` that a path passes between two residual
-    segments: ``nodes`` (⊕-ed together) per position, ``cols`` of the columns."""
-
-    role: str
-    layer: int
-    nodes: tuple
-    head: int | None = None
-    cols: slice | None = None
-
-
-@dataclass(frozen=True)
-class Projection:
-    """One query, key or value projection of a block: the contraction ``proj`` whose
-    output columns ``cols`` are that role's (all of them unless fused), reading ``x``."""
-
-    role: str
-    proj: torch.fx.Node
-    x: torch.fx.Node
-    cols: tuple
-
-
-@dataclass
-class Layout:
-    """The components, the entries of each block and what residual passes may not cross."""
-
-    positions: int
-    components: list  #: sources of edges: embedding, heads, MLPs (in order)
-    heads: dict  #: layer -> [Component per head]
-    projections: dict  #: layer -> [Projection]
-    mlp_entries: dict  #: layer -> [(entry op, the tensor it reads)]
-    target: torch.fx.Node
-    layers: int
-    stops: frozenset  #: the components' nodes: residual passes end there
-    blocked: frozenset  #: the components' first ops: residual passes never cross them
-    upto: frozenset  #: where the circuit reads alpha (the forward pass goes no further)
-
-
-def layout(res, heads=None, roles=None) -> Layout:
-    """The components of ``res``'s model and the entries of each (InputError where the
-    model's blocks are not laid out as this analysis needs)."""
-    sites, positions = find_sites(res, heads, roles)
-    found = blocks(res, roles)
-    r = Roles(res, roles)
-    comps = [Component(s.role, s.layer, s.nodes, s.head, s.cols) for s in sites
-             if s.role in ("embedding", "head", "mlp")]  # fmt: skip
-    by_head: dict = {}
-    for c in comps:
-        if c.role == "head":
-            by_head.setdefault(c.layer, []).append(c)
-    projections, mlp_entries = {}, {}
-    for i, b in enumerate(found):
-        projections[i] = _projections(res, r, b, roles)
-        mlp_entries[i] = _mlp_entries(res, b, roles)
-    stops = frozenset(n for c in comps for n in c.nodes)
-    blocked = frozenset([p.proj for ps in projections.values() for p in ps]
-                        + [op for es in mlp_entries.values() for op, _ in es])  # fmt: skip
-    return Layout(positions, comps, by_head, projections, mlp_entries, res.graph.output_node,
-                  len(found), stops, blocked, alpha_upto(sites))  # fmt: skip
-
-
-def _expect(res, point, roles, allowed, block, what):
-    try:
-        _, ents = entries(res, point, roles)
-    except NotFoundError:
-        ents = []
-    odd = [e for e in ents if e.role not in allowed]
-    if odd:
-        raise InputError(
-            f"circuit edges: the {what} of {block.layer!r} (`{point.name}`) feeds "
-            f"{[f'{e.consumer or e.op.name} ({e.role})' for e in odd]}, not only "
-            f"{' / '.join(allowed)}: paths leaving there cannot be given to a component; "
-            "pass roles={'module regex': role} if the model names its modules otherwise"
-        )
-    return ents
-
-
-def _projections(res, r, block, roles) -> list:
-    ents = _expect(res, block.points["attention"], roles, ("skip", *QKV), block, "residual stream")
-    out: dict = {}
-    for e in ents:
-        if e.role not in QKV:
-            continue
-        proj = e.proj or first_contraction(r, e.op)
-        if proj is None:
-            raise InputError(
-                f"circuit edges: no matmul follows the {e.role} branch of {block.layer!r} "
-                f"({e.consumer!r}), so its heads' columns cannot be told apart"
-            )
-        xs = [a for a in proj.all_input_nodes if a in res.needed]
-        if len(xs) != 1:
-            raise InputError(
-                f"circuit edges: the {e.role} projection `{proj.name}` of {block.layer!r} "
-                f"reads {len(xs)} tensors that carry paths, not one input and weights"
-            )
-        cols = e.cols or tuple(range(res.values[proj].shape[-1]))
-        out.setdefault((proj, e.role), Projection(e.role, proj, xs[0], cols))
-    if {p.role for p in out.values()} != set(QKV):
-        raise InputError(
-            f"circuit edges: found {sorted({p.role for p in out.values()})} projections in "
-            f"{block.layer!r}, not a query, a key and a value"
-        )
-    return list(out.values())
-
-
-def _mlp_entries(res, block, roles) -> list:
-    ents = _expect(res, block.points["mlp"], roles, ("skip", "mlp"), block, "MLP's input")
-    out = [(e.op, e.via) for e in ents if e.role == "mlp"]
-    if not out:
-        raise InputError(f"circuit edges: found no MLP reading `{block.points['mlp'].name}`")
-    return out
-
-
-# -- one call's values -----------------------------------------------------------------
-
-
-def pinned(res):
-    """``res`` itself, or where its pass holds checkpoints, a shallow copy whose values
-    and D keep every segment computed once for as long as the copy lives (the residual
-    passes walk the whole stream once per entry: a cache of a few segments would compute
-    each one again every time). The alphas are kept on ``res``."""
-    if not isinstance(res.values, checkpoints._Values):
-        return res
-    ckpt = res.values.ckpt
-    res.__dict__.setdefault("_alphas", {})
-    new = type(res).__new__(type(res))
-    new.__dict__.update(res.__dict__)
-    new.values = _PinnedValues(ckpt)
-    new._store = _PinnedStore(ckpt)
-    return new
-
-
-class _PinnedValues(Mapping):
-    def __init__(self, ckpt):
-        self.ckpt, self.segments = ckpt, {}
-
-    def segment(self, s):
-        got = self.segments.get(s)
-        if got is None:
-            got = self.segments[s] = self.ckpt.segment_values(s)
-        return got
-
-    def __getitem__(self, node):
-        c = self.ckpt
-        if node in c.held:
-            return c.held[node]
-        s = c.layout.segment.get(node)
-        if s is None:
-            raise KeyError(node)
-        return self.segment(s)[node]
-
-    def __contains__(self, node):
-        return node in self.ckpt.held or node in self.ckpt.layout.segment
-
-    def __iter__(self):
-        return (n for n in self.ckpt.graph.nodes if n in self)
-
-    def __len__(self):
-        return sum(1 for _ in self)
-
-
-class _PinnedStore(Mapping):
-    def __init__(self, ckpt):
-        self.ckpt, self.d = ckpt, {}
-
-    def get_d(self, node, k):
-        c = self.ckpt
-        if node in c.held_store:
-            return c.held_store[node][k]
-        key = (c.layout.segment[node], k)
-        got = self.d.get(key)
-        if got is None:
-            got = self.d[key] = c.segment_d(*key)
-        return got[node]
-
-    def __getitem__(self, node):
-        if node not in self:
-            raise KeyError(node)
-        return _PinnedRow(self, node)
-
-    def __contains__(self, node):
-        return node in self.ckpt.reached
-
-    def __iter__(self):
-        return (n for n in self.ckpt.graph.nodes if n in self.ckpt.reached)
-
-    def __len__(self):
-        return len(self.ckpt.reached)
-
-
-class _PinnedRow(Sequence):
-    def __init__(self, store, node):
-        self.store, self.node = store, node
-
-    def __getitem__(self, k):
-        n = len(self)
-        if isinstance(k, slice):
-            return [self[i] for i in range(n)[k]]
-        if not -n <= k < n:
-            raise IndexError(k)
-        return self.store.get_d(self.node, k % n)
-
-    def __len__(self):
-        return len(self.store.ckpt.semirings)
-
-
-# -- D at each entry -------------------------------------------------------------------
 
 
 def head_entry_d(res, lay: Layout, srs, layer: int, head: int, position=None) -> dict:
     """``{(role, x): [D per semiring]}``: at the input ``x`` of each projection of head
     ``head``'s block, ⊕ over the paths through that role's columns that reach the head's
     slice of the output projection's input (at ``position`` only, if given)."""
-    plan = _head_plan(res, lay, srs, layer, head)
+    plan = head_plan(res, lay, srs, layer, head)
     return _head_entry_d(res, lay, srs, plan, position)
 
 
-@dataclass(frozen=True)
-class _HeadPlan:
-    """What every pass from one head's slice reads: its site, the D there masked to the
-    head's columns, the projections followed and the nodes between them and the site."""
-
-    site: torch.fx.Node
-    d: list
-    projs: list
-    region: frozenset
-    stop: int
-    cols: dict  #: projection -> its columns, as a mask of the projection's output
-
-
-def _head_plan(res, lay: Layout, srs, layer: int, head: int, roles=QKV) -> _HeadPlan:
-    """The :class:`_HeadPlan` of a head, following the projections of ``roles`` only (the
-    paths from the others' projections are never reached from these: leaving them out
-    changes no value)."""
-    comp = lay.heads[layer][head]
-    (site,) = comp.nodes
-    like = res.values[site]
-    ks = [res.semirings.index(sr) for sr in srs]
-    mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
-    mask[comp.cols] = True
-    d = [only_columns(sr, res._store[site][k], mask, like) for sr, k in zip(srs, ks)]
-    projs = [p for p in lay.projections[layer] if p.role in roles]
-    down = set().union(*(descendants(p.proj) for p in projs))
-    region = frozenset(ancestors(site, down))
-    ids = res.graph.ids
-    cols = {}
-    for p in projs:
-        pl = res.values[p.proj]
-        c = torch.zeros(pl.shape[-1], dtype=torch.bool, device=pl.device)
-        c[list(p.cols)] = True
-        cols[p] = c
-    stop = min(ids[n] for n in region) if region else ids[site]
-    return _HeadPlan(site, d, projs, region, stop, cols)
-
-
-def _head_entry_d(res, lay: Layout, srs, plan: _HeadPlan, position=None) -> dict:
+def _head_entry_d(res, lay: Layout, srs, plan: HeadPlan, position=None) -> dict:
     site, d = plan.site, plan.d
     if position is not None:
         like = res.values[site]
@@ -347,7 +96,7 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
     dim, the rules under ``torch.vmap`` (the heads share the site and the region between
     it and the projections; they differ in the columns their D starts from)."""
     comps = lay.heads[layer]
-    plans = [_head_plan(res, lay, srs, layer, c.head) for c in comps]
+    plans = [head_plan(res, lay, srs, layer, c.head) for c in comps]
     first = plans[0]
     graph, values, needed = res.graph, res.values, res.needed
     apart = graph.__dict__.setdefault("_heads_apart", {})
@@ -373,7 +122,7 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
                 if p.proj in store}  # fmt: skip
 
     per = sum(values[n].numel() for n in first.region) * 2 * len(srs)
-    chunk = max(1, min(len(comps), _BATCH_BUDGET // max(per, 1)))
+    chunk = max(1, min(len(comps), BATCH_BUDGET // max(per, 1)))
     with torch.no_grad():
         got = torch.vmap(run, chunk_size=chunk)(seeds)
     if key not in apart and any(isinstance(sr, MaxProduct) for sr in srs):
@@ -470,19 +219,7 @@ def _at_position(sr, value, like, positions, p):
     """``value`` at position ``p`` of a (…, positions, hidden) tensor, the zero elsewhere."""
     keep = torch.zeros(positions, dtype=torch.bool, device=like.device)
     keep[p] = True
-    return _at_positions(sr, value, like, positions, keep)
-
-
-def _at_positions(sr, value, like, positions, keep):
-    """``value`` at the positions ``keep`` (a bool mask) of a (…, positions, hidden)
-    tensor, the zero elsewhere."""
-    zero = sr.zero(like.shape, like)
-    out = []
-    for f, z in zip(value, zero):
-        flat = f.reshape(positions, -1, *f.shape[like.dim() :])
-        m = keep.reshape(positions, *(1,) * (flat.dim() - 1))
-        out.append(torch.where(m, flat, z.reshape(flat.shape)).reshape(f.shape))
-    return tuple(out)
+    return at_positions(sr, value, like, positions, keep)
 
 
 def _mlp_entry_d(res, lay: Layout, srs, layer: int) -> dict:
@@ -590,7 +327,7 @@ def _group_seed(res, srs, al, comps, node) -> list:
     like = res.values[node]
     out = []
     for sr in srs:
-        a = _alpha(res, al, node, sr)
+        a = alpha_or_zero(res, al, node, sr)
         per = []
         for comp in comps:
             v = a
@@ -635,7 +372,7 @@ def _batched_pass(res, srs, seeds, order, wanted, batch) -> dict:
             got = run({n: [tuple(f[0] for f in v) for v in vs] for n, vs in seeds.items()})
             return {x: [tuple(f[None] for f in v) for v in vs] for x, vs in got.items()}
         per = sum(values[x].numel() for x in order) * 2 * len(srs)
-        chunk = max(1, min(batch, _BATCH_BUDGET // max(per, 1)))
+        chunk = max(1, min(batch, BATCH_BUDGET // max(per, 1)))
         return torch.vmap(run, chunk_size=chunk)(seeds)
 
 
@@ -680,10 +417,6 @@ def _per_head_projection(res, srs, comps, seeds, region):
             return None
         n = u
     return None
-
-
-#: elements a batched pass may hold at once (its chunks are sized by it)
-_BATCH_BUDGET = 2**27
 
 
 def _or_zero(sr, value, like):
@@ -805,7 +538,7 @@ def _per_group(res, lay: Layout, comps, srs, store, al):
             if node not in store:
                 continue
             like = res.values[node]
-            m = sr.mul(_alpha(res, al, node, sr), store[node][s])
+            m = sr.mul(alpha_or_zero(res, al, node, sr), store[node][s])
             flat = tuple(f.reshape(lay.positions, -1, *f.shape[like.dim() :]) for f in m)
             for c, comp in enumerate(comps):
                 per = sr.sum(tuple(f[:, comp.cols or slice(None)] for f in flat), (1,))
@@ -825,34 +558,6 @@ def _has_path_rows(sr, value) -> torch.Tensor:
     zero = sr.zero(value[0].shape, value[0])
     f = value[0]
     return (f != zero[0]).reshape(f.shape[0], f.shape[1], -1).any(-1)
-
-
-def _alphas(res, srs, seed, baseline, lay: Layout) -> dict:
-    """``{semiring: {node: alpha}}``: one forward pass per semiring, up to the last
-    nodes the circuit reads (:func:`.circuit.alpha_upto`)."""
-    return {sr: alphas(res, sr, seed, baseline, lay.upto) for sr in srs}
-
-
-def _alpha(res, al, node, sr):
-    """alpha at ``node`` (the zero where no path arrives)."""
-    found = al[sr].get(node)
-    if found is None:
-        like = res.values[node]
-        return sr.zero(like.shape, like)
-    return found
-
-
-def _has_path(sr, value) -> torch.Tensor:
-    zero = sr.zero(value[0].shape, value[0])
-    return (value[0] != zero[0]).reshape(value[0].shape[0], -1).any(-1)
-
-
-def _check_semirings(res, semirings):
-    srs = list(semirings) if semirings is not None else list(res.semirings)
-    for sr in srs:
-        if sr not in res.semirings:
-            raise InputError(f"{sr} was not computed in this pass (computed: {res.semirings})")
-    return srs
 
 
 def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=None,
@@ -879,10 +584,10 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     """
     import pandas as pd
 
-    srs = _check_semirings(res, semirings)
+    srs = check_semirings(res, semirings)
     res = pinned(res)
     lay = layout(res, heads, roles)
-    al = _alphas(res, srs, seed, baseline, lay)
+    al = circuit_alphas(res, srs, seed, baseline, lay)
     labels = site_labels(tokens, lay.positions)
     rows: list = []
     dests = list(_destinations(res, lay, srs))
@@ -932,7 +637,7 @@ def _destinations(res, lay: Layout, srs):
             for role in QKV:
                 acc = {x: v for (r, x), v in d.items() if r == role}
                 if acc:
-                    yield comp, _SHORT[role], _filled(res, srs, acc)
+                    yield comp, SHORT_ROLES[role], _filled(res, srs, acc)
         acc = _mlp_entry_d(res, lay, srs, layer)
         if acc:
             yield Component("mlp", layer, ()), "mlp", _filled(res, srs, acc)
@@ -952,228 +657,3 @@ def _filled(res, srs, acc):
             if slot[s] is None:
                 slot[s] = sr.zero(like.shape, like)
     return acc
-
-
-def attention_edges(res, semirings=None, seed="structural", baseline=None, tokens=None,
-                    heads=None, roles=None):  # fmt: skip
-    """Tidy DataFrame, one row per head and pair of positions: ``layer``, ``head_index``,
-    ``src_position``, ``dst_position``, ``src_token``, ``dst_token`` and one value column
-    per semiring: the ⊕ over the whole paths that enter the head's value input (its
-    columns of the value projection) at ``src_position`` and leave the head (its slice
-    of the output projection's input) at ``dst_position``; readouts and the other
-    arguments as in :func:`circuit_edges`. Every pair is a row (attention reads every
-    position it is not masked from; a masked pair holds the semiring's zero).
-    Under Real, the rows of one head summed over both positions equal the sum of
-    ``circuit_edges``' edges into that head's ``"v"`` input.
-    """
-    import pandas as pd
-
-    srs = _check_semirings(res, semirings)
-    res = pinned(res)
-    lay = layout(res, heads, roles)
-    al = _alphas(res, srs, seed, baseline, lay)
-    labels = site_labels(tokens, lay.positions)
-    n = lay.positions
-    parts = []
-    for layer in range(lay.layers):
-        for comp in lay.heads[layer]:
-            plan = _head_plan(res, lay, srs, layer, comp.head, roles=("value",))
-            got = _attention_by_contraction(res, lay, srs, plan, al)
-            if got is None:  # the value path is not one A @ V between moves of data
-                got = _attention_by_positions(res, lay, srs, plan, al)
-            cols = {
-                "layer": [layer] * n * n, "head_index": [comp.head] * n * n,
-                "src_position": list(range(n)) * n,
-                "dst_position": [p for p in range(n) for _ in range(n)],
-            }  # fmt: skip
-            for sr, v in zip(srs, got):
-                cols[sr.name] = readout(sr, v).detach().cpu().double().reshape(-1).numpy()
-            parts.append(pd.DataFrame(cols))
-    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-    frame = frame.reindex(columns=[*ATTENTION_COLUMNS, *(sr.name for sr in srs)])
-    if len(frame):
-        frame["src_token"] = [labels[q] for q in frame.src_position]
-        frame["dst_token"] = [labels[p] for p in frame.dst_position]
-    for col in ("layer", "head_index", "src_position", "dst_position"):
-        frame[col] = frame[col].astype("Int64")
-    return frame
-
-
-def _attention_by_contraction(res, lay, srs, plan: _HeadPlan, al):
-    """Per semiring, the head's value (dst positions, src positions), where its value
-    path is one batched matmul ``A @ V`` between ops that only move data (as attention
-    is written): the paths from ``V[q, j]`` to the head's slice at ``p`` are the one
-    edge of weight ``A[p, q]``, so the edge is ``⊕_j alpha(V)[q, j] ⊗ A[p, q] ⊗
-    D(A @ V)[p, j]``, the matmul's edge marginals ⊕-ed over ``j`` (and over its batch,
-    where only this head's slice holds D). None where the path is not laid out so."""
-    graph, values, ids = res.graph, res.values, res.graph.ids
-    mm = _last_contraction(res, plan)
-    if mm is None or mm.target is not aten.bmm.default or not _only_as_values(res, plan, mm):
-        return None
-    a, v = mm.args[:2]
-    n = lay.positions
-    att, like = values[a], values[mm]
-    if tuple(att.shape[1:]) != (n, n):
-        return None
-    within = {m for m in plan.region if ids[m] > ids[mm]} | {mm}
-    with torch.no_grad():
-        store = propagate(graph, values, srs, {plan.site: list(plan.d)}, res.needed,
-                          within=within, start=ids[plan.site] + 1, stop=ids[mm])  # fmt: skip
-        out = []
-        for s, sr in enumerate(srs):
-            if mm not in store:
-                out.append(sr.zero((n, n), like))
-                continue
-            d = store[mm][s]
-            live = _has_path(sr, d).nonzero().reshape(-1)  # this head's slice of the batch
-            if not len(live):
-                out.append(sr.zero((n, n), like))
-                continue
-            av = tuple(f[live] for f in _alpha(res, al, v, sr))
-            d = tuple(f[live] for f in d)
-            w = att[live]
-            b, width = len(live), like.shape[-1]
-            step = max(1, min(n, _CHUNK_ELEMENTS // max(b * n * width, 1)))
-            rows = []
-            for p in range(0, n, step):
-                k = min(step, n - p)
-                full = (b, k, n, width)
-                x = sr.times(tuple(f[:, None].expand(full) for f in av),
-                             w[:, p : p + k, :, None].expand(full))  # fmt: skip
-                x = sr.mul(x, tuple(f[:, p : p + k, None].expand(full) for f in d))
-                rows.append(sr.sum(x, (0, 3)))
-            out.append(tuple(torch.cat(f) for f in zip(*rows)))
-    return out
-
-
-def _last_contraction(res, plan: _HeadPlan):
-    """The contraction whose output reaches the head's slice through ops that only move
-    data (the attention's ``A @ V``), or None."""
-    n = plan.site
-    for _ in range(64):
-        ins = [i for i in n.all_input_nodes if i in plan.region]
-        kind = getattr(rules.lookup(n.target), "kind", None)
-        if kind == "contraction":
-            return n
-        if kind != "routing" or len(ins) != 1:
-            return None
-        n = ins[0]
-    return None
-
-
-def _only_as_values(res, plan: _HeadPlan, mm) -> bool:
-    """Whether the value columns reach ``mm`` only as its second operand ``V``: back from
-    ``V`` through ops of one input that only move data, the value projection comes
-    before any tensor that ``A`` (the first operand) reads; or where they share one (a
-    fused q/k/v projection), ``V``'s side leaves it through a slice of columns that no
-    slice on ``A``'s side overlaps."""
-    a, v = mm.args[:2]
-    if not isinstance(a, torch.fx.Node) or v not in plan.region:
-        return False
-    feeds_a = ancestors(a, plan.region)
-    projs = {p.proj for p in plan.projs}
-    n, prev = v, None
-    for _ in range(64):
-        if n in feeds_a:
-            return prev is not None and _disjoint_slice(res, n, prev, feeds_a)
-        if n in projs:
-            return True
-        ins = [i for i in n.all_input_nodes if i in res.needed]
-        if getattr(rules.lookup(n.target), "kind", None) != "routing" or len(ins) != 1:
-            return False
-        prev, n = n, ins[0]
-    return False
-
-
-def _disjoint_slice(res, fork, mine, feeds_a) -> bool:
-    def cols(s):
-        if s.target is not aten.slice.Tensor:
-            return None
-        x = res.values[fork]
-        args = [*s.args[1:5], *[None] * 4][:4]
-        dim = (0 if args[0] is None else args[0]) % x.dim()
-        return dim, range(*slice(*args[1:4]).indices(x.shape[dim]))
-
-    got = cols(mine)
-    if got is None:
-        return False
-    for u in fork.users:
-        if u is mine or u not in feeds_a:
-            continue
-        other = cols(u)
-        if other is None or other[0] != got[0] or set(other[1]) & set(got[1]):
-            return False
-    return True
-
-
-def _attention_by_positions(res, lay, srs, plan: _HeadPlan, al):
-    """Per semiring, the head's value (dst positions, src positions), by a pass from the
-    head's slice at each position (all positions at once: a leading position dim under
-    ``torch.vmap``), met at the value projection by alpha there (:func:`_value_entry`)."""
-    n = lay.positions
-    like = res.values[plan.site]
-    for p in plan.projs:
-        _projected_alpha(res, srs, p, al)  # (computed once, outside the batch)
-    seeds = torch.eye(n, dtype=torch.bool, device=like.device)
-
-    def run(keep):
-        return [tuple(v) for v in _value_entry(res, lay, srs, plan, keep, al)]
-
-    per = sum(res.values[m].numel() for m in plan.region) * 2 * len(srs)
-    chunk = max(1, min(n, _BATCH_BUDGET // max(per, 1)))
-    with torch.no_grad():
-        return torch.vmap(run, chunk_size=chunk)(seeds)
-
-
-#: elements of one chunk of :func:`_attention_by_contraction`'s broadcast
-_CHUNK_ELEMENTS = 2**23
-
-
-def _value_entry(res, lay, srs, plan: _HeadPlan, keep, al):
-    """Per semiring, per position ``q``: the ⊕ over the paths that enter the head's value
-    columns at ``q`` and leave its slice at the positions ``keep`` (a bool mask). The
-    pass from the slice stops at the value projection's output ``v`` (only the nodes
-    between them are followed); the paths into ``v``'s columns ``j`` through the
-    projection, ⊕_i alpha(x_i) ⊗ w_ij, are the projection's forward rule on alpha at its
-    input, once per projection (the same ⊕ as ⊕_i alpha(x_i) ⊗ (⊕_j w_ij ⊗ D(v_j)),
-    grouped the other way)."""
-    site, d = plan.site, plan.d
-    like = res.values[site]
-    d = [_at_positions(sr, v, like, lay.positions, keep) for sr, v in zip(srs, d)]
-    graph, values = res.graph, res.values
-    store = propagate(graph, values, srs, {site: d}, plan.region, within=plan.region,
-                      start=graph.ids[site] + 1, stop=plan.stop)  # fmt: skip
-    out = [None] * len(srs)
-    for p in plan.projs:
-        if p.proj not in store:
-            continue
-        pl = values[p.proj]
-        a = _projected_alpha(res, srs, p, al)
-        for s, sr in enumerate(srs):
-            if a[s] is None:
-                continue
-            dp = only_columns(sr, store[p.proj][s], plan.cols[p], pl)
-            flat = tuple(f.reshape(lay.positions, -1, *f.shape[pl.dim() :])
-                         for f in sr.mul(a[s], dp))  # fmt: skip
-            per = sr.sum(flat, (1,))
-            out[s] = per if out[s] is None else sr.plus(out[s], per)
-    for s, sr in enumerate(srs):
-        if out[s] is None:
-            out[s] = sr.zero((lay.positions,), res.values[lay.target])
-    return out
-
-
-def _projected_alpha(res, srs, p: Projection, al) -> list:
-    """Per semiring: ⊕ over the paths into the projection's output through its input
-    ``p.x`` (None where no path reaches ``p.x``), kept on ``al``."""
-    cache = al.setdefault(("projected", tuple(srs)), {})
-    if p.proj not in cache:
-        got = [al[sr].get(p.x) for sr in srs]
-        out = [None] * len(srs)
-        if any(g is not None for g in got):
-            graph = res.graph
-            with torch.no_grad():
-                out = apply_rule(graph, res.values, srs, graph.ids[p.proj], {p.x: got},
-                                    res.needed)  # fmt: skip
-        cache[p.proj] = out
-    return cache[p.proj]

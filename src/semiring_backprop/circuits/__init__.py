@@ -136,12 +136,13 @@ class Circuit:
         else:
             nodes = circuit_nodes(res, srs, **kw)
         if edges is None or attention_edges is None:
+            from ..analysis import attention_edges as ae
             from ..analysis import circuit_edges as ce
 
             if edges is None:
                 edges = ce.circuit_edges(res, srs, **kw)
             if attention_edges is None:
-                attention_edges = ce.attention_edges(res, srs, **kw)
+                attention_edges = ae.attention_edges(res, srs, **kw)
         emb = nodes[nodes.role == "embedding"].node
         d_model = None
         if len(emb):

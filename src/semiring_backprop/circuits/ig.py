@@ -187,6 +187,7 @@ def integrated(res, semirings, baseline, ig_steps, ig_method="gausslegendre", *,
     """``(nodes, edges, attention_edges)`` of the circuit of ``res`` with Real integrated
     over ``ig_steps`` steps (the other semirings at the input); ``edges`` /
     ``attention_edges`` given are kept as they are."""
+    from ..analysis import attention_edges as ae
     from ..analysis import circuit_edges as ce
 
     check_call(ig_steps, ig_method, baseline, seed)
@@ -205,7 +206,7 @@ def integrated(res, semirings, baseline, ig_steps, ig_method="gausslegendre", *,
     if edges is None:
         todo["edges"] = (ce.circuit_edges, EDGE_COLUMNS)
     if attention_edges is None:
-        todo["attention_edges"] = (ce.attention_edges, ATTENTION_COLUMNS)
+        todo["attention_edges"] = (ae.attention_edges, ATTENTION_COLUMNS)
     at_input = {k: fn(res, others, **base) if others else None for k, (fn, _) in todo.items()}
     steps = {k: [] for k in todo}
     points, weights = quadrature(ig_steps, ig_method)

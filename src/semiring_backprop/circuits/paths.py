@@ -366,7 +366,7 @@ def _check_sites(circuit, sites):
 def top_paths(circuit, k: int = 1, semiring=None, seed="x", heads=None, roles=None):
     """The ``k`` best whole paths of ``circuit`` (see :meth:`Circuit.top_paths`)."""
     from ..analysis.circuit import find_sites
-    from ..analysis.circuit_edges import layout
+    from ..analysis.circuit_layout import layout
 
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InputError(f"top_paths: k={k!r} is the number of paths to return: 1 or more")
