@@ -34,6 +34,7 @@ import json
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InputError, NotFoundError
@@ -279,18 +280,11 @@ def _best_topk(res, sr, k, embeds, positions, mask, seed):
 
 
 def _unravel(flat: int, shape) -> tuple[int, ...]:
-    out = []
-    for s in reversed(tuple(shape)):
-        out.append(flat % s)
-        flat //= s
-    return tuple(reversed(out))
+    return tuple(int(i) for i in np.unravel_index(flat, tuple(shape)))
 
 
 def _ravel(index, shape) -> int:
-    flat = 0
-    for i, s in zip(index, shape):
-        flat = flat * s + i
-    return flat
+    return int(np.ravel_multi_index(tuple(index), tuple(shape)))
 
 
 # -- projecting an element path onto the sites ------------------------------------------
