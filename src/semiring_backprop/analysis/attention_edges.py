@@ -109,18 +109,9 @@ def _attention_by_contraction(res, lay, srs, plan: HeadPlan, al):
                 continue
             av = tuple(f[live] for f in alpha_or_zero(res, al, v, sr))
             d = tuple(f[live] for f in d)
-            w = att[live]
-            b, width = len(live), like.shape[-1]
-            step = max(1, min(n, _CHUNK_ELEMENTS // max(b * n * width, 1)))
-            rows = []
-            for p in range(0, n, step):
-                k = min(step, n - p)
-                full = (b, k, n, width)
-                x = sr.times(tuple(f[:, None].expand(full) for f in av),
-                             w[:, p : p + k, :, None].expand(full))  # fmt: skip
-                x = sr.mul(x, tuple(f[:, p : p + k, None].expand(full) for f in d))
-                rows.append(sr.sum(x, (0, 3)))
-            out.append(tuple(torch.cat(f) for f in zip(*rows)))
+            # ⊕_j D[p, j] ⊗ alpha[q, j], then ⊗ A[p, q] (⊗ by a weight distributes over ⊕)
+            met = sr.contract(d, tuple(f.transpose(-2, -1) for f in av))
+            out.append(sr.sum(sr.times(met, att[live]), (0,)))
     return out
 
 
@@ -201,10 +192,6 @@ def _attention_by_positions(res, lay, srs, plan: HeadPlan, al):
     chunk = max(1, min(n, BATCH_BUDGET // max(per, 1)))
     with torch.no_grad():
         return torch.vmap(run, chunk_size=chunk)(seeds)
-
-
-#: elements of one chunk of :func:`_attention_by_contraction`'s broadcast
-_CHUNK_ELEMENTS = 2**23
 
 
 def _value_entry(res, lay, srs, plan: HeadPlan, keep, al):
