@@ -110,7 +110,8 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
         def mine(h, proj, sr, v):
             return only_columns(sr, v, masks[proj.name][h], values[proj])
 
-        return _entry_d(res, srs, plans, mine, got)
+        sliced = _sliced_entry_d(res, srs, plans, masks, got)
+        return sliced if sliced is not None else _entry_d(res, srs, plans, mine, got)
     seeds = [tuple(torch.stack(f) for f in zip(*(tuple(pl.d[s]) for pl in plans)))
              for s in range(len(srs))]  # fmt: skip
 
@@ -128,6 +129,39 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
     if key not in apart and any(isinstance(sr, MaxProduct) for sr in srs):
         apart[key] = _heads_apart(res, srs, plans, got)
     return _entry_d(res, srs, plans, lambda h, proj, sr, v: tuple(f[h] for f in v), got)
+
+
+def _sliced_entry_d(res, srs, plans, masks, got):
+    """:func:`_entry_d` where each projection is a matmul ``x @ w`` (``addmm``, ``mm``,
+    ``bmm``) and each head has as many columns of it: each head's D through it on its
+    own columns and rows of ``w`` (the others hold its zero), the heads batched; None
+    where the projections are not laid out so."""
+    values, needed, ids = res.values, res.needed, res.graph.ids
+    out = [{} for _ in plans]
+    for p in plans[0].projs:
+        if p.proj not in got:
+            continue
+        u = p.proj
+        if u.target not in _PROJECTIONS or u.kwargs:
+            return None
+        x, w = u.args[1:3] if u.target is torch.ops.aten.addmm.default else u.args[:2]
+        if x is not p.x or not isinstance(w, torch.fx.Node) or w in needed:
+            return None
+        cols = [masks[u.name][h] & plan.cols[p] for h, plan in enumerate(plans)]
+        idx = [c.nonzero().reshape(-1) for c in cols]
+        if len({len(i) for i in idx}) != 1 or not len(idx[0]):
+            return None
+        wt = torch.stack([values[w][..., i].transpose(-2, -1) for i in idx])
+        for s, sr in enumerate(srs):
+            d = tuple(torch.stack([f[..., i] for i in idx]) for f in got[u][s])
+            with torch.no_grad():
+                c = sr.leave(sr.inner.matmul(sr.enter(d, ids[u]), wt), ids[u])
+            like = values[x]  # (in its dtype, as the rule's contribution would be)
+            c = tuple(f.to(like.dtype) if f.is_floating_point() else f for f in c)
+            for h in range(len(plans)):
+                slot = out[h].setdefault((p.role, p.x), [None] * len(srs))
+                slot[s] = sr.accumulate(slot[s], tuple(f[h] for f in c))
+    return out
 
 
 def _entry_d(res, srs, plans, pick, got) -> list:
