@@ -43,6 +43,26 @@ def test_max_product_contraction_is_the_best_of_every_pair_of_paths(zero_share):
     assert torch.equal(got.hi, hi) and torch.equal(got.lo, lo)
 
 
+def test_max_product_contraction_with_columns_of_no_path():
+    """Whole columns of ``b`` with no path (the kernel's way) and mixed ones (the
+    broadcast) give the best pair of paths, or the zero where there is none."""
+    gen = torch.Generator().manual_seed(3)
+    (wa, ga), (wb, _) = _paths((2, 3, 4), gen), _paths((2, 4, 5), gen)
+    sr = sbp.MaxProduct()
+    for gone_cols in ([1, 3], [0, 1, 2, 3, 4]):
+        gb = torch.zeros(2, 4, 5, dtype=torch.bool)
+        gb[:, :, gone_cols] = True
+        got = sr.finalize(sr.contract(_value(sr, wa, ga), _value(sr, wb, gb)))
+        for k in range(5):
+            if k in gone_cols:
+                assert (got.hi[..., k] == -torch.inf).all() and (got.lo[..., k] == torch.inf).all()
+            else:
+                prods = torch.stack([x[..., :, :, None] * y[..., None, :, k : k + 1]
+                                     for x in wa for y in wb])  # fmt: skip
+                assert torch.equal(got.hi[..., k], prods.amax((0, 3)).squeeze(-1))
+                assert torch.equal(got.lo[..., k], prods.amin((0, 3)).squeeze(-1))
+
+
 def test_real_contraction_is_the_sum_over_every_pair_of_paths():
     gen = torch.Generator().manual_seed(1)
     (wa, ga), (wb, gb) = _paths((3, 4), gen), _paths((4, 2), gen)

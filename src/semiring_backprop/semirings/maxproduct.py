@@ -295,16 +295,25 @@ class MaxProduct(Semiring):
     def contract(self, a: Value, b: Value) -> Value:
         """Two max-times kernels, with ``b``'s hi and then its lo as the weights: for one
         pair, ``max(a.hi * w, a.lo * w)`` is what the kernel takes for a weight ``w`` of
-        either sign, and the best of the four products is the better of the two. Where
-        ``b`` has the zero (no path: not a weight), the broadcast of the base class."""
+        either sign, and the best of the four products is the better of the two. A
+        column of ``b`` that is all the zero (no path: not a weight) gives the zero;
+        where a column mixes the zero with paths, the broadcast of the base class."""
         a, b = self._normalize(a), self._normalize(b)
-        if not self.neuron or len(a) > 2 or not bool(torch.isfinite(b[1]).all()):
+        if not self.neuron or len(a) > 2 or len(b) > 2:
+            return super().contract(a, b)
+        live = torch.isfinite(b[1])
+        full, none = live.all(-2, keepdim=True), (~live).all(-2, keepdim=True)
+        if not bool((full | none).all()):
             return super().contract(a, b)
         # eagerly: these shapes (a batch of positions, any count of rows and columns)
         # would make the compiled kernel recompile past its limit, and lose it for the pass
-        one, two = (kernels.maxtimes(a[0], a[1], w.transpose(-2, -1).contiguous(), argmax=False,
-                                     compiled=False) for w in b[:2])  # fmt: skip
-        return (torch.maximum(one[0], two[0]), torch.minimum(one[1], two[1]))
+        one, two = (kernels.maxtimes(a[0], a[1], torch.where(live, w, 0).transpose(-2, -1)
+                                     .contiguous(), argmax=False, compiled=False)
+                    for w in b[:2])  # fmt: skip
+        hi, lo = torch.maximum(one[0], two[0]), torch.minimum(one[1], two[1])
+        if bool(none.any()):
+            hi, lo = hi.masked_fill(none, -INF), lo.masked_fill(none, INF)
+        return (hi, lo)
 
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         if not self.neuron:
