@@ -90,3 +90,29 @@ def test_other_semirings_contract_as_mul_then_sum(sr):
     for name in vars(want):
         x, y = getattr(mine, name), getattr(want, name)
         assert torch.allclose(x, y, rtol=1e-12, atol=1e-15, equal_nan=True), name
+
+
+def test_max_product_contraction_compiled_equals_eager_and_leaves_the_pass_kernel():
+    """Compiled (its own kernel, whatever shapes it meets: a row, a column, batches),
+    the contraction gives the eager values, and the pass's kernel is not lost to its
+    recompilations."""
+    from semiring_backprop import kernels
+
+    sr = sbp.MaxProduct()
+    gen = torch.Generator().manual_seed(4)
+    shapes = [(4, 16, 64, 40), (4, 1, 64, 200), (4, 200, 64, 1), (1, 16, 64, 40),
+              (2, 300, 64, 1), (3, 9, 65, 70), (5, 12, 64, 60), (1, 1, 64, 600),
+              (6, 20, 31, 30), (2, 40, 64, 16)]  # fmt: skip
+    try:
+        for b, n, m, p in shapes:
+            a = _value(sr, *_paths((b, n, m), gen))
+            w = _value(sr, *_paths((b, m, p), gen))
+            kernels.set_compile(False)
+            want = sr.contract(a, w)
+            kernels.set_compile(True)
+            got = sr.contract(a, w)
+            assert all(torch.equal(x, y) for x, y in zip(got, want)), (b, n, m, p)
+    finally:
+        kernels.set_compile("auto")
+    assert any(key[0] == "maxtimes_apart" for key in kernels._COMPILED_KEYS)
+    assert not any(key[0] == "maxtimes_values" for key in kernels._state["failed"])

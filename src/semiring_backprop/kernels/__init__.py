@@ -124,7 +124,14 @@ def _maxplus(m, lwt):
     return best[..., 0], _first(c >= best)
 
 
-_EAGER = {"maxtimes": _maxtimes, "maxtimes_values": _maxtimes_values, "maxplus": _maxplus}
+def _maxtimes_apart(hs, ls, pen, wt):
+    """:func:`_maxtimes_values` as a function of its own: compiled, its recompilations
+    (other shapes than the pass's) are counted apart from the pass's kernel's."""
+    return _maxtimes_values(hs, ls, pen, wt)
+
+
+_EAGER = {"maxtimes": _maxtimes, "maxtimes_values": _maxtimes_values, "maxplus": _maxplus,
+          "maxtimes_apart": _maxtimes_apart}  # fmt: skip
 _COMPILED: dict = {}
 _COMPILED_KEYS: set = set()  # (name, dtype, device type) that ran compiled
 
@@ -154,11 +161,10 @@ def _try_compiled(key, work: int, device, call):
         return None
 
 
-def _run(name, a, wt, compiled: bool = True):
-    """Run kernel ``name`` on batched (B, n, m) fields and (B, p, m) transposed weights
-    (``compiled=False``: the eager one, whatever the policy)."""
+def _run(name, a, wt):
+    """Run kernel ``name`` on batched (B, n, m) fields and (B, p, m) transposed weights."""
     n, m, p = a[0].shape[-2], a[0].shape[-1], wt.shape[-2]
-    work = a[0].shape[0] * n * m * p if compiled else 0
+    work = a[0].shape[0] * n * m * p
     key = (name, a[0].dtype, a[0].device.type)
     # contiguous inputs: one compiled graph for every shape (no stride guards)
     out = _try_compiled(
@@ -182,12 +188,13 @@ def _flat(fields, wt):
     return batch, fields, wt
 
 
-def maxtimes(hi, lo, wt, argmax: bool = True, compiled: bool = True):
+def maxtimes(hi, lo, wt, argmax: bool = True, apart: bool = False):
     """``out_hi[..., i, k] = max_j hi|lo[..., i, j] * w[..., j, k]`` (hi where w >= 0, lo
     where w < 0), ``out_lo`` likewise with min; with the first argmax / argmin ``j``
     (``(out_hi, j_hi, out_lo, j_lo)``), or without them (``(out_hi, out_lo)``).
-    ``compiled=False``: eagerly, whatever the policy (shapes that would make the
-    compiled kernel recompile, where the pass's own calls must keep it).
+    ``apart=True`` (values only): through a compiled kernel of its own, for shapes
+    other than the pass's (a contraction of two values), whose recompilations past
+    torch's limit must not cost the pass its kernel.
 
     The weights come transposed, ``wt[..., k, j] = w[..., j, k]`` (the reduced dim
     contiguous). ``(hi, lo) = (-inf, +inf)`` is "no path": it never wins, even against a
@@ -197,7 +204,8 @@ def maxtimes(hi, lo, wt, argmax: bool = True, compiled: bool = True):
     live = hi != -INF
     pen = torch.zeros_like(hi).masked_fill_(~live, -INF)
     hs, ls = hi.masked_fill(~live, 0), lo.masked_fill(~live, 0)
-    outs = _run("maxtimes" if argmax else "maxtimes_values", (hs, ls, pen), wt, compiled)
+    name = "maxtimes" if argmax else "maxtimes_apart" if apart else "maxtimes_values"
+    outs = _run(name, (hs, ls, pen), wt)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 

@@ -305,10 +305,10 @@ class MaxProduct(Semiring):
         full, none = live.all(-2, keepdim=True), (~live).all(-2, keepdim=True)
         if not bool((full | none).all()):
             return super().contract(a, b)
-        # eagerly: these shapes (a batch of positions, any count of rows and columns)
-        # would make the compiled kernel recompile past its limit, and lose it for the pass
+        # a kernel apart from the pass's: these shapes (a batch of positions, any count
+        # of rows and columns) recompiling the pass's past torch's limit would lose it
         one, two = (kernels.maxtimes(a[0], a[1], torch.where(live, w, 0).transpose(-2, -1)
-                                     .contiguous(), argmax=False, compiled=False)
+                                     .contiguous(), argmax=False, apart=True)
                     for w in b[:2])  # fmt: skip
         hi, lo = torch.maximum(one[0], two[0]), torch.minimum(one[1], two[1])
         if bool(none.any()):
