@@ -54,7 +54,6 @@ def main(argv=None) -> int:
 
 def _explain_parser(sub):
     from .hf.explain import SEMIRINGS
-    from .targets import POOLING, TASKS
 
     e = sub.add_parser(
         "explain",
@@ -66,32 +65,12 @@ def _explain_parser(sub):
         "--foil); token, a label's logit at --position; similarity, the cosine similarity "
         "of the pooled embeddings of --text and --text-pair.",
     )
-    e.add_argument("model", help="Hugging Face hub id or local directory")
-    e.add_argument("--task", choices=TASKS, default="lm", help="what is explained (default: lm)")
-    e.add_argument("--text", required=True, help="the input; a masked LM needs one mask token")
-    e.add_argument("--text-pair", help="the second text: of a sentence pair, or for similarity")
-    e.add_argument(
-        "--target",
-        "--label",
-        dest="target",
-        help="lm: the word whose log-probability is explained (several tokens: the sum of "
+    _task_arguments(
+        e,
+        pair="the second text: of a sentence pair, or for similarity",
+        target="lm: the word whose log-probability is explained (several tokens: the sum of "
         "their log-probabilities); classification, token: the label, a name or an index "
         "(default: the predicted label)",
-    )
-    e.add_argument(
-        "--foil", help="the word (lm) or label whose log-probability (logit) is subtracted"
-    )
-    e.add_argument("--position", type=int, help="token task: the token index explained")
-    e.add_argument(
-        "--score",
-        choices=["logit", "logprob"],
-        default="logit",
-        help="classification, token: a label's logit or its log-probability",
-    )
-    e.add_argument(
-        "--pooling",
-        choices=POOLING,
-        help="similarity: pooling over tokens (default: the checkpoint's 1_Pooling/config.json)",
     )
     e.add_argument("--dim", type=int, help="similarity: explain this embedding dimension")
     e.add_argument(
@@ -181,9 +160,34 @@ def _explain(args) -> int:
     return 0
 
 
-def _circuit_parser(sub):
+def _task_arguments(p, pair: str, target: str) -> None:
+    """The model, the text and what is explained (--task and its options): the same for
+    ``explain`` and ``circuit``, with help of their own for --text-pair and --target."""
     from .targets import POOLING, TASKS
 
+    p.add_argument("model", help="Hugging Face hub id or local directory")
+    p.add_argument("--task", choices=TASKS, default="lm", help="what is explained (default: lm)")
+    p.add_argument("--text", required=True, help="the input; a masked LM needs one mask token")
+    p.add_argument("--text-pair", help=pair)
+    p.add_argument("--target", "--label", dest="target", help=target)
+    p.add_argument(
+        "--foil", help="the word (lm) or label whose log-probability (logit) is subtracted"
+    )
+    p.add_argument("--position", type=int, help="token task: the token index explained")
+    p.add_argument(
+        "--score",
+        choices=["logit", "logprob"],
+        default="logit",
+        help="classification, token: a label's logit or its log-probability",
+    )
+    p.add_argument(
+        "--pooling",
+        choices=POOLING,
+        help="similarity: pooling over tokens (default: the checkpoint's 1_Pooling/config.json)",
+    )
+
+
+def _circuit_parser(sub):
     c = sub.add_parser(
         "circuit",
         help="the circuit (heads, MLPs and the edges between them) of a word choice, label "
@@ -196,31 +200,11 @@ def _circuit_parser(sub):
         "written as EAP-IG graph JSON, a Neuronpedia / circuit-tracer attribution graph and "
         "an HTML drawing.",
     )
-    c.add_argument("model", help="Hugging Face hub id or local directory")
-    c.add_argument("--task", choices=TASKS, default="lm", help="what is explained (default: lm)")
-    c.add_argument("--text", required=True, help="the input; a masked LM needs one mask token")
-    c.add_argument("--text-pair", help="classification, token: the second text of a pair")
-    c.add_argument(
-        "--target",
-        "--label",
-        dest="target",
-        help="lm: the word whose log-probability is explained; classification, token: the "
+    _task_arguments(
+        c,
+        pair="classification, token: the second text of a pair",
+        target="lm: the word whose log-probability is explained; classification, token: the "
         "label, a name or an index (default: the predicted label)",
-    )
-    c.add_argument(
-        "--foil", help="the word (lm) or label whose log-probability (logit) is subtracted"
-    )
-    c.add_argument("--position", type=int, help="token task: the token index explained")
-    c.add_argument(
-        "--score",
-        choices=["logit", "logprob"],
-        default="logit",
-        help="classification, token: a label's logit or its log-probability",
-    )
-    c.add_argument(
-        "--pooling",
-        choices=POOLING,
-        help="similarity: pooling over tokens (default: the checkpoint's 1_Pooling/config.json)",
     )
     c.add_argument(
         "--dim",
