@@ -42,10 +42,8 @@ from .circuit_layout import (
     EDGE_COLUMNS,
     SHORT_ROLES,
     Component,
-    HeadPlan,
     Layout,
     alpha_or_zero,
-    at_positions,
     check_semirings,
     circuit_alphas,
     head_plan,
@@ -55,39 +53,10 @@ from .circuit_layout import (
 from .heads import QKV, only_columns
 
 
-def head_entry_d(res, lay: Layout, srs, layer: int, head: int, position=None) -> dict:
-    """``{(role, x): [D per semiring]}``: at the input ``x`` of each projection of head
-    ``head``'s block, ⊕ over the paths through that role's columns that reach the head's
-    slice of the output projection's input (at ``position`` only, if given)."""
-    plan = head_plan(res, lay, srs, layer, head)
-    return _head_entry_d(res, lay, srs, plan, position)
-
-
-def _head_entry_d(res, lay: Layout, srs, plan: HeadPlan, position=None) -> dict:
-    site, d = plan.site, plan.d
-    if position is not None:
-        like = res.values[site]
-        d = [_at_position(sr, v, like, lay.positions, position) for sr, v in zip(srs, d)]
-    graph, values, needed = res.graph, res.values, res.needed
-    with torch.no_grad():
-        store = propagate(graph, values, srs, {site: d}, needed, within=plan.region,
-                          start=graph.ids[site] + 1, stop=plan.stop)  # fmt: skip
-    out: dict = {}
-    for p in plan.projs:
-        if p.proj not in store:
-            continue
-        pl = values[p.proj]
-        dp = [only_columns(sr, v, plan.cols[p], pl) for sr, v in zip(srs, store[p.proj])]
-        with torch.no_grad():
-            for inp, s, c in contributions(graph, values, srs, graph.ids[p.proj], dp, needed):
-                if inp is p.x:
-                    slot = out.setdefault((p.role, p.x), [None] * len(srs))
-                    slot[s] = srs[s].accumulate(slot[s], c)
-    return out
-
-
 def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
-    """:func:`head_entry_d` of every head of a block (all positions).
+    """Per head of a block, ``{(role, x): [D per semiring]}``: at the input ``x`` of each
+    projection, ⊕ over the paths through that role's columns that reach the head's slice
+    of the output projection's input (at every position).
 
     Where the block's heads are known to be apart (below), each head's D at a
     projection's output is the reverse pass's own D there, on the head's columns: every
@@ -247,13 +216,6 @@ def _same(a, b) -> bool:
         return bool(torch.equal(a, b))
     tol = 1e-12 if a.dtype == torch.float64 else 1e-5
     return bool(torch.allclose(a, b, rtol=tol, atol=0.0, equal_nan=True))
-
-
-def _at_position(sr, value, like, positions, p):
-    """``value`` at position ``p`` of a (…, positions, hidden) tensor, the zero elsewhere."""
-    keep = torch.zeros(positions, dtype=torch.bool, device=like.device)
-    keep[p] = True
-    return at_positions(sr, value, like, positions, keep)
 
 
 def _mlp_entry_d(res, lay: Layout, srs, layer: int) -> dict:
