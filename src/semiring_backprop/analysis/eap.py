@@ -1,0 +1,83 @@
+"""Edge attribution patching on the edges of a :class:`.patching.Patching`: EAP (Syed et
+al., 2023) and EAP-IG with interpolated inputs (Hanna et al., 2024).
+
+Both read the gradient of the output with respect to each component's value *as one
+destination reads it* (the mixed value of :meth:`.patching.Patching._input_of`, one
+tensor per destination and component node), from one backward pass for all edges:
+
+- EAP: at the clean input, ``score(s -> d, p) = (a_s - a'_s)[p] . g_d(s)[p]``, the
+  derivative of the output in the edge's ``mu`` at ``mu = 1`` (``a``: the clean value,
+  ``a'``: the ablated one);
+- EAP-IG (inputs): ``g`` averaged over ``steps`` forward passes whose token embeddings are
+  ``x' + (k / steps) (x - x')``, ``k = 0 .. steps - 1`` (as EAP-IG's
+  ``get_scores_eap_ig`` places them: from the ablated embeddings toward the clean ones),
+  times the same ``a - a'``.
+
+A score approximates the edge's effect ``m(M) - m(that edge ablated)``
+(:meth:`.patching.Patching.edge_effects`), with the same sign.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+
+__all__ = ["eap", "eap_ig"]
+
+
+def eap(p):
+    """``EDGE_KEY`` + ``score``: ``(a - a') . g`` per edge of ``p.edges()``."""
+    return _frame(p, _gradients(p))
+
+
+def eap_ig(p, steps: int = 5):
+    """``EDGE_KEY`` + ``score``: EAP-IG (inputs) with ``steps`` points."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise InputError(f"steps={steps!r}: give the number of interpolation points, 1 or more")
+    (emb,) = [c for c in p.lay.components if c.role == "embedding"]
+    total: dict = {}
+    for k in range(steps):
+        t = k / steps
+
+        def point(value, n, t=t):  # the ablated embeddings moved toward the clean ones
+            return p.ablated[n] + t * (p.base[n] - p.ablated[n])
+
+        replace = {n: (lambda v, n=n: point(v, n)) for n in emb.nodes}
+        for key, g in _gradients(p, replace).items():
+            total[key] = g if key not in total else total[key] + g
+    return _frame(p, {key: g / steps for key, g in total.items()})
+
+
+def _gradients(p, replace=None) -> dict:
+    """``{(destination, component node): gradient of the output}`` at the value that
+    destination reads of that node (one forward and one backward pass)."""
+    record: list = []
+    with torch.enable_grad():
+        ones = p._ones()
+        mix = {d: ones.clone().requires_grad_() for d in range(len(p.dests))}
+        out = p._output(mix=mix, replace=replace, record=record)
+        grads = torch.autograd.grad(out, [t for _, _, t in record], allow_unused=True)
+    p.evaluations += 1
+    got: dict = {}
+    for (d, n, _), g in zip(record, grads):
+        if g is not None:  # (an MLP's entries that read one tensor: each read once)
+            got[(d, n)] = g if (d, n) not in got else got[(d, n)] + g
+    return got
+
+
+def _frame(p, grads: dict):
+    """Per edge, ``Σ (a - a') ⊙ g`` over its source's columns at its position."""
+    positions = p.lay.positions
+    scores: dict = {}
+    for (d, n), g in grads.items():
+        a, _ = p._assign[n]
+        diff = (p.base[n] - p.ablated[n]).detach()
+        per = ((g * diff).reshape(positions, -1) @ a.T).T  # (components, positions)
+        scores[d] = per if d not in scores else scores[d] + per
+    frame = p.edges()
+    out = []
+    for c, d, pos in p.edge_index(frame):
+        out.append(float(scores[d][c, pos]) if d in scores else 0.0)
+    frame["score"] = out
+    return frame

@@ -1,0 +1,617 @@
+"""Ablation on the traced graph: the effect of a site, an edge or a branch on the explained
+output when its value is replaced by an ablated one, and a circuit's output when every
+edge outside it is ablated (DESIGN §3b, faithfulness).
+
+The graph of ``sbp.backprop``'s Result is run again node by node (as
+:mod:`..engine.forward` runs it) with some values replaced:
+
+- a **site** (the token embedding, a head's columns of its output projection's input, an
+  MLP's output, at one position): its value for every consumer;
+- an **edge** ``s -> d<input>`` at position ``p`` (the edges of
+  :func:`.circuit_edges.circuit_edges`): the destination ``d`` (that head's columns of
+  the query, key or value projection, the MLP's entry, or the output) reads its input
+  recomputed through the residual stream alone (the nodes between the components and
+  its entry: adds, norms, the output projections) from every component's value at each
+  position, mixed as ``mu * current + (1 - mu) * ablated`` (``mu`` = 1: kept, 0:
+  ablated). A head's query, key or value is its projection applied to its own
+  recomputed input, its columns only; every other consumer reads the stream unchanged.
+  A kept edge reads its source's value in this patched run, an ablated one the source's
+  ablated value (as EAP-IG's ``evaluate_graph`` does);
+- a **branch** at a block's fan-out point (skip, query, key, value, mlp): what that
+  branch's consumers read, recomputed from the fan-out point with its value at one
+  position ablated.
+
+Ablated values: the values on a corrupted input (``mode="corrupted"``), their mean over
+reference inputs (``"mean"``), or zeros (``"zero"``). Since ``mu`` is a tensor, the same
+forward is differentiable in it: EAP's score of an edge is ``d m / d mu`` at ``mu = 1``,
+i.e. ``(a - a') . g`` with ``g`` the gradient at the destination's input (:mod:`.eap`).
+
+Examples::
+
+    res = sbp.backprop(model, kwargs={"input_ids": ids}, output=margin)
+    p = Patching(res, {"input_ids": corrupted_ids})
+    p.clean, p.empty                   # m(M), m(nothing kept)
+    effects = p.edge_effects()         # one row per edge: m(M) - m(that edge ablated)
+    p.faithfulness(kept)               # (m(C) - m(∅)) / (m(M) - m(∅))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.fx.node import map_arg
+
+from ..errors import InputError
+from ..tracing.trace import input_tensors, mark_op
+from .circuit_layout import SHORT_ROLES, Component, layout
+from .fanout import ancestors, descendants
+from .heads import QKV
+
+__all__ = ["EDGE_KEY", "NODE_KEY", "MODES", "BRANCHES", "Patching"]
+
+#: the columns that name an edge (``Circuit.edges``' columns before ``token``)
+EDGE_KEY = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
+            "dst_head_index", "input", "position")  # fmt: skip
+#: the columns that name a site (roles embedding / head / mlp)
+NODE_KEY = ("layer", "position", "head_index", "role")
+MODES = ("corrupted", "mean", "zero")
+#: the max that softmax subtracts: no gradient flows through it (its paths cancel)
+_SHIFT = torch.ops.semiring_backprop.softmax_shift.default
+#: the branches of a block's fan-out points, as ``layer_table`` names them
+BRANCHES = ("skip", "query", "key", "value", "mlp")
+
+
+class Patching:
+    """Patching experiments on one example: ``res`` is ``sbp.backprop``'s Result of the
+    clean input (a batch of one; its output, a scalar, is the metric ``m``).
+
+    ``corrupted``: the corrupted input's tensors (``{keyword: tensor}`` or a tuple of
+    positional ones, as the model was traced; an input it does not name keeps its clean
+    value), for ``mode="corrupted"``; ``reference``: a list of such inputs whose values
+    are averaged, for ``mode="mean"``; ``mode="zero"``: ablated values are zeros.
+    ``heads``, ``roles``: as for ``layer_table``. ``batch``: how many patched forward
+    passes run at once (along a new leading dimension, ``torch.vmap``).
+
+    ``evaluations`` counts the forward passes of the graph run so far (one per example
+    of a batch; EAP's forward and backward count one, EAP-IG's one per step).
+    """
+
+    def __init__(self, res, corrupted: dict | None = None, *, mode: str = "corrupted",
+                 reference: list | None = None, heads=None, roles=None,
+                 batch: int = 64):  # fmt: skip
+        _check_mode(mode, corrupted, reference)
+        if not isinstance(batch, int) or batch < 1:
+            raise InputError(f"batch={batch!r}: give how many passes run at once, 1 or more")
+        graph = res.graph
+        self.res, self.graph, self.mode = res, graph, mode
+        self.heads, self.roles, self.batch = heads, roles, batch
+        out = graph.output_node
+        value = res.values[out]
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InputError(
+                f"patching needs a scalar output (the metric), got shape {shape}: pass "
+                "output= that picks one number, e.g. a logit difference"
+            )
+        self.lay = layout(res, heads, roles)
+        self.evaluations = 0
+        self._entries: dict = {}
+        self._order = _call_order(graph, out)
+        self._inputs = {k: res.values[n] for k, n in graph.user_inputs.items()}
+        self.base = self._values(self._inputs)
+        self.clean = float(self.base[out])
+        self._plan_destinations()
+        keep = set(self.lay.stops) | {b for b in self._points()}
+        self.ablated = self._ablated(mode, corrupted, reference, keep)
+        self._assign = {n: self._assignment(n) for n in self.lay.stops}
+        self._edge_frame = None
+        self._empty = None
+
+    # -- what is patched ----------------------------------------------------------------
+
+    def _plan_destinations(self):
+        """The destinations in ``circuit_edges``' order (per layer each head's q, k, v, the
+        MLP; then the target), each with the ops that read its input: ``self._entries``
+        is ``{op: [(destination, tensor read, columns of the op's output or None)]}``."""
+        lay, ids = self.lay, self.graph.ids
+        self.dests, self._entries, self._regions = [], {}, {}
+        for layer in range(lay.layers):
+            comps = lay.heads[layer]
+            cols = self._head_columns(layer, comps)
+            for comp in comps:
+                for role in QKV:
+                    d = len(self.dests)
+                    self.dests.append((comp, SHORT_ROLES[role]))
+                    for p in lay.projections[layer]:
+                        if p.role == role:
+                            mask = cols[(p.proj, comp.head, role)]
+                            self._entries.setdefault(p.proj, []).append((d, p.x, mask))
+            d = len(self.dests)
+            self.dests.append((Component("mlp", layer, ()), "mlp"))
+            for op, via in lay.mlp_entries[layer]:
+                self._entries.setdefault(op, []).append((d, via, None))
+        out = self.graph.output_node
+        self.dests.append((Component("target", lay.layers, ()), "target"))
+        self._entries.setdefault(out, []).append((len(self.dests) - 1, out, None))
+        for entries in self._entries.values():
+            for _, x, _ in entries:
+                if x not in self._regions:
+                    self._regions[x] = self._residual_region(x)
+        self._dest_index = {(c.layer, c.role, c.head, inp): i
+                            for i, (c, inp) in enumerate(self.dests)}  # fmt: skip
+        self._comp_index = {(c.layer, c.role, c.head): i for i, c in enumerate(lay.components)}
+        self._ids = ids
+
+    def _residual_region(self, x):
+        """``(stops, order)``: the components' nodes the residual stream before ``x``
+        reads, and the nodes between them and ``x`` in graph order (InputError where the
+        stream reads inside a component)."""
+        lay, needed = self.lay, self.res.needed
+        region, todo = set(), [x]
+        while todo:
+            n = todo.pop()
+            if n in region:
+                continue
+            if n in lay.blocked:
+                raise InputError(
+                    f"patching: the residual stream before `{x.name}` reads `{n.name}` inside "
+                    "a component (its first op) without passing the component's output"
+                )
+            region.add(n)
+            if n not in lay.stops:
+                todo.extend(a for a in n.all_input_nodes if a in needed)
+        ids = self.graph.ids
+        stops = sorted(region & lay.stops, key=ids.__getitem__)
+        return stops, sorted(region - lay.stops, key=ids.__getitem__)
+
+    def _head_columns(self, layer, comps) -> dict:
+        """``{(projection, head, role): bool mask of the projection's output columns}``:
+        each role's columns split evenly among the heads, in order (checked: no other
+        column of a projection's output reaches a head's slice, by autograd)."""
+        n = len(comps)
+        out: dict = {}
+        for p in self.lay.projections[layer]:
+            width = self.res.values[p.proj].shape[-1]
+            cols = list(p.cols)
+            if len(cols) % n:
+                raise InputError(
+                    f"patching: the {p.role} projection `{p.proj.name}` has {len(cols)} "
+                    f"columns for {n} heads: its heads' columns cannot be told apart"
+                )
+            size = len(cols) // n
+            for h, comp in enumerate(comps):
+                mask = torch.zeros(width, dtype=torch.bool, device=self.res.values[p.proj].device)
+                mask[cols[h * size : (h + 1) * size]] = True
+                out[(p.proj, comp.head, p.role)] = mask
+        self._check_head_columns(layer, comps, out)
+        return out
+
+    def _check_head_columns(self, layer, comps, cols):
+        projs = sorted(
+            {p.proj for p in self.lay.projections[layer]}, key=self.graph.ids.__getitem__
+        )
+        (site,) = comps[0].nodes
+        down = set().union(*(descendants(p) for p in projs))
+        region = sorted(ancestors(site, down) - set(projs), key=self.graph.ids.__getitem__)
+        gen = torch.Generator().manual_seed(0)
+        with torch.enable_grad():
+            local = {p: self.base[p].detach().clone().requires_grad_() for p in projs}
+            for node in region:
+                local[node] = _call(node, *_args(node, local, self.base))
+            value = local[site]
+            flat = value.reshape(self.lay.positions, -1)
+            for comp in comps:
+                w = torch.zeros_like(flat)
+                part = w[:, comp.cols]
+                w[:, comp.cols] = torch.rand(part.shape, generator=gen, dtype=w.dtype).to(w) + 0.5
+                grads = torch.autograd.grad((flat * w).sum(), [local[p] for p in projs],
+                                            retain_graph=True, allow_unused=True)  # fmt: skip
+                for p, g in zip(projs, grads):
+                    own = torch.zeros(g.shape[-1] if g is not None else 0, dtype=torch.bool)
+                    for (proj, head, _), m in cols.items():
+                        if proj is p and head == comp.head:
+                            own = own | m.cpu()
+                    if g is not None and bool((g.reshape(-1, g.shape[-1])[:, ~own] != 0).any()):
+                        raise InputError(
+                            f"patching: head {comp.head} of layer {layer} reads columns of "
+                            f"`{p.name}` that are not its own share of the projection (heads "
+                            "that share key/value columns, as grouped-query attention does, "
+                            "cannot be patched one at a time)"
+                        )
+
+    def _points(self):
+        from .branches import blocks
+
+        return [v for b in blocks(self.res, self.roles) for v in b.points.values()]
+
+    def _assignment(self, node):
+        """``(A, free)``: ``A[c, j]`` = 1 where column ``j`` of ``node`` (viewed as
+        (positions, columns)) is component ``c``'s; ``free``: the columns of none."""
+        like = self.base[node]
+        width = like.numel() // self.lay.positions
+        a = torch.zeros(len(self.lay.components), width, dtype=like.dtype, device=like.device)
+        for c, comp in enumerate(self.lay.components):
+            if node in comp.nodes:
+                a[c, comp.cols or slice(None)] = 1
+        return a, 1 - a.sum(0).clamp(max=1)
+
+    def _ablated(self, mode, corrupted, reference, keep) -> dict:
+        if mode == "zero":
+            return {n: torch.zeros_like(self.base[n]) for n in keep}
+        runs = [corrupted] if mode == "corrupted" else list(reference)
+        total: dict = {}
+        for i, given in enumerate(runs):
+            what = "corrupted" if mode == "corrupted" else f"reference[{i}]"
+            values = self._values(self._given(given, what))
+            for n in keep:
+                total[n] = values[n] if n not in total else total[n] + values[n]
+        return {n: v / len(runs) if len(runs) > 1 else v for n, v in total.items()}
+
+    def _given(self, given, what) -> dict:
+        """The inputs of a run: the clean ones, with those ``given`` names replaced."""
+        if isinstance(given, dict):
+            found = input_tensors((), given)
+        elif isinstance(given, list | tuple):
+            found = input_tensors(tuple(given), {})
+        else:
+            raise InputError(
+                f"{what}: give the input's tensors as a dict of keywords (or a tuple of "
+                f"positional ones), not {type(given).__name__}"
+            )
+        unknown = [k for k in found if k not in self._inputs]
+        if unknown:
+            raise InputError(f"{what}: {unknown} are not inputs of the traced model "
+                             f"(its inputs: {list(self._inputs)})")  # fmt: skip
+        out = dict(self._inputs)
+        for k, t in found.items():
+            clean = self._inputs[k]
+            if t.shape != clean.shape or t.dtype != clean.dtype:
+                raise InputError(
+                    f"{what}: input {k!r} has shape {tuple(t.shape)} and dtype {t.dtype}, the "
+                    f"clean one {tuple(clean.shape)} and {clean.dtype}: patching compares "
+                    "values position by position, so give an input of the same shape"
+                )
+            out[k] = t.to(clean.device)
+        return out
+
+    # -- the patched forward ----------------------------------------------------------
+
+    def _values(self, inputs) -> dict:
+        with torch.no_grad():
+            values = self._run(inputs)
+        self.evaluations += 1
+        return values
+
+    def _run(self, inputs, mix=None, replace=None, branch=None, record=None) -> dict:
+        """Every value of one forward pass. ``mix``: ``{destination: mu (components,
+        positions)}``, the destinations whose input is recomputed; ``replace``: ``{node:
+        function of its value}``; ``branch``: ``(fan-out point, position mask, {op:
+        tensor it reads})``; ``record``: a list that gets ``(destination, node, mixed
+        value)`` for every mixed component value (EAP's gradients are taken there)."""
+        graph = self.graph
+        vals = {node: inputs[key] for key, node in graph.user_inputs.items()}
+        vals.update(graph.constants)
+        mix = mix or {}
+        replace = replace or {}
+        for node in self._order:
+            out = _call(node, *_args(node, vals, vals))
+            for d, x, cols in self._entries.get(node, ()):
+                if d not in mix:
+                    continue
+                xd = self._input_of(d, x, mix[d], vals, record)
+                if x is node:  # the target: the output itself, recomputed
+                    out = xd
+                    continue
+                alt = _call(node, *_args(node, {x: xd}, vals))
+                out = alt if cols is None else torch.where(cols, alt, out)
+            if branch is not None and node in branch[2]:
+                out = _call(node, *_args(node, self._branch_input(branch, node, vals), vals))
+            if node in replace:
+                out = replace[node](out)
+            vals[node] = out
+        return vals
+
+    def _input_of(self, d, x, mu, vals, record):
+        """Destination ``d``'s value of ``x``: the residual region recomputed from the
+        components' values mixed with ``mu`` (components, positions)."""
+        stops, order = self._regions[x]
+        local = {}
+        for n in stops:
+            a, free = self._assign[n]
+            m = (mu.transpose(-1, -2) @ a + free).reshape(vals[n].shape)
+            local[n] = m * vals[n] + (1 - m) * self.ablated[n]
+            if record is not None:
+                record.append((d, n, local[n]))
+        for n in order:
+            local[n] = _call(n, *_args(n, local, vals))
+        return local[x]
+
+    def _branch_input(self, branch, op, vals) -> dict:
+        point, keep, reads = branch
+        via = reads[op]
+        local = {point: keep * vals[point] + (1 - keep) * self.ablated[point]}
+        region = ancestors(via, descendants(point)) - {point}
+        for n in sorted(region, key=self.graph.ids.__getitem__):
+            local[n] = _call(n, *_args(n, local, vals))
+        return {via: local[via]}
+
+    def _output(self, **kw):
+        return self._run(self._inputs, **kw)[self.graph.output_node].reshape(())
+
+    def _batched(self, fn, variants) -> list[float]:
+        """``fn(variant)`` (a scalar tensor) for each row of ``variants``, ``batch`` at a
+        time along a new leading dimension."""
+        out: list[float] = []
+        with torch.no_grad():
+            for chunk in variants.split(self.batch):
+                got = torch.vmap(fn)(chunk) if len(chunk) > 1 else fn(chunk[0])[None]
+                self.evaluations += len(chunk)
+                out.extend(float(v) for v in got.reshape(-1).cpu())
+        return out
+
+    def _ones(self):
+        like = self.base[self.graph.output_node]
+        return torch.ones(len(self.lay.components), self.lay.positions, dtype=_float(like),
+                          device=like.device)  # fmt: skip
+
+    # -- edges ------------------------------------------------------------------------
+
+    def edges(self):
+        """Every edge (``EDGE_KEY`` columns): the rows of ``Circuit.edges`` of this result,
+        in their order (those some path takes, read from a MaxProduct pass)."""
+        if self._edge_frame is None:
+            from .circuit_edges import circuit_edges
+
+            src, sr = self._path_result()
+            frame = circuit_edges(src, [sr], seed="structural", heads=self.heads, roles=self.roles)
+            self._edge_frame = frame[list(EDGE_KEY)].reset_index(drop=True)
+        return self._edge_frame.copy()
+
+    def _path_result(self):
+        """A pass whose zero means no path (MaxProduct): ``res``'s own, else one run here."""
+        from ..engine.reverse import reverse
+        from ..result import Result
+        from ..semirings import MaxProduct
+
+        for sr in self.res.semirings:
+            if isinstance(sr, MaxProduct):
+                return self.res, sr
+        sr = MaxProduct()
+        store = reverse(self.graph, self.base, [sr], self.graph.output_node)
+        return Result(self.graph, self.base, store, [sr]), sr
+
+    def edge_index(self, edges=None) -> list[tuple[int, int, int]]:
+        """``(component, destination, position)`` of each edge (a frame with ``EDGE_KEY``
+        columns or an iterable of ``EDGE_KEY`` tuples; default: every edge)."""
+        rows = self.edges() if edges is None else edges
+        if hasattr(rows, "columns"):
+            missing = [c for c in EDGE_KEY if c not in rows.columns]
+            if missing:
+                raise InputError(f"edges: missing columns {missing} (expected {list(EDGE_KEY)})")
+            rows = rows[list(EDGE_KEY)].itertuples(index=False, name=None)
+        out = []
+        for row in rows:
+            key = tuple(_plain(v) for v in row)
+            if len(key) != len(EDGE_KEY):
+                raise InputError(f"edge {row!r}: give the {len(EDGE_KEY)} values {EDGE_KEY}")
+            c = self._comp_index.get((key[0], key[1], key[2]))
+            d = self._dest_index.get((key[3], key[4], key[5], key[6]))
+            p = key[7]
+            if c is None or d is None or not isinstance(p, int) or not 0 <= p < self.lay.positions:
+                raise InputError(
+                    f"edge {key}: no such source, destination or position in this model "
+                    "(give rows of Patching.edges() or Circuit.edges)"
+                )
+            out.append((c, d, p))
+        return out
+
+    def metric(self, kept) -> float:
+        """m(C): the output with the edges ``kept`` (EDGE_KEY tuples or a frame) kept and
+        every other edge ablated (one forward pass)."""
+        mu = torch.zeros(len(self.dests), *self._ones().shape, dtype=self._ones().dtype)
+        for c, d, p in self.edge_index(kept):
+            mu[d, c, p] = 1
+        with torch.no_grad():
+            got = self._output(mix=dict(enumerate(mu.to(self._ones().device))))
+        self.evaluations += 1
+        return float(got)
+
+    @property
+    def empty(self) -> float:
+        """m(∅): every edge ablated."""
+        if self._empty is None:
+            self._empty = self.metric([])
+        return self._empty
+
+    def faithfulness(self, kept) -> float:
+        """Normalized faithfulness ``(m(C) - m(∅)) / (m(M) - m(∅))``."""
+        span = self.clean - self.empty
+        if span == 0:
+            raise InputError(
+                "faithfulness: the output is the same with every edge ablated as with none "
+                f"({self.clean}): the ablation changes nothing to explain"
+            )
+        return (self.metric(kept) - self.empty) / span
+
+    def edge_effects(self, edges=None, progress: bool = False):
+        """``EDGE_KEY`` + ``effect``: m(M) - m(that edge alone ablated), one forward pass
+        per edge (the edges into one destination batched)."""
+        frame = self.edges() if edges is None else edges[list(EDGE_KEY)].reset_index(drop=True)
+        index = self.edge_index(frame)
+        by_dest: dict = {}
+        for i, (c, d, p) in enumerate(index):
+            by_dest.setdefault(d, []).append((i, c, p))
+        effect = [math.nan] * len(index)
+        groups = list(by_dest.items())
+        if progress:
+            from tqdm.auto import tqdm
+
+            groups = tqdm(groups, desc="edges, by destination")
+        for d, rows in groups:
+            mus = self._ones().expand(len(rows), -1, -1).clone()
+            for k, (_, c, p) in enumerate(rows):
+                mus[k, c, p] = 0
+            got = self._batched(lambda mu, d=d: self._output(mix={d: mu}), mus)
+            for (i, _, _), m in zip(rows, got):
+                effect[i] = self.clean - m
+        out = frame.copy()
+        out["effect"] = effect
+        return out
+
+    # -- sites and branches -----------------------------------------------------------
+
+    def node_effects(self, progress: bool = False):
+        """``NODE_KEY`` + ``effect``: m(M) - m(that site ablated for every consumer), one
+        forward pass per site (component and position)."""
+        import pandas as pd
+
+        lay = self.lay
+        groups: dict = {}
+        for c, comp in enumerate(lay.components):
+            groups.setdefault(comp.nodes, []).append(c)
+        rows = []
+        items = list(groups.items())
+        if progress:
+            from tqdm.auto import tqdm
+
+            items = tqdm(items, desc="sites")
+        for nodes, cs in items:
+            a, free = self._assign[nodes[0]]
+            keeps = []
+            for c in cs:
+                for p in range(lay.positions):
+                    k = torch.ones(lay.positions, a.shape[1], dtype=a.dtype, device=a.device)
+                    k[p] = 1 - a[c]
+                    keeps.append(k)
+                    comp = lay.components[c]
+                    rows.append({"layer": comp.layer, "position": p, "head_index": comp.head,
+                                 "role": comp.role})  # fmt: skip
+
+            def run(k, nodes=nodes):
+                return self._output(replace={n: self._site_patch(n, k) for n in nodes})
+
+            for r, m in zip(rows[len(rows) - len(keeps) :], self._batched(run, torch.stack(keeps))):
+                r["effect"] = self.clean - m
+        frame = pd.DataFrame(rows, columns=[*NODE_KEY, "effect"])
+        for col in ("layer", "position", "head_index"):
+            frame[col] = frame[col].astype("Int64")
+        return frame
+
+    def _site_patch(self, node, keep):
+        abl = self.ablated[node]
+
+        def patch(value):
+            k = keep.reshape(value.shape)
+            return k * value + (1 - k) * abl
+
+        return patch
+
+    def branch_effect(self, layer: int, branch: str, position: int,
+                      sublayer: str | None = None) -> float:  # fmt: skip
+        """m(M) - m(only ``branch``'s consumers of block ``layer``'s fan-out point ablated at
+        ``position``): they read what they read, recomputed from the fan-out point with
+        its value at ``position`` ablated. ``branch``: skip, query, key, value (at the
+        block's input) or mlp (at its MLP's input); ``sublayer`` ("attention" / "mlp")
+        picks the fan-out point of ``skip`` (default: the block's input)."""
+        from .branches import blocks
+        from .fanout import entries
+
+        if branch not in BRANCHES:
+            raise InputError(f"branch={branch!r}: give one of {BRANCHES}")
+        sublayer = sublayer or ("mlp" if branch == "mlp" else "attention")
+        found = blocks(self.res, self.roles)
+        if not isinstance(layer, int) or not 0 <= layer < len(found):
+            raise InputError(f"layer={layer!r}: the model has blocks 0 to {len(found) - 1}")
+        if not isinstance(position, int) or not 0 <= position < self.lay.positions:
+            raise InputError(f"position={position!r}: give 0 to {self.lay.positions - 1}")
+        point = found[layer].points.get(sublayer)
+        if point is None or sublayer not in ("attention", "mlp"):
+            raise InputError(
+                f"sublayer={sublayer!r}: block {layer} has {list(found[layer].points)}"
+            )
+        _, ents = entries(self.res, point, self.roles)
+        reads = {e.op: e.via for e in ents if e.role == branch}
+        if not reads:
+            raise InputError(f"block {layer}'s {sublayer} fan-out point has no {branch!r} branch "
+                             f"(it has {sorted({e.role for e in ents})})")  # fmt: skip
+        like = self.base[point]
+        keep = torch.ones(self.lay.positions, like.numel() // self.lay.positions,
+                          dtype=like.dtype, device=like.device)  # fmt: skip
+        keep[position] = 0
+        with torch.no_grad():
+            got = self._output(branch=(point, keep.reshape(like.shape), reads))
+        self.evaluations += 1
+        return self.clean - float(got)
+
+    # -- attribution patching ---------------------------------------------------------
+
+    def eap(self):
+        """``EDGE_KEY`` + ``score``: attribution patching, ``(a - a') . g`` per edge (one
+        forward and one backward pass): :func:`.eap.eap`."""
+        from .eap import eap
+
+        return eap(self)
+
+    def eap_ig(self, steps: int = 5):
+        """``EDGE_KEY`` + ``score``: EAP-IG (inputs), ``steps`` points: :func:`.eap.eap_ig`."""
+        from .eap import eap_ig
+
+        return eap_ig(self, steps)
+
+
+def _check_mode(mode, corrupted, reference):
+    if mode not in MODES:
+        raise InputError(f"mode={mode!r}: give one of {MODES}")
+    if mode == "corrupted" and corrupted is None:
+        raise InputError("mode 'corrupted' needs corrupted= (the corrupted input's tensors)")
+    if mode == "mean" and not reference:
+        raise InputError("mode 'mean' needs reference= (a list of inputs to average over)")
+    if mode != "corrupted" and corrupted is not None:
+        raise InputError(f"corrupted= is read in mode 'corrupted' only, not {mode!r}")
+    if mode != "mean" and reference is not None:
+        raise InputError(f"reference= is read in mode 'mean' only, not {mode!r}")
+
+
+def _call_order(graph, out) -> list:
+    """The ops the output depends on, in graph order."""
+    seen, todo = set(), [out]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return [n for n in graph.nodes if n.op == "call_function" and n in seen]
+
+
+def _args(node, first, rest):
+    def get(a):
+        return first[a] if a in first else rest[a]
+
+    return map_arg(node.args, get), map_arg(node.kwargs, get)
+
+
+def _call(node, args, kwargs):
+    if node.target is mark_op:
+        return args[0]
+    if node.target is _SHIFT:  # (as the op computes it, also under vmap and autograd)
+        m = args[0].detach().amax(args[1], keepdim=True)
+        return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return node.target(*args, **kwargs)
+
+
+def _float(t):
+    return t.dtype if t.is_floating_point() else torch.get_default_dtype()
+
+
+def _plain(v):
+    """An edge key's value as a plain int, str or None (pandas' NA, numpy ints)."""
+    import pandas as pd
+
+    if v is None or v is pd.NA:
+        return None
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if isinstance(v, str):
+        return v
+    return int(v)
