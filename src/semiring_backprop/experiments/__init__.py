@@ -25,6 +25,7 @@ EXPERIMENTS = {  # CLI name -> module
     "entropy-vs-mdl": "entropy_mdl",
     "entropy-sanity": "entropy_sanity",
     "sva": "sva",
+    "faithfulness": "faithfulness",
 }
 
 

@@ -1,0 +1,433 @@
+"""Does the path matter? The circuits of :func:`semiring_backprop.circuit` against
+ablation, measured as circuit discovery measures them (DESIGN §3b, last bullet).
+
+Two benchmarks, each a small model trained here (``seeds`` models, seeds ``seed``,
+``seed + 1``, ...) and ``pairs`` clean / corrupted inputs per model:
+
+- ``first-token`` and ``first-token-paper``: the §5.1 classifier of
+  FirstTokenRepeatedOnce (:mod:`.first_token`), trained as the demo trains it and as
+  the paper did (``paper_training``). A pair is a positive validation sequence (its
+  first token repeated once) and the same sequence with the repeat replaced by a token
+  absent from it; the explained scalar is the logit difference (class "repeated" minus
+  "not").
+- ``induction``: a two-layer attention-only transformer (:mod:`.models`) trained on
+  repeated runs of random tokens (:mod:`semiring_backprop.data.induction`); a pair is a
+  clean run and its permuted corruption, the explained scalar the answer's logit minus
+  the foil's.
+
+Per pair, the circuit's edges are scored by each method: ``Real`` (the total flow,
+seeded with ``x - x'`` at the token embeddings), ``Real-IG{n}`` (its conductance over
+``n`` integrated-gradients steps), ``MaxProduct`` (the best path through each edge),
+``EAP`` and ``EAP-IG{n}`` (attribution patching), ``patching`` (the exact effect of
+ablating that edge alone: the ranking that knows the answer) and ``random``. Each
+ranking gives a faithfulness curve (the edges outside its top fraction patched from
+the corrupted input, :class:`~semiring_backprop.analysis.patching.Patching`), CPR, CMD
+and the edges needed for ``f >= level``; scores are also compared with the exact node
+and edge effects (:mod:`semiring_backprop.analysis.faithfulness`). ``Entropy`` is
+computed and kept in the circuit but ranks nothing: it measures how spread the paths
+through an edge are, not how much they carry.
+
+Per benchmark, something more: for the classifier, the §5.1 question (does the first
+token's top path leave through the query or the skip connection?) against the
+ablation of each branch at the first token (mean and zero ablation: the corrupted
+input leaves the first token as it is); for induction, whether each method puts the
+previous-token head and the induction head among its top 3 components and the
+K-composition edge between them among its top 5 edges (positions summed).
+
+Results go into ``out``: one JSON-lines record per pair (a rerun resumes), the
+tables (:mod:`.faithfulness_report`), figures and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .._threads import threads
+from ..analysis.faithfulness import FRACTIONS, agreement, curve
+from ..circuits.exports import EDGE_COLUMNS
+from ..errors import InputError
+from ..runner.records import Records, same_settings
+
+BENCHMARKS = ("first-token", "first-token-paper", "induction")
+#: the edge and node keys of :class:`~semiring_backprop.analysis.patching.Patching`
+EDGE_KEY = tuple(c for c in EDGE_COLUMNS if c != "token")
+NODE_KEY = ("layer", "position", "head_index", "role")
+#: the attention input's branches at the first token (§5.1)
+BRANCHES = ("skip", "query", "key", "value")
+ABLATIONS = ("mean", "zero")
+
+
+@dataclass(frozen=True)
+class Config:
+    benchmarks: tuple[str, ...] = BENCHMARKS
+    seed: int = 0
+    seeds: int = 3  #: models per benchmark, seeds seed, seed + 1, ...
+    pairs: int = 8  #: clean / corrupted pairs per model
+    ig_steps: tuple[int, ...] = (5, 20)  #: Real's integrated-gradients steps (besides none)
+    eap_ig_steps: int = 5
+    fractions: tuple[float, ...] = FRACTIONS
+    level: float = 0.8  #: edges needed for f >= level
+    top_n: int = 10  #: the top-n overlap with the exact effects
+    reference: int = 32  #: validation inputs averaged for mean ablation (§5.1)
+    ft_n: int = 10_000  #: FirstTokenRepeatedOnce examples (train, validation, test)
+    ft_epochs: int | None = None  #: None: each setting's own (the demo's cap, the paper's 42)
+    ind_n: int = 10_000
+    ind_half: int = 8
+    ind_vocab: int = 20
+    ind_hidden: int = 32
+    ind_heads: int = 4
+    ind_steps: int = 3000
+
+    @classmethod
+    def quick(cls) -> Config:
+        """Tiny models, barely trained (seconds), one seed, two pairs: the machinery,
+        not the answer."""
+        return replace(cls(), seeds=1, pairs=2, ig_steps=(2,), eap_ig_steps=2, reference=4,
+                       ft_n=200, ft_epochs=2, ind_n=100, ind_half=4, ind_vocab=12,
+                       ind_hidden=8, ind_heads=2, ind_steps=20)  # fmt: skip
+
+    def check(self) -> None:
+        bad = [b for b in self.benchmarks if b not in BENCHMARKS]
+        if bad or not self.benchmarks:
+            raise InputError(f"faithfulness: benchmarks={self.benchmarks!r}; give some of "
+                             f"{', '.join(BENCHMARKS)}")  # fmt: skip
+        fr = self.fractions
+        if len(fr) < 2 or any(not 0 < f <= 1 for f in fr) or list(fr) != sorted(set(fr)):
+            raise InputError(f"faithfulness: fractions={fr!r}; give at least two increasing "
+                             "fractions in (0, 1]")  # fmt: skip
+        if self.ind_hidden % self.ind_heads:
+            raise InputError(f"faithfulness: ind_hidden={self.ind_hidden} must be a multiple "
+                             f"of ind_heads={self.ind_heads}")  # fmt: skip
+
+
+def methods(config: Config) -> list[str]:
+    """The rankings compared, in the tables' order."""
+    return ["Real", *(f"Real-IG{n}" for n in config.ig_steps), "MaxProduct", "EAP",
+            f"EAP-IG{config.eap_ig_steps}", "patching", "random"]  # fmt: skip
+
+
+def patching_class():
+    """The ablation oracle (a function, so that tests can put a small fake in its place)."""
+    from ..analysis.patching import Patching
+
+    return Patching
+
+
+# -- the benchmarks ----------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    """One trained model and its pairs: ``model`` (float64, eval), ``pairs`` (a list of
+    (clean kwargs, corrupted kwargs)), ``output`` (the explained scalar of the model's
+    output), ``place`` (the token embedding, where the baseline goes), ``embed`` (ids to
+    embeddings), ``reference`` (inputs averaged for mean ablation), ``trained`` (the
+    last history row)."""
+
+    name: str
+    seed: int
+    model: object
+    pairs: list
+    output: object
+    place: str
+    embed: object
+    reference: list
+    trained: dict
+
+
+def _logit_difference(out):
+    return out.logits[0, 1] - out.logits[0, 0]
+
+
+def _first_element(y):
+    return y[0]
+
+
+def first_token_bench(config: Config, seed: int, where: Path, paper: bool, progress=True):
+    from ..data import make_task
+    from . import first_token as ft
+    from .common import train, trained
+
+    setting = ft.Config(paper_training=paper)
+    how = ft.training(setting)
+    epochs = config.ft_epochs or how["epochs"]
+    task = make_task("FirstTokenRepeatedOnce", config.ft_n, length=setting.length,
+                     vocab_size=setting.vocab_size, seed=config.seed)  # fmt: skip
+    net, history = trained(ft.model(setting, seed), where / "model", lambda m: train(
+        m, task.train, task.val, epochs=epochs, lr=how["lr"], batch_size=how["batch_size"],
+        seed=seed, stop_at=1.0 if how["stop_early"] else None, progress=progress,
+        desc=f"train ({'paper' if paper else 'demo'}, seed {seed})"))  # fmt: skip
+    net = net.double().eval()
+    x, y = task.val.x, task.val.y
+    positives = x[y == 1]
+    if len(positives) < config.pairs:
+        raise InputError(f"faithfulness: {config.pairs} pairs asked, but the validation split "
+                         f"holds {len(positives)} positives; raise ft_n")  # fmt: skip
+    pairs = []
+    for i in range(config.pairs):
+        clean = positives[i : i + 1]
+        ids = clean[0].tolist()
+        at = next(t for t in range(1, len(ids)) if ids[t] == ids[0])
+        absent = [t for t in range(1, setting.vocab_size) if t not in ids]
+        g = torch.Generator().manual_seed(config.seed * 100_003 + i)
+        bad = clean.clone()
+        bad[0, at] = absent[int(torch.randint(len(absent), (1,), generator=g))]
+        pairs.append(({"input_ids": clean}, {"input_ids": bad}))
+    reference = [{"input_ids": x[i : i + 1]} for i in range(min(config.reference, len(x)))]
+    emb = net.bert.embeddings.word_embeddings
+    return Bench("first-token-paper" if paper else "first-token", seed, net, pairs,
+                 _logit_difference, "bert.embeddings.word_embeddings", emb, reference,
+                 history[-1])  # fmt: skip
+
+
+def induction_bench(config: Config, seed: int, where: Path, progress=True):
+    from ..data.induction import LogitDiff, induction, pairs
+    from .common import trained
+    from .models import attention_only, train_induction
+
+    data = induction(config.ind_n, half=config.ind_half, vocab_size=config.ind_vocab,
+                     seed=config.seed)  # fmt: skip
+    model = attention_only(config.ind_vocab, hidden=config.ind_hidden, heads=config.ind_heads,
+                           layers=2, length=data.length, seed=seed)  # fmt: skip
+    model, history = trained(model, where / "model", lambda m: train_induction(
+        m, data, steps=config.ind_steps, seed=seed, progress=progress)[1])  # fmt: skip
+    model = model.double().eval()
+    p = pairs(config.pairs, half=config.ind_half, vocab_size=config.ind_vocab, seed=config.seed)
+    both = [(p.kwargs(i), p.kwargs(i, corrupted=True)) for i in range(config.pairs)]
+    reference = [p.kwargs(i, corrupted=True) for i in range(config.pairs)]
+    return Bench("induction", seed, LogitDiff(model).eval(), both, _first_element,
+                 "model.embed_tokens", model.embed_tokens, reference, history[-1])  # fmt: skip
+
+
+def bench(name: str, config: Config, seed: int, where: Path, progress=True) -> Bench:
+    if name == "induction":
+        return induction_bench(config, seed, where, progress)
+    return first_token_bench(config, seed, where, name == "first-token-paper", progress)
+
+
+# -- one pair ----------------------------------------------------------------------------
+
+
+def _edge_scores(frame, column):
+    out = frame[list(EDGE_KEY)].copy()
+    out["score"] = frame[column].astype(float).to_numpy()
+    return out
+
+
+def _node_scores(nodes, column):
+    sites = nodes[nodes.role.isin(("embedding", "head", "mlp"))]
+    out = sites[list(NODE_KEY)].copy()
+    out["score"] = sites[column].astype(float).to_numpy()
+    return out.reset_index(drop=True)
+
+
+def _per_source(edges):
+    """A node score from edge scores: the sum over the node's out-edges (attribution
+    patching of a node is the sum over its consumers: the stream adds them)."""
+    key = ["src_layer", "position", "src_head_index", "src_role"]
+    summed = edges.groupby(key, dropna=False, sort=False)["score"].sum().reset_index()
+    return summed.rename(columns=dict(zip(key, NODE_KEY)))
+
+
+def _complete(scores, universe):
+    """``scores`` on every row of ``universe`` (every edge, or every site, the ablation
+    knows), in its order: a row a method gives no score (no path reaches it under that
+    seed) gets NaN, which ranks last and counts as 0 in the correlations."""
+    key = [c for c in universe.columns if c in scores.columns and c not in ("score", "effect")]
+    rows = universe[key].merge(scores[[*key, "score"]], on=key, how="left", validate="one_to_one")
+    if len(rows) != len(universe):
+        raise InputError(f"faithfulness: {len(scores)} scores do not match the "
+                         f"{len(universe)} rows the ablation knows on {key}")  # fmt: skip
+    return rows
+
+
+def _scores(c, res, pt, config: Config, bench: Bench, baseline, pair: int) -> dict:
+    """``{method: (edge scores, node scores or None, evaluations, seconds)}``."""
+    import numpy as np
+
+    from ..circuits import Circuit
+    from ..semirings import Real
+
+    out = {}
+    out["Real"] = (_edge_scores(c.edges, "Real"), _node_scores(c.nodes, "Real"), 1, None)
+    for n in config.ig_steps:
+        t = time.perf_counter()
+        ig = Circuit.from_result(res, [Real()], "x", baseline, ig_steps=n)
+        out[f"Real-IG{n}"] = (_edge_scores(ig.edges, "Real"), _node_scores(ig.nodes, "Real"), 1 + n,
+                              time.perf_counter() - t)  # fmt: skip
+    mp = c.column("MaxProduct")
+    out["MaxProduct"] = (_edge_scores(c.edges, mp), _node_scores(c.nodes, mp), 1, None)
+    steps = config.eap_ig_steps
+    for name, call in (("EAP", pt.eap), (f"EAP-IG{steps}", lambda: pt.eap_ig(steps))):
+        before, t = pt.evaluations, time.perf_counter()
+        e = call()[[*EDGE_KEY, "score"]]
+        out[name] = (e, _per_source(e), pt.evaluations - before, time.perf_counter() - t)
+    rng = np.random.default_rng([config.seed, bench.seed, pair])
+    rand = c.edges[list(EDGE_KEY)].copy()
+    rand["score"] = rng.standard_normal(len(rand))
+    nodes = _node_scores(c.nodes, "Real")
+    nodes["score"] = rng.standard_normal(len(nodes))
+    out["random"] = (rand, nodes, 0, 0.0)
+    return out
+
+
+@torch.no_grad()
+def _model_output(bench: Bench, kwargs) -> float:
+    return float(bench.output(bench.model(**kwargs)))
+
+
+def explain_pair(bench: Bench, pair: int, config: Config) -> dict:
+    """One record: per method its curve (the circuit's metric m(C) per fraction), its
+    agreement with the exact effects, evaluations and seconds; m(M), m(∅), the model's
+    own outputs; and the benchmark's own question."""
+    import semiring_backprop as sbp
+
+    clean, corrupted = bench.pairs[pair]
+    with torch.no_grad():
+        baseline = {bench.place: bench.embed(corrupted["input_ids"]).detach()}
+    t = time.perf_counter()
+    c = sbp.circuit(bench.model, kwargs=clean, output=bench.output, baseline=baseline,
+                    semirings=[sbp.Real(), sbp.MaxProduct(), sbp.Entropy()])  # fmt: skip
+    circuit_seconds = time.perf_counter() - t
+    res = c.result
+    Patching = patching_class()
+    pt = Patching(res, corrupted)
+    before, t = pt.evaluations, time.perf_counter()
+    universe = pt.edges()[list(EDGE_KEY)]
+    node_effects = pt.node_effects()
+    edge_effects = _complete(pt.edge_effects().rename(columns={"effect": "score"}), universe)
+    edge_effects = edge_effects.rename(columns={"score": "effect"})
+    exact = (pt.evaluations - before, time.perf_counter() - t)
+    scores = _scores(c, res, pt, config, bench, baseline, pair)
+    exact_scores = edge_effects[[*EDGE_KEY, "effect"]].rename(columns={"effect": "score"})
+    scores["patching"] = (exact_scores, None, *exact)
+    heads = induction_heads(bench, clean) if bench.name == "induction" else None
+    rows = []
+    for name in methods(config):
+        edges, nodes, evaluations, seconds = scores[name]
+        row = {"method": name, "evaluations": evaluations,
+               "seconds": circuit_seconds if seconds is None else seconds}  # fmt: skip
+        edges = _complete(edges, universe)
+        for what, s, e in (("edges", edges, edge_effects), ("nodes", nodes, node_effects)):
+            if s is None:
+                continue
+            s = _complete(s, e)
+            a = agreement(s["score"], e["effect"], top_n=config.top_n)
+            row.update({f"{what}_{k}": a[k] for k in ("pearson", "kendall", "top_n_overlap")})
+        points = curve(edges, pt.metric, config.fractions)
+        row["curve"] = points[["fraction", "n_edges", "f"]].values.tolist()
+        rows.append(row)
+        if heads is not None:
+            row.update(_induction_ranks(heads, edges, nodes, name))
+    record = {"key": pair, "clean": float(pt.clean), "empty": float(pt.empty),
+              "model_clean": _model_output(bench, clean),
+              "model_corrupted": _model_output(bench, corrupted),
+              "edges": len(c.edges), "methods": rows, "heads": heads}  # fmt: skip
+    if bench.name != "induction":
+        record["branches"] = _branches(bench, res, Patching)
+    return record
+
+
+def _branches(bench: Bench, res, Patching) -> dict:
+    """§5.1 at the first token: which branch the top path (MaxProduct) leaves through,
+    its value per branch, and each branch's ablation effect (mean over the reference
+    inputs, and zero)."""
+    from ..semirings import MaxProduct
+
+    t = res.layer_table(semirings=[MaxProduct()])
+    at = t[(t.layer == 0) & (t.sublayer == "attention") & (t.token == 0)]
+    at = at[at.branch.isin(BRANCHES)]
+    values = {r.branch: float(r.value) for r in at.itertuples()}
+    top = at[at.winner]
+    out = {"path": str(top.branch.iloc[0]) if len(top) else None, "path_values": values}
+    for mode in ABLATIONS:
+        kw = {"reference": bench.reference} if mode == "mean" else {}
+        p = Patching(res, mode=mode, **kw)
+        out[mode] = {b: float(p.branch_effect(0, b, 0)) for b in BRANCHES}
+    return out
+
+
+# -- induction: which heads ---------------------------------------------------------------
+
+
+def induction_heads(bench: Bench, clean) -> dict:
+    """The previous-token head (layer 0, most attention from each position to the one
+    before) and the induction head (layer 1, most attention from each position of the
+    repeat to the token after that token's first occurrence), on the clean input."""
+    ids = clean["input_ids"]
+    a0, a1 = bench.model.model.patterns(ids)
+    t, half = ids.shape[1], (ids.shape[1] - 1) // 2
+    prev = torch.stack([a0[0, :, i, i - 1] for i in range(1, t)], -1).mean(-1)
+    ind = torch.stack([a1[0, :, i, i - half + 1] for i in range(half + 1, t)], -1).mean(-1)
+    return {"previous_head": int(prev.argmax()), "induction_head": int(ind.argmax()),
+            "previous_score": float(prev.max()), "induction_score": float(ind.max())}  # fmt: skip
+
+
+def _summed(names, scores, method):
+    """Scores summed over positions per name (MaxProduct: the one of largest size, its
+    ⊕), by size, largest first (no path last)."""
+    import pandas as pd
+
+    from ..circuits.exports import oplus
+
+    sr = "MaxProduct" if method == "MaxProduct" else "Real"
+    frame = pd.DataFrame({"name": list(names), "score": scores.astype(float).to_numpy()})
+    summed = frame.groupby("name", sort=False)["score"].apply(lambda s: oplus(sr, s))
+    size = summed.map(lambda v: abs(v) if math.isfinite(v) else -1.0)
+    return list(size.sort_values(ascending=False, kind="stable").index)
+
+
+def _induction_ranks(heads: dict, edges, nodes, method) -> dict:
+    """Whether ``method`` ranks the previous-token head and the induction head among
+    its top 3 components and the K-composition edge between them among its top 5
+    edges, positions summed (EAP-IG's names: ``a0.h1``, ``a0.h1->a1.h2<k>``)."""
+    from ..circuits.exports import component_name
+
+    prev = component_name("head", 0, heads["previous_head"])
+    ind = component_name("head", 1, heads["induction_head"])
+    out = {}
+    if nodes is not None:
+        comp = nodes[nodes.role.isin(("head", "mlp"))]
+        names = [component_name(r.role, r.layer, r.head_index) for r in comp.itertuples()]
+        top = _summed(names, comp["score"], method)[:3]
+        out["previous_in_top3"], out["induction_in_top3"] = prev in top, ind in top
+    names = [f"{component_name(r.src_role, r.src_layer, r.src_head_index)}->"
+             f"{component_name(r.dst_role, r.dst_layer, r.dst_head_index)}<{r.input}>"
+             for r in edges.itertuples()]  # fmt: skip
+    out["kcomposition_in_top5"] = f"{prev}->{ind}<k>" in _summed(names, edges["score"], method)[:5]
+    return out
+
+
+# -- the run -----------------------------------------------------------------------------
+
+
+@threads()
+def run(out, config: Config | None = None, progress: bool = True) -> dict:
+    """Train (or reload) every benchmark's models, explain and ablate each pair (one
+    record per pair, written as it comes: a rerun resumes), then write the tables,
+    figures and summary (:mod:`.faithfulness_report`)."""
+    from tqdm.auto import tqdm
+
+    from . import faithfulness_report as report
+
+    config = config or Config()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    same_settings(out, config, free=("benchmarks", "seeds", "pairs"))
+    records, models = {}, []
+    for name in config.benchmarks:
+        for seed in range(config.seed, config.seed + config.seeds):
+            where = out / name / f"seed{seed}"
+            b = bench(name, config, seed, where, progress)
+            models.append({"benchmark": name, "seed": seed, **b.trained})
+            rec = Records(where / "pairs.jsonl")
+            todo = [i for i in range(config.pairs) if not rec.has(i)]
+            for i in tqdm(todo, desc=f"{name} (seed {seed})", disable=not progress, leave=False):
+                rec.add(explain_pair(b, i, config))
+            records[name, seed] = [r for r in rec.rows if r["key"] < config.pairs]
+    return report.write(out, config, records, models)
