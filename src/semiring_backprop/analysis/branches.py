@@ -225,10 +225,20 @@ def blocks(res, roles=None) -> list[Block]:
         skip = [e for e in ents if e.role == "skip"]
         if skip:
             m = _next_fanout(r, skip[0].op)
-            if m is not None:
+            if m is not None and not _feeds_attention(res, m, roles):
                 points["mlp"] = m
         out.append(Block(layer, a, points))
     return out
+
+
+def _feeds_attention(res, point, roles) -> bool:
+    """Whether query / key / value branches leave ``point``: then it is the next block's
+    input (a block with no MLP: attention-only models), not this block's MLP's."""
+    try:
+        _, ents = entries(res, point, roles)
+    except NotFoundError:
+        return False
+    return any(e.role in QKV for e in ents)
 
 
 def _builtin_role(path: str) -> str | None:

@@ -20,7 +20,7 @@ from ..engine.alpha import sources
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxProduct
 from .branches import blocks
-from .fanout import CONTRACTIONS, entries
+from .fanout import CONTRACTIONS, Roles, entries
 from .heads import head_counts
 from .marginals import marginal_value, seed_values
 
@@ -135,10 +135,21 @@ def find_sites(res, heads=None, roles=None) -> tuple[list[Site], int]:
         n = head_counts(res.graph, b.attention, {"query": width}, heads)["query"]
         size = width // n
         out += [Site("head", i, (proj_in,), h, slice(h * size, (h + 1) * size)) for h in range(n)]
-        out.append(Site("mlp", i, (_added_to_stream(res, b, "mlp", roles),)))
+        if "mlp" in b.points or not _attention_only(res, b, roles):
+            out.append(Site("mlp", i, (_added_to_stream(res, b, "mlp", roles),)))
         out.append(Site("residual", i, (b.points["attention"],)))
     out.append(Site("target", len(found), (res.graph.output_node,)))
     return out, positions
+
+
+def _attention_only(res, block, roles) -> bool:
+    """Whether ``block`` has no MLP: no fan-out point after its attention and no module
+    in it that the MLP's names name (TransformerLens' ``attn_only`` models, two-layer
+    attention-only transformers). A block that has one and no fan-out point for it
+    (attention and MLP in parallel) is not this: its error stays."""
+    r = Roles(res, roles)
+    inside = f"{block.layer}." if block.layer else ""
+    return not any(r.of_module(p) == "mlp" for p in r.types if p.startswith(inside))
 
 
 def _added_to_stream(res, block, sublayer, roles):

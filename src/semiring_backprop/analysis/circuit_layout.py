@@ -86,7 +86,8 @@ def layout(res, heads=None, roles=None) -> Layout:
     projections, mlp_entries = {}, {}
     for i, b in enumerate(found):
         projections[i] = _projections(res, r, b, roles)
-        mlp_entries[i] = _mlp_entries(res, b, roles)
+        # (a block with no MLP, which find_sites has told apart from a parallel one)
+        mlp_entries[i] = _mlp_entries(res, b, roles) if "mlp" in b.points else []
     stops = frozenset(n for c in comps for n in c.nodes)
     blocked = frozenset([p.proj for ps in projections.values() for p in ps]
                         + [op for es in mlp_entries.values() for op, _ in es])  # fmt: skip
