@@ -88,7 +88,9 @@ def _stages(res):
     from semiring_backprop.analysis import attention_edges as ae
     from semiring_backprop.analysis import circuit_edges as ce
     from semiring_backprop.analysis.circuit import circuit_nodes
+    from semiring_backprop.analysis.circuit_layout import pinned
 
+    res = pinned(res)  # as Circuit.from_result: the stages share the pass's segments
     out = {}
     for name, fn in (("sites", circuit_nodes), ("edges", ce.circuit_edges),
                      ("attention edges", ae.attention_edges)):  # fmt: skip

@@ -123,10 +123,12 @@ class Circuit:
         are read at the input, and each frame's ``attrs["notes"]`` says so per column
         (:mod:`.ig`). ``ig_steps=0``: the seed ``x - x'`` at the input alone."""
         from ..analysis.circuit import circuit_nodes
+        from ..analysis.circuit_layout import pinned
         from .ig import check_steps, integrated
 
         check_steps(ig_steps, ig_method)
         srs = list(semirings) if semirings is not None else list(res.semirings)
+        whole, res = res, pinned(res)  # every stage reads the pass's segments, once
         kw = {"seed": seed, "baseline": baseline, "tokens": tokens, "heads": heads,
               "roles": roles}  # fmt: skip
         if ig_steps:
@@ -150,7 +152,7 @@ class Circuit:
             d_model = int(shape[-1])
         ids = _token_ids(res)
         labels = list(nodes[nodes.role == "embedding"].token)
-        return cls(nodes, edges, attention_edges, srs, labels, res, what, ids, mask, d_model)
+        return cls(nodes, edges, attention_edges, srs, labels, whole, what, ids, mask, d_model)
 
     # -- reading ----------------------------------------------------------------------
 
