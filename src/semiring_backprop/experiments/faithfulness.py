@@ -327,7 +327,7 @@ def explain_pair(bench: Bench, pair: int, config: Config) -> dict:
     record = {"key": pair, "clean": float(pt.clean), "empty": float(pt.empty),
               "model_clean": _model_output(bench, clean),
               "model_corrupted": _model_output(bench, corrupted),
-              "edges": len(c.edges), "methods": rows, "heads": heads}  # fmt: skip
+              "edges": len(universe), "methods": rows, "heads": heads}  # fmt: skip
     if bench.name != "induction":
         record["branches"] = _branches(bench, res, Patching)
     return record
