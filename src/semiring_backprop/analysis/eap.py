@@ -54,9 +54,9 @@ def _gradients(p, replace=None) -> dict:
     destination reads of that node (one forward and one backward pass)."""
     record: list = []
     with torch.enable_grad():
-        ones = p._ones()
+        ones = p.all_kept()
         mix = {d: ones.clone().requires_grad_() for d in range(len(p.dests))}
-        out = p._output(mix=mix, replace=replace, record=record)
+        out = p.output(mix=mix, replace=replace, record=record)
         grads = torch.autograd.grad(out, [t for _, _, t in record], allow_unused=True)
     p.evaluations += 1
     got: dict = {}
@@ -71,7 +71,7 @@ def _frame(p, grads: dict):
     positions = p.lay.positions
     scores: dict = {}
     for (d, n), g in grads.items():
-        a, _ = p._assign[n]
+        a, _ = p.assign[n]
         diff = (p.base[n] - p.ablated[n]).detach()
         per = ((g * diff).reshape(positions, -1) @ a.T).T  # (components, positions)
         scores[d] = per if d not in scores else scores[d] + per

@@ -40,13 +40,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.fx.node import map_arg
 
 from ..errors import InputError
-from ..tracing.trace import input_tensors, mark_op
-from .circuit_layout import SHORT_ROLES, Component, layout
+from ..tracing.trace import input_tensors
+from .circuit_layout import layout
 from .fanout import ancestors, descendants
-from .heads import QKV
+from .patching_edges import args_of, assignment, call, destinations
 
 __all__ = ["EDGE_KEY", "NODE_KEY", "MODES", "BRANCHES", "Patching"]
 
@@ -56,8 +55,6 @@ EDGE_KEY = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
 #: the columns that name a site (roles embedding / head / mlp)
 NODE_KEY = ("layer", "position", "head_index", "role")
 MODES = ("corrupted", "mean", "zero")
-#: the max that softmax subtracts: no gradient flows through it (its paths cancel)
-_SHIFT = torch.ops.semiring_backprop.softmax_shift.default
 #: the branches of a block's fan-out points, as ``layer_table`` names them
 BRANCHES = ("skip", "query", "key", "value", "mlp")
 
@@ -101,140 +98,20 @@ class Patching:
         self._inputs = {k: res.values[n] for k, n in graph.user_inputs.items()}
         self.base = self._values(self._inputs)
         self.clean = float(self.base[out])
-        self._plan_destinations()
+        plan = destinations(res, self.lay, self.base)
+        self.dests, self._entries, self._regions = plan.dests, plan.entries, plan.regions
+        self._dest_index = plan.index
+        self._comp_index = {(c.layer, c.role, c.head): i for i, c in enumerate(self.lay.components)}
         keep = set(self.lay.stops) | {b for b in self._points()}
         self.ablated = self._ablated(mode, corrupted, reference, keep)
-        self._assign = {n: self._assignment(n) for n in self.lay.stops}
+        self.assign = {n: assignment(self.lay, self.base[n], n) for n in self.lay.stops}
         self._edge_frame = None
         self._empty = None
-
-    # -- what is patched ----------------------------------------------------------------
-
-    def _plan_destinations(self):
-        """The destinations in ``circuit_edges``' order (per layer each head's q, k, v, the
-        MLP; then the target), each with the ops that read its input: ``self._entries``
-        is ``{op: [(destination, tensor read, columns of the op's output or None)]}``."""
-        lay, ids = self.lay, self.graph.ids
-        self.dests, self._entries, self._regions = [], {}, {}
-        for layer in range(lay.layers):
-            comps = lay.heads[layer]
-            cols = self._head_columns(layer, comps)
-            for comp in comps:
-                for role in QKV:
-                    d = len(self.dests)
-                    self.dests.append((comp, SHORT_ROLES[role]))
-                    for p in lay.projections[layer]:
-                        if p.role == role:
-                            mask = cols[(p.proj, comp.head, role)]
-                            self._entries.setdefault(p.proj, []).append((d, p.x, mask))
-            d = len(self.dests)
-            self.dests.append((Component("mlp", layer, ()), "mlp"))
-            for op, via in lay.mlp_entries[layer]:
-                self._entries.setdefault(op, []).append((d, via, None))
-        out = self.graph.output_node
-        self.dests.append((Component("target", lay.layers, ()), "target"))
-        self._entries.setdefault(out, []).append((len(self.dests) - 1, out, None))
-        for entries in self._entries.values():
-            for _, x, _ in entries:
-                if x not in self._regions:
-                    self._regions[x] = self._residual_region(x)
-        self._dest_index = {(c.layer, c.role, c.head, inp): i
-                            for i, (c, inp) in enumerate(self.dests)}  # fmt: skip
-        self._comp_index = {(c.layer, c.role, c.head): i for i, c in enumerate(lay.components)}
-        self._ids = ids
-
-    def _residual_region(self, x):
-        """``(stops, order)``: the components' nodes the residual stream before ``x``
-        reads, and the nodes between them and ``x`` in graph order (InputError where the
-        stream reads inside a component)."""
-        lay, needed = self.lay, self.res.needed
-        region, todo = set(), [x]
-        while todo:
-            n = todo.pop()
-            if n in region:
-                continue
-            if n in lay.blocked:
-                raise InputError(
-                    f"patching: the residual stream before `{x.name}` reads `{n.name}` inside "
-                    "a component (its first op) without passing the component's output"
-                )
-            region.add(n)
-            if n not in lay.stops:
-                todo.extend(a for a in n.all_input_nodes if a in needed)
-        ids = self.graph.ids
-        stops = sorted(region & lay.stops, key=ids.__getitem__)
-        return stops, sorted(region - lay.stops, key=ids.__getitem__)
-
-    def _head_columns(self, layer, comps) -> dict:
-        """``{(projection, head, role): bool mask of the projection's output columns}``:
-        each role's columns split evenly among the heads, in order (checked: no other
-        column of a projection's output reaches a head's slice, by autograd)."""
-        n = len(comps)
-        out: dict = {}
-        for p in self.lay.projections[layer]:
-            width = self.res.values[p.proj].shape[-1]
-            cols = list(p.cols)
-            if len(cols) % n:
-                raise InputError(
-                    f"patching: the {p.role} projection `{p.proj.name}` has {len(cols)} "
-                    f"columns for {n} heads: its heads' columns cannot be told apart"
-                )
-            size = len(cols) // n
-            for h, comp in enumerate(comps):
-                mask = torch.zeros(width, dtype=torch.bool, device=self.res.values[p.proj].device)
-                mask[cols[h * size : (h + 1) * size]] = True
-                out[(p.proj, comp.head, p.role)] = mask
-        self._check_head_columns(layer, comps, out)
-        return out
-
-    def _check_head_columns(self, layer, comps, cols):
-        projs = sorted(
-            {p.proj for p in self.lay.projections[layer]}, key=self.graph.ids.__getitem__
-        )
-        (site,) = comps[0].nodes
-        down = set().union(*(descendants(p) for p in projs))
-        region = sorted(ancestors(site, down) - set(projs), key=self.graph.ids.__getitem__)
-        gen = torch.Generator().manual_seed(0)
-        with torch.enable_grad():
-            local = {p: self.base[p].detach().clone().requires_grad_() for p in projs}
-            for node in region:
-                local[node] = _call(node, *_args(node, local, self.base))
-            value = local[site]
-            flat = value.reshape(self.lay.positions, -1)
-            for comp in comps:
-                w = torch.zeros_like(flat)
-                part = w[:, comp.cols]
-                w[:, comp.cols] = torch.rand(part.shape, generator=gen, dtype=w.dtype).to(w) + 0.5
-                grads = torch.autograd.grad((flat * w).sum(), [local[p] for p in projs],
-                                            retain_graph=True, allow_unused=True)  # fmt: skip
-                for p, g in zip(projs, grads):
-                    own = torch.zeros(g.shape[-1] if g is not None else 0, dtype=torch.bool)
-                    for (proj, head, _), m in cols.items():
-                        if proj is p and head == comp.head:
-                            own = own | m.cpu()
-                    if g is not None and bool((g.reshape(-1, g.shape[-1])[:, ~own] != 0).any()):
-                        raise InputError(
-                            f"patching: head {comp.head} of layer {layer} reads columns of "
-                            f"`{p.name}` that are not its own share of the projection (heads "
-                            "that share key/value columns, as grouped-query attention does, "
-                            "cannot be patched one at a time)"
-                        )
 
     def _points(self):
         from .branches import blocks
 
         return [v for b in blocks(self.res, self.roles) for v in b.points.values()]
-
-    def _assignment(self, node):
-        """``(A, free)``: ``A[c, j]`` = 1 where column ``j`` of ``node`` (viewed as
-        (positions, columns)) is component ``c``'s; ``free``: the columns of none."""
-        like = self.base[node]
-        width = like.numel() // self.lay.positions
-        a = torch.zeros(len(self.lay.components), width, dtype=like.dtype, device=like.device)
-        for c, comp in enumerate(self.lay.components):
-            if node in comp.nodes:
-                a[c, comp.cols or slice(None)] = 1
-        return a, 1 - a.sum(0).clamp(max=1)
 
     def _ablated(self, mode, corrupted, reference, keep) -> dict:
         if mode == "zero":
@@ -295,7 +172,7 @@ class Patching:
         mix = mix or {}
         replace = replace or {}
         for node in self._order:
-            out = _call(node, *_args(node, vals, vals))
+            out = call(node, *args_of(node, vals, vals))
             for d, x, cols in self._entries.get(node, ()):
                 if d not in mix:
                     continue
@@ -303,10 +180,10 @@ class Patching:
                 if x is node:  # the target: the output itself, recomputed
                     out = xd
                     continue
-                alt = _call(node, *_args(node, {x: xd}, vals))
+                alt = call(node, *args_of(node, {x: xd}, vals))
                 out = alt if cols is None else torch.where(cols, alt, out)
             if branch is not None and node in branch[2]:
-                out = _call(node, *_args(node, self._branch_input(branch, node, vals), vals))
+                out = call(node, *args_of(node, self._branch_input(branch, node, vals), vals))
             if node in replace:
                 out = replace[node](out)
             vals[node] = out
@@ -318,13 +195,13 @@ class Patching:
         stops, order = self._regions[x]
         local = {}
         for n in stops:
-            a, free = self._assign[n]
+            a, free = self.assign[n]
             m = (mu.transpose(-1, -2) @ a + free).reshape(vals[n].shape)
             local[n] = m * vals[n] + (1 - m) * self.ablated[n]
             if record is not None:
                 record.append((d, n, local[n]))
         for n in order:
-            local[n] = _call(n, *_args(n, local, vals))
+            local[n] = call(n, *args_of(n, local, vals))
         return local[x]
 
     def _branch_input(self, branch, op, vals) -> dict:
@@ -333,10 +210,10 @@ class Patching:
         local = {point: keep * vals[point] + (1 - keep) * self.ablated[point]}
         region = ancestors(via, descendants(point)) - {point}
         for n in sorted(region, key=self.graph.ids.__getitem__):
-            local[n] = _call(n, *_args(n, local, vals))
+            local[n] = call(n, *args_of(n, local, vals))
         return {via: local[via]}
 
-    def _output(self, **kw):
+    def output(self, **kw):
         return self._run(self._inputs, **kw)[self.graph.output_node].reshape(())
 
     def _batched(self, fn, variants) -> list[float]:
@@ -350,7 +227,7 @@ class Patching:
                 out.extend(float(v) for v in got.reshape(-1).cpu())
         return out
 
-    def _ones(self):
+    def all_kept(self):
         like = self.base[self.graph.output_node]
         return torch.ones(len(self.lay.components), self.lay.positions, dtype=_float(like),
                           device=like.device)  # fmt: skip
@@ -409,11 +286,11 @@ class Patching:
     def metric(self, kept) -> float:
         """m(C): the output with the edges ``kept`` (EDGE_KEY tuples or a frame) kept and
         every other edge ablated (one forward pass)."""
-        mu = torch.zeros(len(self.dests), *self._ones().shape, dtype=self._ones().dtype)
+        mu = torch.zeros(len(self.dests), *self.all_kept().shape, dtype=self.all_kept().dtype)
         for c, d, p in self.edge_index(kept):
             mu[d, c, p] = 1
         with torch.no_grad():
-            got = self._output(mix=dict(enumerate(mu.to(self._ones().device))))
+            got = self.output(mix=dict(enumerate(mu.to(self.all_kept().device))))
         self.evaluations += 1
         return float(got)
 
@@ -449,10 +326,10 @@ class Patching:
 
             groups = tqdm(groups, desc="edges, by destination")
         for d, rows in groups:
-            mus = self._ones().expand(len(rows), -1, -1).clone()
+            mus = self.all_kept().expand(len(rows), -1, -1).clone()
             for k, (_, c, p) in enumerate(rows):
                 mus[k, c, p] = 0
-            got = self._batched(lambda mu, d=d: self._output(mix={d: mu}), mus)
+            got = self._batched(lambda mu, d=d: self.output(mix={d: mu}), mus)
             for (i, _, _), m in zip(rows, got):
                 effect[i] = self.clean - m
         out = frame.copy()
@@ -477,7 +354,7 @@ class Patching:
 
             items = tqdm(items, desc="sites")
         for nodes, cs in items:
-            a, free = self._assign[nodes[0]]
+            a, free = self.assign[nodes[0]]
             keeps = []
             for c in cs:
                 for p in range(lay.positions):
@@ -489,7 +366,7 @@ class Patching:
                                  "role": comp.role})  # fmt: skip
 
             def run(k, nodes=nodes):
-                return self._output(replace={n: self._site_patch(n, k) for n in nodes})
+                return self.output(replace={n: self._site_patch(n, k) for n in nodes})
 
             for r, m in zip(rows[len(rows) - len(keeps) :], self._batched(run, torch.stack(keeps))):
                 r["effect"] = self.clean - m
@@ -540,7 +417,7 @@ class Patching:
                           dtype=like.dtype, device=like.device)  # fmt: skip
         keep[position] = 0
         with torch.no_grad():
-            got = self._output(branch=(point, keep.reshape(like.shape), reads))
+            got = self.output(branch=(point, keep.reshape(like.shape), reads))
         self.evaluations += 1
         return self.clean - float(got)
 
@@ -582,22 +459,6 @@ def _call_order(graph, out) -> list:
             seen.add(n)
             todo.extend(n.all_input_nodes)
     return [n for n in graph.nodes if n.op == "call_function" and n in seen]
-
-
-def _args(node, first, rest):
-    def get(a):
-        return first[a] if a in first else rest[a]
-
-    return map_arg(node.args, get), map_arg(node.kwargs, get)
-
-
-def _call(node, args, kwargs):
-    if node.target is mark_op:
-        return args[0]
-    if node.target is _SHIFT:  # (as the op computes it, also under vmap and autograd)
-        m = args[0].detach().amax(args[1], keepdim=True)
-        return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return node.target(*args, **kwargs)
 
 
 def _float(t):

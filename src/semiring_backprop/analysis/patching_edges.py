@@ -1,0 +1,184 @@
+"""What edge patching (:mod:`.patching`) reads: every destination of an edge, the ops that
+read its input, and the residual-only region each input is recomputed through.
+
+Destinations come in :func:`.circuit_edges.circuit_edges`' order: per layer each head's
+query, key and value (that head's columns of the projection), the MLP (its entry ops),
+then the target (the output itself). An input is recomputed from the components' nodes
+(``Layout.stops``) through the nodes between them and the input, never crossing a
+component's first op (``Layout.blocked``): adds, norms, output projections.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.fx.node import map_arg
+
+from ..errors import InputError
+from ..tracing.trace import mark_op
+from .circuit_layout import SHORT_ROLES, Component, Layout
+from .fanout import ancestors, descendants
+from .heads import QKV
+
+__all__ = ["Destinations", "destinations", "residual_region", "assignment", "call", "args_of"]
+
+#: the max that softmax subtracts: no gradient flows through it (its paths cancel)
+_SHIFT = torch.ops.semiring_backprop.softmax_shift.default
+
+
+@dataclass
+class Destinations:
+    dests: list  #: [(Component, input)], in circuit_edges' order
+    #: op -> [(destination, the tensor it reads, a bool mask of the op's output columns
+    #: that are the destination's, or None: all of them)]; the output reads itself
+    entries: dict
+    regions: dict  #: tensor read -> (component nodes it reads, nodes between, in order)
+    index: dict  #: (layer, role, head, input) -> destination
+
+
+def destinations(res, lay: Layout, values) -> Destinations:
+    """The :class:`Destinations` of ``res`` (``values``: every node's clean value)."""
+    dests, entries = [], {}
+    for layer in range(lay.layers):
+        comps = lay.heads[layer]
+        cols = head_columns(res, lay, values, layer)
+        for comp in comps:
+            for role in QKV:
+                d = len(dests)
+                dests.append((comp, SHORT_ROLES[role]))
+                for p in lay.projections[layer]:
+                    if p.role == role:
+                        mask = cols[(p.proj, comp.head, role)]
+                        entries.setdefault(p.proj, []).append((d, p.x, mask))
+        d = len(dests)
+        dests.append((Component("mlp", layer, ()), "mlp"))
+        for op, via in lay.mlp_entries[layer]:
+            entries.setdefault(op, []).append((d, via, None))
+    out = res.graph.output_node
+    dests.append((Component("target", lay.layers, ()), "target"))
+    entries.setdefault(out, []).append((len(dests) - 1, out, None))
+    regions = {}
+    for reads in entries.values():
+        for _, x, _ in reads:
+            if x not in regions:
+                regions[x] = residual_region(res, lay, x)
+    index = {(c.layer, c.role, c.head, inp): i for i, (c, inp) in enumerate(dests)}
+    return Destinations(dests, entries, regions, index)
+
+
+def residual_region(res, lay: Layout, x):
+    """``(stops, order)``: the components' nodes the residual stream before ``x`` reads,
+    and the nodes between them and ``x`` in graph order (InputError where the stream
+    reads inside a component)."""
+    needed = res.needed
+    region, todo = set(), [x]
+    while todo:
+        n = todo.pop()
+        if n in region:
+            continue
+        if n in lay.blocked:
+            raise InputError(
+                f"patching: the residual stream before `{x.name}` reads `{n.name}` inside "
+                "a component (its first op) without passing the component's output"
+            )
+        region.add(n)
+        if n not in lay.stops:
+            todo.extend(a for a in n.all_input_nodes if a in needed)
+    ids = res.graph.ids
+    stops = sorted(region & lay.stops, key=ids.__getitem__)
+    return stops, sorted(region - lay.stops, key=ids.__getitem__)
+
+
+def head_columns(res, lay: Layout, values, layer) -> dict:
+    """``{(projection, head, role): bool mask of the projection's output columns}``: each
+    role's columns split evenly among the heads, in order; checked (:func:`_check`):
+    no other column of a projection's output reaches a head's slice."""
+    comps = lay.heads[layer]
+    n = len(comps)
+    out: dict = {}
+    for p in lay.projections[layer]:
+        like = values[p.proj]
+        cols = list(p.cols)
+        if len(cols) % n:
+            raise InputError(
+                f"patching: the {p.role} projection `{p.proj.name}` has {len(cols)} "
+                f"columns for {n} heads: its heads' columns cannot be told apart"
+            )
+        size = len(cols) // n
+        for h, comp in enumerate(comps):
+            mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
+            mask[cols[h * size : (h + 1) * size]] = True
+            out[(p.proj, comp.head, p.role)] = mask
+    _check(res, lay, values, layer, out)
+    return out
+
+
+def _check(res, lay, values, layer, cols):
+    """InputError where a head's slice depends on a projection column not its own: the
+    gradient of a random weighting of the slice (positive weights) at the projections'
+    outputs, by autograd through the nodes between them."""
+    ids = res.graph.ids
+    comps = lay.heads[layer]
+    projs = sorted({p.proj for p in lay.projections[layer]}, key=ids.__getitem__)
+    (site,) = comps[0].nodes
+    down = set().union(*(descendants(p) for p in projs))
+    region = sorted(ancestors(site, down) - set(projs), key=ids.__getitem__)
+    gen = torch.Generator().manual_seed(0)
+    with torch.enable_grad():
+        local = {p: values[p].detach().clone().requires_grad_() for p in projs}
+        for node in region:
+            local[node] = call(node, *args_of(node, local, values))
+        flat = local[site].reshape(lay.positions, -1)
+        for comp in comps:
+            w = torch.zeros_like(flat)
+            part = w[:, comp.cols]
+            w[:, comp.cols] = torch.rand(part.shape, generator=gen, dtype=w.dtype).to(w) + 0.5
+            grads = torch.autograd.grad((flat * w).sum(), [local[p] for p in projs],
+                                        retain_graph=True, allow_unused=True)  # fmt: skip
+            for p, g in zip(projs, grads):
+                if g is None:
+                    continue
+                own = torch.zeros(g.shape[-1], dtype=torch.bool, device=g.device)
+                for (proj, head, _), m in cols.items():
+                    if proj is p and head == comp.head:
+                        own = own | m
+                if bool((g.reshape(-1, g.shape[-1])[:, ~own] != 0).any()):
+                    raise InputError(
+                        f"patching: head {comp.head} of layer {layer} reads columns of "
+                        f"`{p.name}` that are not its own share of the projection (heads "
+                        "that share key/value columns, as grouped-query attention does, "
+                        "cannot be patched one at a time)"
+                    )
+
+
+def assignment(lay: Layout, like, node):
+    """``(A, free)``: ``A[c, j]`` = 1 where column ``j`` of ``node`` (value ``like``, viewed
+    as (positions, columns)) is component ``c``'s; ``free``: 1 at the columns of none."""
+    width = like.numel() // lay.positions
+    a = torch.zeros(len(lay.components), width, dtype=like.dtype, device=like.device)
+    for c, comp in enumerate(lay.components):
+        if node in comp.nodes:
+            a[c, comp.cols or slice(None)] = 1
+    return a, 1 - a.sum(0).clamp(max=1)
+
+
+def args_of(node, first, rest):
+    """``node``'s args and kwargs, each input read from ``first`` where it is there, else
+    from ``rest``."""
+
+    def get(a):
+        return first[a] if a in first else rest[a]
+
+    return map_arg(node.args, get), map_arg(node.kwargs, get)
+
+
+def call(node, args, kwargs):
+    """Run one op of the graph (marks are identities; the softmax shift as the op computes
+    it, here also under vmap and autograd, where the custom op has no rules)."""
+    if node.target is mark_op:
+        return args[0]
+    if node.target is _SHIFT:
+        m = args[0].detach().amax(args[1], keepdim=True)
+        return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    return node.target(*args, **kwargs)
