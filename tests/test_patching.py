@@ -98,6 +98,8 @@ def tiny_patching(linear=False, mode="corrupted"):
     res = sbp.backprop(tiny(linear), (IDS,), output=metric, semirings=[sbp.Real()])
     if mode == "mean":
         return Patching(res, mode="mean", reference=[(r,) for r in REF])
+    if mode == "zero":
+        return Patching(res, mode="zero")
     return Patching(res, (COR,))
 
 
@@ -142,11 +144,13 @@ def test_ablating_the_embedding_at_a_position_is_corrupting_that_token():
     assert (emb.effect.abs() > 1e-6).tolist() == [False, True, True, False]
 
 
-def test_mean_ablation_of_the_embedding_replaces_it_by_the_references_mean():
-    p = tiny_patching(mode="mean")
+@pytest.mark.parametrize("mode", ["mean", "zero"])
+def test_mean_or_zero_ablation_of_the_embedding_replaces_it_by_the_mean_or_zeros(mode):
+    p = tiny_patching(mode=mode)
     model = tiny()
     with torch.no_grad():
         mean = torch.stack([model.emb(r) for r in REF]).mean(0)
+    value = mean if mode == "mean" else torch.zeros_like(mean)
     nodes = p.node_effects()
     emb = nodes[nodes.role == "embedding"].sort_values("position")
     clean = run(model, IDS)
@@ -155,7 +159,7 @@ def test_mean_ablation_of_the_embedding_replaces_it_by_the_references_mean():
         def hook(pos=pos):
             def replace(module, args, out):
                 out = out.clone()
-                out[:, pos] = mean[:, pos]
+                out[:, pos] = value[:, pos]
                 return out
 
             return model.emb.register_forward_hook(replace)
@@ -251,6 +255,9 @@ def test_the_edges_are_the_circuits():
     # given as tuples, or a frame with more columns, the same edges
     keys = list(want.iloc[:7].itertuples(index=False, name=None))
     assert p.edge_index(keys) == p.edge_index(c.edges.iloc[:7])
+    by_tuples = p.edge_effects(keys)
+    pd.testing.assert_frame_equal(by_tuples, p.edge_effects(c.edges.iloc[:7]))
+    assert list(by_tuples.columns) == [*EDGE_KEY, "effect"]
 
 
 def test_clear_errors():

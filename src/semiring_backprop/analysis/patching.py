@@ -71,7 +71,15 @@ class Patching:
     passes run at once (along a new leading dimension, ``torch.vmap``).
 
     ``evaluations`` counts the forward passes of the graph run so far (one per example
-    of a batch; EAP's forward and backward count one, EAP-IG's one per step).
+    of a batch; EAP's forward and backward count one, EAP-IG's one per step; the clean
+    run and the runs for ablated values count too).
+
+    Examples::
+
+        p = Patching(res, {"input_ids": corrupted_ids})
+        p.edge_effects().sort_values("effect", key=abs).tail(5)   # the strongest edges
+        p.faithfulness(circuit.prune(top_n=10).edges)             # a pruned circuit
+        p.eap_ig(steps=5)                                         # scores, one pass a step
     """
 
     def __init__(self, res, corrupted: dict | None = None, *, mode: str = "corrupted",
@@ -313,8 +321,9 @@ class Patching:
 
     def edge_effects(self, edges=None, progress: bool = False):
         """``EDGE_KEY`` + ``effect``: m(M) - m(that edge alone ablated), one forward pass
-        per edge (the edges into one destination batched)."""
-        frame = self.edges() if edges is None else edges[list(EDGE_KEY)].reset_index(drop=True)
+        per edge (the edges into one destination batched). ``edges``: a frame with
+        ``EDGE_KEY`` columns or ``EDGE_KEY`` tuples (default: every edge)."""
+        frame = self.edges() if edges is None else _edge_frame(edges)
         index = self.edge_index(frame)
         by_dest: dict = {}
         for i, (c, d, p) in enumerate(index):
@@ -459,6 +468,21 @@ def _call_order(graph, out) -> list:
             seen.add(n)
             todo.extend(n.all_input_nodes)
     return [n for n in graph.nodes if n.op == "call_function" and n in seen]
+
+
+def _edge_frame(edges):
+    """A frame of ``EDGE_KEY`` columns from a frame (extra columns dropped) or tuples."""
+    import pandas as pd
+
+    if hasattr(edges, "columns"):
+        missing = [c for c in EDGE_KEY if c not in edges.columns]
+        if missing:
+            raise InputError(f"edges: missing columns {missing} (expected {list(EDGE_KEY)})")
+        return edges[list(EDGE_KEY)].reset_index(drop=True)
+    frame = pd.DataFrame([tuple(r) for r in edges], columns=list(EDGE_KEY))
+    for col in ("src_layer", "src_head_index", "dst_layer", "dst_head_index", "position"):
+        frame[col] = frame[col].astype("Int64")
+    return frame
 
 
 def _float(t):
