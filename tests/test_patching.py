@@ -291,3 +291,28 @@ def test_clear_errors():
         p.branch_effect(0, "output", 1)
     with pytest.raises(InputError, match="position="):
         p.branch_effect(0, "query", 4)
+
+
+def test_an_attention_only_model():
+    """No MLP: heads and the embedding are the only sources (the induction model)."""
+    from semiring_backprop.experiments.models import attention_only
+
+    model = attention_only(12, hidden=8, heads=2, layers=2, length=7, seed=0).to(F64).eval()
+    ids, cor = torch.tensor([[0, 3, 4, 5, 3, 4, 5]]), torch.tensor([[0, 3, 4, 5, 6, 7, 8]])
+
+    def margin(y):
+        return y[0, -2, 5] - y[0, -2, 6]
+
+    res = sbp.backprop(model, (ids,), output=margin, semirings=[sbp.Real(), sbp.MaxProduct()])
+    p = Patching(res, (cor,))
+    with torch.no_grad():
+        clean, corrupted = float(margin(model(ids))), float(margin(model(cor)))
+    assert p.clean == pytest.approx(clean, rel=1e-12)
+    assert p.empty == pytest.approx(corrupted, rel=1e-12) and clean != pytest.approx(corrupted)
+    edges = p.edges()
+    assert "mlp" not in set(edges.input) and "mlp" not in set(edges.src_role)
+    assert p.metric(edges) == pytest.approx(clean, rel=1e-12)
+    from semiring_backprop.analysis.circuit_edges import circuit_edges  # Circuit.edges' rows
+
+    want = circuit_edges(res, seed="x")[list(EDGE_KEY)]
+    pd.testing.assert_frame_equal(edges, want)

@@ -51,10 +51,11 @@ def destinations(res, lay: Layout, values) -> Destinations:
                     if p.role == role:
                         mask = cols[(p.proj, comp.head, role)]
                         entries.setdefault(p.proj, []).append((d, p.x, mask))
-        d = len(dests)
-        dests.append((Component("mlp", layer, ()), "mlp"))
-        for op, via in lay.mlp_entries[layer]:
-            entries.setdefault(op, []).append((d, via, None))
+        mlp = lay.mlp_entries.get(layer) or []  # (none in an attention-only model)
+        if mlp:
+            dests.append((Component("mlp", layer, ()), "mlp"))
+        for op, via in mlp:
+            entries.setdefault(op, []).append((len(dests) - 1, via, None))
     out = res.graph.output_node
     dests.append((Component("target", lay.layers, ()), "target"))
     entries.setdefault(out, []).append((len(dests) - 1, out, None))
