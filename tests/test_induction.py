@@ -328,3 +328,16 @@ def test_trained_induction_model_and_its_circuit():
           f"induction head a1.h{ih} ({ind.max():.2f}): site #{order.index((1, ih)) + 1}; "
           f"K-composition edge {k_edge}: #{ranked.index(k_edge) + 1} of {len(ranked)}")  # fmt: skip
     assert order.index((1, ih)) < 3
+
+
+def test_module_examples_run():
+    import doctest
+
+    import semiring_backprop.data.induction as data_module
+    import semiring_backprop.experiments.models as models_module
+
+    model = attention_only(16, hidden=16, heads=4, length=13).to(F64).eval()
+    env = {"sbp": sbp, "torch": torch, "model": model, "p": pairs(2, half=6, vocab_size=16)}
+    for module in (data_module, models_module):
+        got = doctest.testmod(module, extraglobs=env, optionflags=doctest.ELLIPSIS)
+        assert got.attempted > 0 and got.failed == 0, module.__name__
