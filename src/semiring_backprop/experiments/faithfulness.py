@@ -80,8 +80,11 @@ class Config:
     ind_half: int = 8
     ind_vocab: int = 20
     ind_hidden: int = 32
-    ind_heads: int = 4
+    #: heads per layer: one, so that exact patching confirms the known circuit (with
+    #: more, layer-1 heads share the induction role: docs/faithfulness.md)
+    ind_heads: int = 1
     ind_steps: int = 3000
+    ind_corrupt: str = "permute"  #: the corruption of :func:`~..data.induction.pairs`
 
     @classmethod
     def quick(cls) -> Config:
@@ -89,7 +92,7 @@ class Config:
         not the answer."""
         return replace(cls(), seeds=1, pairs=2, ig_steps=(2,), eap_ig_steps=2, reference=4,
                        ft_n=200, ft_epochs=2, ind_n=100, ind_half=4, ind_vocab=12,
-                       ind_hidden=8, ind_heads=2, ind_steps=20)  # fmt: skip
+                       ind_hidden=8, ind_heads=1, ind_steps=20)  # fmt: skip
 
     def check(self) -> None:
         bad = [b for b in self.benchmarks if b not in BENCHMARKS]
@@ -100,6 +103,11 @@ class Config:
         if len(fr) < 2 or any(not 0 < f <= 1 for f in fr) or list(fr) != sorted(set(fr)):
             raise InputError(f"faithfulness: fractions={fr!r}; give at least two increasing "
                              "fractions in (0, 1]")  # fmt: skip
+        from ..data.induction import CORRUPTIONS
+
+        if self.ind_corrupt not in CORRUPTIONS:
+            raise InputError(f"faithfulness: ind_corrupt={self.ind_corrupt!r}; give one of "
+                             f"{', '.join(CORRUPTIONS)}")  # fmt: skip
         if self.ind_hidden % self.ind_heads:
             raise InputError(f"faithfulness: ind_hidden={self.ind_hidden} must be a multiple "
                              f"of ind_heads={self.ind_heads}")  # fmt: skip
@@ -138,6 +146,7 @@ class Bench:
     embed: object
     reference: list
     trained: dict
+    heads: dict | None = None  #: induction: :func:`induction_heads` over the clean inputs
 
 
 def _logit_difference(out):
@@ -197,11 +206,13 @@ def induction_bench(config: Config, seed: int, where: Path, progress=True):
     model, history = trained(model, where / "model", lambda m: train_induction(
         m, data, steps=config.ind_steps, seed=seed, progress=progress)[1])  # fmt: skip
     model = model.double().eval()
-    p = pairs(config.pairs, half=config.ind_half, vocab_size=config.ind_vocab, seed=config.seed)
+    p = pairs(config.pairs, half=config.ind_half, vocab_size=config.ind_vocab, seed=config.seed,
+              corrupt=config.ind_corrupt)  # fmt: skip
     both = [(p.kwargs(i), p.kwargs(i, corrupted=True)) for i in range(config.pairs)]
     reference = [p.kwargs(i, corrupted=True) for i in range(config.pairs)]
     return Bench("induction", seed, LogitDiff(model).eval(), both, _first_element,
-                 "model.embed_tokens", model.embed_tokens, reference, history[-1])  # fmt: skip
+                 "model.embed_tokens", model.embed_tokens, reference, history[-1],
+                 induction_heads(model, p.clean))  # fmt: skip
 
 
 def bench(name: str, config: Config, seed: int, where: Path, progress=True) -> Bench:
@@ -246,27 +257,36 @@ def _complete(scores, universe):
     return rows
 
 
-def _scores(c, res, pt, config: Config, bench: Bench, baseline, pair: int) -> dict:
-    """``{method: (edge scores, node scores or None, evaluations, seconds)}``."""
+def _scores(c, cm, pt, config: Config, bench: Bench, baseline, pair: int, seconds: dict,
+            setup: tuple) -> dict:  # fmt: skip
+    """``{method: (edge scores, node scores or None, graph forwards or None, seconds)}``:
+    ``c``, ``cm``: the Real and the MaxProduct circuits (``seconds``: theirs); ``setup``:
+    the forwards and seconds of the ablation's clean and corrupted runs, which EAP needs
+    too. A circuit's forwards are None: it runs passes of other kinds (a forward, a
+    reverse semiring pass, a forward one for alpha and the edge stage's partial reverse
+    passes); its seconds say what they cost."""
     import numpy as np
 
     from ..circuits import Circuit
     from ..semirings import Real
 
     out = {}
-    out["Real"] = (_edge_scores(c.edges, "Real"), _node_scores(c.nodes, "Real"), 1, None)
+    out["Real"] = (_edge_scores(c.edges, "Real"), _node_scores(c.nodes, "Real"), None,
+                   seconds["Real"])  # fmt: skip
     for n in config.ig_steps:
         t = time.perf_counter()
-        ig = Circuit.from_result(res, [Real()], "x", baseline, ig_steps=n)
-        out[f"Real-IG{n}"] = (_edge_scores(ig.edges, "Real"), _node_scores(ig.nodes, "Real"), 1 + n,
-                              time.perf_counter() - t)  # fmt: skip
-    mp = c.column("MaxProduct")
-    out["MaxProduct"] = (_edge_scores(c.edges, mp), _node_scores(c.nodes, mp), 1, None)
+        ig = Circuit.from_result(c.result, [Real()], "x", baseline, ig_steps=n)
+        out[f"Real-IG{n}"] = (_edge_scores(ig.edges, "Real"), _node_scores(ig.nodes, "Real"), None,
+                              seconds["Real"] + time.perf_counter() - t)  # fmt: skip
+    mp = cm.column("MaxProduct")
+    out["MaxProduct"] = (_edge_scores(cm.edges, mp), _node_scores(cm.nodes, mp), None,
+                         seconds["MaxProduct"])  # fmt: skip
     steps = config.eap_ig_steps
     for name, call in (("EAP", pt.eap), (f"EAP-IG{steps}", lambda: pt.eap_ig(steps))):
         before, t = pt.evaluations, time.perf_counter()
         e = call()[[*EDGE_KEY, "score"]]
-        out[name] = (e, _per_source(e), pt.evaluations - before, time.perf_counter() - t)
+        out[name] = (e, _per_source(e), pt.evaluations - before + setup[0],
+                     time.perf_counter() - t + setup[1])  # fmt: skip
     rng = np.random.default_rng([config.seed, bench.seed, pair])
     rand = c.edges[list(EDGE_KEY)].copy()
     rand["score"] = rng.standard_normal(len(rand))
@@ -274,6 +294,18 @@ def _scores(c, res, pt, config: Config, bench: Bench, baseline, pair: int) -> di
     nodes["score"] = rng.standard_normal(len(nodes))
     out["random"] = (rand, nodes, 0, 0.0)
     return out
+
+
+@torch.no_grad()
+def _forward_seconds(pt, repeats: int = 5) -> float:
+    """The seconds of one forward pass of the traced graph (the unit of the ablations'
+    evaluations): the median of ``repeats`` runs of the clean input."""
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        pt.output()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
 
 
 @torch.no_grad()
@@ -287,31 +319,41 @@ def explain_pair(bench: Bench, pair: int, config: Config) -> dict:
     own outputs; and the benchmark's own question."""
     import semiring_backprop as sbp
 
+    start = time.perf_counter()
     clean, corrupted = bench.pairs[pair]
     with torch.no_grad():
         baseline = {bench.place: bench.embed(corrupted["input_ids"]).detach()}
+    # each semiring's circuit on its own, so that each method's seconds are its own
     t = time.perf_counter()
     c = sbp.circuit(bench.model, kwargs=clean, output=bench.output, baseline=baseline,
-                    semirings=[sbp.Real(), sbp.MaxProduct(), sbp.Entropy()])  # fmt: skip
-    circuit_seconds = time.perf_counter() - t
-    res = c.result
+                    semirings=[sbp.Real()])  # fmt: skip
+    seconds = {"Real": time.perf_counter() - t}
+    t = time.perf_counter()
+    cm = sbp.circuit(bench.model, kwargs=clean, output=bench.output, baseline=baseline,
+                     semirings=[sbp.MaxProduct(), sbp.Entropy()])  # fmt: skip
+    seconds["MaxProduct"] = time.perf_counter() - t
+    res = cm.result
     Patching = patching_class()
+    t = time.perf_counter()
     pt = Patching(res, corrupted)
+    setup = (pt.evaluations, time.perf_counter() - t)  # the clean and corrupted forwards
+    universe = pt.edges()[list(EDGE_KEY)]  # (the edge list every method ranks: not timed)
+    forward = _forward_seconds(pt)
     before, t = pt.evaluations, time.perf_counter()
-    universe = pt.edges()[list(EDGE_KEY)]
     node_effects = pt.node_effects()
+    node_cost = (pt.evaluations - before + setup[0], time.perf_counter() - t + setup[1])
+    before, t = pt.evaluations, time.perf_counter()
     edge_effects = _complete(pt.edge_effects().rename(columns={"effect": "score"}), universe)
     edge_effects = edge_effects.rename(columns={"score": "effect"})
-    exact = (pt.evaluations - before, time.perf_counter() - t)
-    scores = _scores(c, res, pt, config, bench, baseline, pair)
+    exact = (pt.evaluations - before + setup[0], time.perf_counter() - t + setup[1])
+    scores = _scores(c, cm, pt, config, bench, baseline, pair, seconds, setup)
     exact_scores = edge_effects[[*EDGE_KEY, "effect"]].rename(columns={"effect": "score"})
-    scores["patching"] = (exact_scores, None, *exact)
-    heads = induction_heads(bench, clean) if bench.name == "induction" else None
+    exact_nodes = node_effects.rename(columns={"effect": "score"})
+    scores["patching"] = (exact_scores, exact_nodes, *exact)
     rows = []
     for name in methods(config):
-        edges, nodes, evaluations, seconds = scores[name]
-        row = {"method": name, "evaluations": evaluations,
-               "seconds": circuit_seconds if seconds is None else seconds}  # fmt: skip
+        edges, nodes, evaluations, secs = scores[name]
+        row = {"method": name, "evaluations": evaluations, "seconds": secs}
         edges = _complete(edges, universe)
         for what, s, e in (("edges", edges, edge_effects), ("nodes", nodes, node_effects)):
             if s is None:
@@ -322,14 +364,16 @@ def explain_pair(bench: Bench, pair: int, config: Config) -> dict:
         points = curve(edges, pt.metric, config.fractions)
         row["curve"] = points[["fraction", "n_edges", "f"]].values.tolist()
         rows.append(row)
-        if heads is not None:
-            row.update(_induction_ranks(heads, edges, nodes, name))
+        if bench.heads is not None:
+            row.update(_induction_ranks(bench.heads, edges, nodes, name))
     record = {"key": pair, "clean": float(pt.clean), "empty": float(pt.empty),
               "model_clean": _model_output(bench, clean),
               "model_corrupted": _model_output(bench, corrupted),
-              "edges": len(universe), "methods": rows, "heads": heads}  # fmt: skip
+              "edges": len(universe), "methods": rows, "heads": bench.heads,
+              "forward_seconds": forward, "node_patching": list(node_cost)}  # fmt: skip
     if bench.name != "induction":
         record["branches"] = _branches(bench, res, Patching)
+    record["seconds"] = time.perf_counter() - start  # the whole comparison on this pair
     return record
 
 
@@ -355,22 +399,24 @@ def _branches(bench: Bench, res, Patching) -> dict:
 # -- induction: which heads ---------------------------------------------------------------
 
 
-def induction_heads(bench: Bench, clean) -> dict:
-    """The previous-token head (layer 0, most attention from each position to the one
-    before) and the induction head (layer 1, most attention from each position of the
-    repeat to the token after that token's first occurrence), on the clean input."""
-    ids = clean["input_ids"]
-    a0, a1 = bench.model.model.patterns(ids)
+def induction_heads(model, ids) -> dict:
+    """The model's previous-token head (layer 0, most attention from each position to
+    the one before) and induction head (layer 1, most attention from each position of
+    the repeat to the token after that token's first occurrence), by its own attention
+    averaged over the clean inputs ``ids`` (one model, one answer for all its pairs);
+    every head's score is kept, to show whether one head holds each role."""
+    a0, a1 = model.patterns(ids)
     t, half = ids.shape[1], (ids.shape[1] - 1) // 2
-    prev = torch.stack([a0[0, :, i, i - 1] for i in range(1, t)], -1).mean(-1)
-    ind = torch.stack([a1[0, :, i, i - half + 1] for i in range(half + 1, t)], -1).mean(-1)
+    prev = torch.stack([a0[:, :, i, i - 1] for i in range(1, t)], -1).mean((0, -1))
+    ind = torch.stack([a1[:, :, i, i - half + 1] for i in range(half + 1, t)], -1).mean((0, -1))
     return {"previous_head": int(prev.argmax()), "induction_head": int(ind.argmax()),
-            "previous_score": float(prev.max()), "induction_score": float(ind.max())}  # fmt: skip
+            "previous_scores": [round(float(v), 4) for v in prev],
+            "induction_scores": [round(float(v), 4) for v in ind]}  # fmt: skip
 
 
-def _summed(names, scores, method):
-    """Scores summed over positions per name (MaxProduct: the one of largest size, its
-    ⊕), by size, largest first (no path last)."""
+def _ranked(names, scores, method):
+    """Names by size, largest first (no path last), scores summed over their rows
+    (MaxProduct: the one of largest size, its ⊕)."""
     import pandas as pd
 
     from ..circuits.exports import oplus
@@ -382,10 +428,17 @@ def _summed(names, scores, method):
     return list(size.sort_values(ascending=False, kind="stable").index)
 
 
+def _rank(name, ranked) -> int | None:
+    return ranked.index(name) + 1 if name in ranked else None
+
+
 def _induction_ranks(heads: dict, edges, nodes, method) -> dict:
-    """Whether ``method`` ranks the previous-token head and the induction head among
-    its top 3 components and the K-composition edge between them among its top 5
-    edges, positions summed (EAP-IG's names: ``a0.h1``, ``a0.h1->a1.h2<k>``)."""
+    """Where ``method`` ranks the previous-token head and the induction head among the
+    heads (positions summed) and among every site at every position (their best
+    position), and the K-composition edge between them among the edges,
+    positions summed and per position (its best position's rank among every edge at
+    every position); and whether they are in its top 3 and top 5 (EAP-IG's names:
+    ``a0.h1``, ``a0.h1->a1.h2<k>``)."""
     from ..circuits.exports import component_name
 
     prev = component_name("head", 0, heads["previous_head"])
@@ -394,12 +447,29 @@ def _induction_ranks(heads: dict, edges, nodes, method) -> dict:
     if nodes is not None:
         comp = nodes[nodes.role.isin(("head", "mlp"))]
         names = [component_name(r.role, r.layer, r.head_index) for r in comp.itertuples()]
-        top = _summed(names, comp["score"], method)[:3]
-        out["previous_in_top3"], out["induction_in_top3"] = prev in top, ind in top
+        ranked = _ranked(names, comp["score"], method)
+        out["previous_rank"], out["induction_rank"] = _rank(prev, ranked), _rank(ind, ranked)
+        # per position: among every site (token embeddings and heads at each position)
+        sites = [f"{component_name(r.role, r.layer, r.head_index)}@{r.position}"
+                 for r in nodes.itertuples()]  # fmt: skip
+        at = _ranked(sites, nodes["score"], method)
+        for key, name in (("previous", prev), ("induction", ind)):
+            out[f"{key}_rank_position"] = next(
+                (i + 1 for i, n in enumerate(at) if n.startswith(name + "@")), None
+            )
+        out["previous_in_top3"] = prev in ranked[:3]
+        out["induction_in_top3"] = ind in ranked[:3]
     names = [f"{component_name(r.src_role, r.src_layer, r.src_head_index)}->"
              f"{component_name(r.dst_role, r.dst_layer, r.dst_head_index)}<{r.input}>"
              for r in edges.itertuples()]  # fmt: skip
-    out["kcomposition_in_top5"] = f"{prev}->{ind}<k>" in _summed(names, edges["score"], method)[:5]
+    k_edge = f"{prev}->{ind}<k>"
+    summed = _ranked(names, edges["score"], method)
+    at = _ranked([f"{n}@{p}" for n, p in zip(names, edges["position"])], edges["score"], method)
+    out["kcomposition_rank"] = _rank(k_edge, summed)
+    out["kcomposition_rank_position"] = next(
+        (i + 1 for i, n in enumerate(at) if n.startswith(k_edge + "@")), None
+    )
+    out["kcomposition_in_top5"] = k_edge in summed[:5]
     return out
 
 
@@ -424,7 +494,7 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
         for seed in range(config.seed, config.seed + config.seeds):
             where = out / name / f"seed{seed}"
             b = bench(name, config, seed, where, progress)
-            models.append({"benchmark": name, "seed": seed, **b.trained})
+            models.append({"benchmark": name, "seed": seed, **b.trained, "heads": b.heads})
             rec = Records(where / "pairs.jsonl")
             todo = [i for i in range(config.pairs) if not rec.has(i)]
             for i in tqdm(todo, desc=f"{name} (seed {seed})", disable=not progress, leave=False):
