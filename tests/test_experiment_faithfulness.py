@@ -46,6 +46,15 @@ def test_every_circuit_of_all_edges_is_the_model(tiny_run):
         assert metric == pytest.approx(rec["model_clean"], abs=1e-9), m["method"]
     curves = pd.read_csv(out / "model_curves.csv")
     assert curves[curves.fraction == 1.0].f.tolist() == pytest.approx([1.0] * len(names))
+    # exact edge patching: one forward per edge, besides the clean and corrupted runs
+    rows = {m["method"]: m for m in rec["methods"]}
+    assert rows["patching"]["evaluations"] == rec["edges"] + 2
+    assert rows["Real"]["evaluations"] is None  # a circuit's passes are not forwards
+    assert rec["forward_seconds"] > 0 and rec["seconds"] > rows["Real"]["seconds"] > 0
+    assert rows["Real-IG2"]["seconds"] > rows["Real"]["seconds"]  # it reuses Real's pass
+    for m in rows.values():
+        assert -1 <= m["nodes_pearson"] <= 1 and -1 <= m["edges_pearson"] <= 1, m["method"]
+    assert rows["patching"]["nodes_pearson"] == pytest.approx(1.0)
 
 
 def test_files_summary_and_resume(tiny_run, monkeypatch):
@@ -68,12 +77,56 @@ def test_files_summary_and_resume(tiny_run, monkeypatch):
     assert again["summary"]["benchmarks"] == json.loads(json.dumps(s["benchmarks"]))
 
 
+def test_induction_ranks_by_hand():
+    """Ranks read off small frames whose order is written down here."""
+    heads = {"previous_head": 1, "induction_head": 0}
+    nodes = pd.DataFrame({"layer": [None, 0, 0, 0, 0, 1, 1], "position": [0, 0, 1, 0, 1, 0, 1],
+                          "head_index": [None, 0, 0, 1, 1, 0, 0],
+                          "role": ["embedding", "head", "head", "head", "head", "head", "head"],
+                          "score": [9.0, 5.0, 0.5, 1.0, -2.5, -0.2, 4.0]})  # fmt: skip
+    # heads summed: a0.h0 5.5, a1.h0 3.8, a0.h1 -1.5; sites: input@0, a0.h0@0, a1.h0@1, ...
+    edge = {"src_layer": [0, None, 0], "src_role": ["head", "embedding", "head"],
+            "src_head_index": [1, None, 1], "dst_layer": [1, 1, 1],
+            "dst_role": ["head", "head", "head"], "dst_head_index": [0, 0, 0],
+            "input": ["k", "v", "k"], "position": [0, 0, 1], "score": [-1.0, 2.0, 2.5]}  # fmt: skip
+    got = faithfulness._induction_ranks(heads, pd.DataFrame(edge), nodes, "Real")
+    # K edge summed 1.5 after input->a1.h0<v> 2.0; at position 1 (2.5) it comes first
+    assert got == {"previous_rank": 3, "induction_rank": 2, "previous_rank_position": 4,
+                   "induction_rank_position": 3, "previous_in_top3": True,
+                   "induction_in_top3": True, "kcomposition_rank": 2,
+                   "kcomposition_rank_position": 1, "kcomposition_in_top5": True}  # fmt: skip
+    # MaxProduct: the ⊕ is the value of largest size (2.5), not the sum (1.5)
+    got = faithfulness._induction_ranks(heads, pd.DataFrame(edge), None, "MaxProduct")
+    assert got["kcomposition_rank"] == 1 and "previous_rank" not in got
+
+
+def test_goals_read_the_summary():
+    """The verdicts of a summary whose numbers are written down here."""
+    from semiring_backprop.experiments.faithfulness_report import goals
+
+    def method(cmd, needed, pearson, fwd):
+        return {"cmd": {"mean": cmd}, "edges_needed": needed, "nodes_pearson": {"mean": pearson},
+                "per_seed": {"0": {"nodes_pearson": pearson}}, "forwards": fwd}  # fmt: skip
+
+    summary = {"level": 0.8, "benchmarks": {"b": {"seconds_per_model": {"0": 30.0}, "methods": {
+        "Real": method(0.04, [3], 0.97, 2.0), "EAP": method(0.1, [4], 0.9, 1.0),
+        "EAP-IG5": method(0.05, [3], 0.9, 5.0), "patching": method(0.0, [2], 1.0, 250.0)}}},
+        "induction": [{"seed": 0, "Real": {"previous_in_top3": 1.0, "induction_in_top3": 1.0,
+                                           "kcomposition_in_top5": 0.5}}]}  # fmt: skip
+    got = {g["goal"]: g["met"] for g in goals(summary)}
+    assert list(got.values()) == ["met", "met", "met", "not met", "met", "met"], got
+    summary["benchmarks"]["b"]["methods"]["Real"] = method(0.06, [4], 0.94, 2.0)
+    got = {g["goal"]: g["met"] for g in goals(summary)}
+    assert list(got.values())[:3] == ["not met"] * 3, got
+
+
 @pytest.mark.parametrize(("options", "message"), [
     ({"benchmarks": ("ioi",)}, "benchmarks"),
     ({"fractions": (0.5, 0.2)}, "fractions"),
     ({"fractions": (0.5, 1.5)}, "fractions"),
     ({"ind_hidden": 10, "ind_heads": 4}, "ind_hidden"),
     ({"ig_steps": (0,)}, "ig_steps"),
+    ({"ind_corrupt": "shuffle"}, "ind_corrupt"),
 ])  # fmt: skip
 def test_config_refusals(options, message):
     with pytest.raises(InputError, match=message):
