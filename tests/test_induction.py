@@ -330,6 +330,39 @@ def test_trained_induction_model_and_its_circuit():
     assert order.index((1, ih)) < 3
 
 
+def test_one_head_per_layer_exact_patching_finds_the_circuit():
+    """The faithfulness benchmark's setting (one head per layer, permuted corruption;
+    about 30 s, listed in tests/slow.txt): the model's own attention shows a
+    previous-token head and an induction head, and exact edge patching (the model's
+    forward with one edge's input from the corrupted run) puts the K-composition edge
+    between them among its 5 strongest edges, positions summed, on each pair."""
+    import pandas as pd
+
+    from semiring_backprop.analysis.patching import Patching
+    from semiring_backprop.experiments.models import train_induction
+
+    half, vocab = 8, 20
+    data = induction(10000, half=half, vocab_size=vocab, seed=0)
+    model = attention_only(vocab, hidden=32, heads=1, length=data.length, seed=0)
+    model, _ = train_induction(model, data, steps=3000, seed=0)
+    p = pairs(2, half=half, vocab_size=vocab, seed=0)
+    t = data.length
+    a0, a1 = model.patterns(p.clean)
+    prev = torch.stack([a0[:, 0, i, i - 1] for i in range(1, t)]).mean()
+    ind = torch.stack([a1[:, 0, i, i - half + 1] for i in range(half + 1, t)]).mean()
+    assert prev > 0.3 and ind > 0.9, (prev, ind)
+    m = LogitDiff(model.to(F64)).eval()
+    for i in range(2):
+        res = sbp.backprop(m, kwargs=p.kwargs(i), output=lambda y: y[0],
+                           semirings=[sbp.MaxProduct()])  # fmt: skip
+        e = Patching(res, p.kwargs(i, corrupted=True)).edge_effects()
+        name = pd.Series([f"{r.src_role}{r.src_layer}->{r.dst_role}{r.dst_layer}<{r.input}>"
+                          for r in e.itertuples()])  # fmt: skip
+        summed = e.groupby(name)["effect"].sum()
+        top = list(summed.abs().sort_values(ascending=False).index[:5])
+        assert "head0->head1<k>" in top, summed.sort_values()
+
+
 def test_module_examples_run():
     import doctest
 
