@@ -137,7 +137,9 @@ def pairs(n: int, half: int = 8, vocab_size: int = 20, seed: int = 0, *,
       ``r'[:j + 1]`` (after it, kept); ``foil`` is the token after ``r'[j]`` in the first
       copy, the corrupted run's induction answer. Only the query side differs: the
       first copy, and with it every path through the previous-token head's output
-      there, is the same in both.
+      there, is the same in both: patched from this corruption, the K-composition
+      edge at the key the induction head looks for changes nothing, so exact patching
+      cannot find it (the faithfulness experiment uses ``"permute"``).
     """
     if corrupt not in CORRUPTIONS:
         raise InputError(f"pairs: corrupt must be one of {CORRUPTIONS}, got {corrupt!r}")
