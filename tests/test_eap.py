@@ -156,12 +156,14 @@ def test_eap_ig_averages_the_gradient_over_interpolated_embeddings():
         src, dst, pos = _key(row)
         if dst not in grads:
             grads[dst] = (
-                sum(_gradient(dst, x0 + k / steps * (x - x0)) for k in range(steps)) / steps
+                sum(_gradient(dst, x0 + k / steps * (x - x0)) for k in range(1, steps + 1)) / steps
             )
         want = float(diff[src][pos] @ grads[dst][pos])
         assert row.score == pytest.approx(want, rel=1e-9, abs=1e-13), (src, dst, pos)
     eap = p.eap()
     assert not (abs(eap.score - scores.score) < 1e-9).all()
+    one = p.eap_ig(1)  # one point: the clean input, where EAP reads its gradient
+    assert one.score.tolist() == pytest.approx(eap.score.tolist(), rel=1e-9, abs=1e-13)
 
 
 def test_an_edges_effect_is_the_model_with_only_that_destinations_input_moved():

@@ -9,9 +9,10 @@ tensor per destination and component node), from one backward pass for all edges
   derivative of the output in the edge's ``mu`` at ``mu = 1`` (``a``: the clean value,
   ``a'``: the ablated one);
 - EAP-IG (inputs): ``g`` averaged over ``steps`` forward passes whose token embeddings are
-  ``x' + (k / steps) (x - x')``, ``k = 0 .. steps - 1`` (as EAP-IG's
-  ``get_scores_eap_ig`` places them: from the ablated embeddings toward the clean ones),
-  times the same ``a - a'``.
+  ``x' + (k / steps) (x - x')``, ``k = 1 .. steps`` (as EAP-IG's ``get_scores_eap_ig``
+  places them, ``for step in range(1, steps + 1)``: the right Riemann sum from the
+  ablated embeddings to the clean ones, the last point the clean input itself), times
+  the same ``a - a'``. With ``steps=1`` it is EAP.
 
 A score approximates the edge's effect ``m(M) - m(that edge ablated)``
 (:meth:`.patching.Patching.edge_effects`), with the same sign.
@@ -37,7 +38,7 @@ def eap_ig(p, steps: int = 5):
         raise InputError(f"steps={steps!r}: give the number of interpolation points, 1 or more")
     (emb,) = [c for c in p.lay.components if c.role == "embedding"]
     total: dict = {}
-    for k in range(steps):
+    for k in range(1, steps + 1):
         t = k / steps
 
         def point(value, n, t=t):  # the ablated embeddings moved toward the clean ones
