@@ -287,10 +287,11 @@ def _scores(c, cm, pt, config: Config, bench: Bench, baseline, pair: int, second
         e = call()[[*EDGE_KEY, "score"]]
         out[name] = (e, _per_source(e), pt.evaluations - before + setup[0],
                      time.perf_counter() - t + setup[1])  # fmt: skip
+    # every edge and site the ablation knows (a circuit lists only those its paths take)
     rng = np.random.default_rng([config.seed, bench.seed, pair])
-    rand = c.edges[list(EDGE_KEY)].copy()
+    rand = pt.edges()[list(EDGE_KEY)].copy()
     rand["score"] = rng.standard_normal(len(rand))
-    nodes = _node_scores(c.nodes, "Real")
+    nodes = _node_scores(cm.nodes, mp)
     nodes["score"] = rng.standard_normal(len(nodes))
     out["random"] = (rand, nodes, 0, 0.0)
     return out
