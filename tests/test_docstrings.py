@@ -136,7 +136,13 @@ def test_examples_run(name, namespace):
 
 #: private modules whose examples need nothing from docs/api.md: run as they are
 SELF_CONTAINED = ("semiring_backprop.analysis.tokens", "semiring_backprop.data.synthetic",
-                  "semiring_backprop.circuits.ig")  # fmt: skip
+                  "semiring_backprop.circuits.ig",
+                  "semiring_backprop.analysis.faithfulness")  # fmt: skip
+#: modules whose examples read a model built first: the test named runs every one of them
+RUN_BY = {
+    "semiring_backprop.data.induction": "test_induction.py::test_module_examples_run",
+    "semiring_backprop.experiments.models": "test_induction.py::test_module_examples_run",
+}
 
 
 def _own(module_name: str) -> list[doctest.DocTest]:
@@ -182,6 +188,11 @@ def test_every_example_in_the_package_is_run():
             run |= places(_doctests(name, obj))
     for module_name in SELF_CONTAINED:
         run |= places(_own(module_name))
+    for module_name, test in RUN_BY.items():
+        file, name = test.split("::")
+        source = (Path(__file__).parent / file).read_text()
+        assert f"def {name}(" in source and module_name.rsplit(".", 1)[1] in source, test
+        run |= places(doctest.DocTestFinder().find(importlib.import_module(module_name)))
     unrun = []
     for info in pkgutil.walk_packages(semiring_backprop.__path__, "semiring_backprop."):
         if info.name.endswith("__main__"):  # importing it runs the command line
