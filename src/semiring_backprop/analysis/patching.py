@@ -102,12 +102,14 @@ class Patching:
         self.lay = layout(res, heads, roles)
         self.evaluations = 0
         self._entries: dict = {}
+        self._own: dict = {}
         self._order = _call_order(graph, out)
         self._inputs = {k: res.values[n] for k, n in graph.user_inputs.items()}
         self.base = self._values(self._inputs)
         self.clean = float(self.base[out])
         plan = destinations(res, self.lay, self.base)
         self.dests, self._entries, self._regions = plan.dests, plan.entries, plan.regions
+        self._own = plan.own
         self._dest_index = plan.index
         self._comp_index = {(c.layer, c.role, c.head): i for i, c in enumerate(self.lay.components)}
         keep = set(self.lay.stops) | {b for b in self._points()}
@@ -190,12 +192,33 @@ class Patching:
                     continue
                 alt = call(node, *args_of(node, {x: xd}, vals))
                 out = alt if cols is None else torch.where(cols, alt, out)
+            for own in self._own.get(node, ()):
+                out = self._own_pass(own, out, mix, vals, record)
             if branch is not None and node in branch[2]:
                 out = call(node, *args_of(node, self._branch_input(branch, node, vals), vals))
             if node in replace:
                 out = replace[node](out)
             vals[node] = out
         return vals
+
+    def _own_pass(self, own, out, mix, vals, record):
+        """The heads' slice ``out`` with one head's columns computed again from the
+        projections applied to that head's own recomputed inputs (where heads share
+        projection columns: the other heads keep what they read)."""
+        reads = [r for r in own.reads if r[0] in mix]
+        if not reads:
+            return out
+        local = {}
+        for d, proj, x, cols in reads:
+            xd = self._input_of(d, x, mix[d], vals, record)
+            alt = call(proj, *args_of(proj, {x: xd}, vals))
+            local[proj] = torch.where(cols, alt, local.get(proj, vals[proj]))
+        for n in own.order:
+            local[n] = call(n, *args_of(n, local, vals))
+        positions = self.lay.positions
+        flat = torch.where(own.mask, local[own.site].reshape(positions, -1),
+                           out.reshape(positions, -1))  # fmt: skip
+        return flat.reshape(out.shape)
 
     def _input_of(self, d, x, mu, vals, record):
         """Destination ``d``'s value of ``x``: the residual region recomputed from the

@@ -6,6 +6,14 @@ query, key and value (that head's columns of the projection), the MLP (its entry
 then the target (the output itself). An input is recomputed from the components' nodes
 (``Layout.stops``) through the nodes between them and the input, never crossing a
 component's first op (``Layout.blocked``): adds, norms, output projections.
+
+Where each head of a block has projection columns of its own (checked by autograd:
+no other column reaches its slice), a head's query, key or value is read at the
+projection, on its columns. Where heads share columns (grouped-query attention: the
+heads of a group read one K/V head, repeated for each of them), a head's own copy of
+what it reads is the projections applied to its own recomputed inputs and carried
+through the attention to its slice (:class:`OwnPass`): only that head's slice takes
+the result, so the other heads of its group read the K/V they read before.
 """
 
 from __future__ import annotations
@@ -21,7 +29,8 @@ from .circuit_layout import SHORT_ROLES, Component, Layout
 from .fanout import ancestors, descendants
 from .heads import QKV
 
-__all__ = ["Destinations", "destinations", "residual_region", "assignment", "call", "args_of"]
+__all__ = ["Destinations", "OwnPass", "destinations", "residual_region", "assignment", "call",
+           "args_of"]  # fmt: skip
 
 #: the max that softmax subtracts: no gradient flows through it (its paths cancel)
 _SHIFT = torch.ops.semiring_backprop.softmax_shift.default
@@ -35,22 +44,50 @@ class Destinations:
     entries: dict
     regions: dict  #: tensor read -> (component nodes it reads, nodes between, in order)
     index: dict  #: (layer, role, head, input) -> destination
+    #: a head's slice node -> [OwnPass per head] where a block's heads share columns
+    own: dict
+
+
+@dataclass(frozen=True)
+class OwnPass:
+    """One head's own pass where heads share projection columns: ``reads`` = [(destination,
+    projection op, the tensor it reads, a bool mask of the projection's output columns of
+    that destination's role)]; ``order``: the nodes from the projections to the heads'
+    slice ``site`` (itself included), in graph order; ``mask``: the head's columns of the
+    slice (viewed as (positions, columns))."""
+
+    site: torch.fx.Node
+    mask: torch.Tensor
+    reads: tuple
+    order: tuple
 
 
 def destinations(res, lay: Layout, values) -> Destinations:
     """The :class:`Destinations` of ``res`` (``values``: every node's clean value)."""
-    dests, entries = [], {}
+    dests, entries, own = [], {}, {}
     for layer in range(lay.layers):
         comps = lay.heads[layer]
         cols = head_columns(res, lay, values, layer)
+        order = None if cols is not None else _attention_region(res, lay, layer)
         for comp in comps:
+            reads = []
             for role in QKV:
                 d = len(dests)
                 dests.append((comp, SHORT_ROLES[role]))
                 for p in lay.projections[layer]:
-                    if p.role == role:
+                    if p.role != role:
+                        continue
+                    if cols is None:
+                        reads.append((d, p.proj, p.x, _mask(values[p.proj], p.cols)))
+                    else:
                         mask = cols[(p.proj, comp.head, role)]
                         entries.setdefault(p.proj, []).append((d, p.x, mask))
+            if cols is None:
+                (site,) = comp.nodes
+                width = values[site].numel() // lay.positions
+                mine = _mask(values[site].reshape(lay.positions, width),
+                             range(width)[comp.cols or slice(None)])  # fmt: skip
+                own.setdefault(site, []).append(OwnPass(site, mine, tuple(reads), order))
         mlp = lay.mlp_entries.get(layer) or []  # (none in an attention-only model)
         if mlp:
             dests.append((Component("mlp", layer, ()), "mlp"))
@@ -60,12 +97,29 @@ def destinations(res, lay: Layout, values) -> Destinations:
     dests.append((Component("target", lay.layers, ()), "target"))
     entries.setdefault(out, []).append((len(dests) - 1, out, None))
     regions = {}
-    for reads in entries.values():
-        for _, x, _ in reads:
-            if x not in regions:
-                regions[x] = residual_region(res, lay, x)
+    read = [x for reads in entries.values() for _, x, _ in reads]
+    read += [x for passes in own.values() for o in passes for _, _, x, _ in o.reads]
+    for x in read:
+        if x not in regions:
+            regions[x] = residual_region(res, lay, x)
     index = {(c.layer, c.role, c.head, inp): i for i, (c, inp) in enumerate(dests)}
-    return Destinations(dests, entries, regions, index)
+    return Destinations(dests, entries, regions, index, own)
+
+
+def _mask(like, cols):
+    """A bool mask of ``like``'s last dim, True at ``cols``."""
+    mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
+    mask[list(cols)] = True
+    return mask
+
+
+def _attention_region(res, lay: Layout, layer) -> tuple:
+    """The nodes from block ``layer``'s projections to its heads' slice (the slice
+    included, the projections not), in graph order."""
+    projs = {p.proj for p in lay.projections[layer]}
+    (site,) = lay.heads[layer][0].nodes
+    down = set().union(*(descendants(p) for p in projs))
+    return tuple(sorted(ancestors(site, down) - projs, key=res.graph.ids.__getitem__))
 
 
 def residual_region(res, lay: Layout, x):
@@ -91,10 +145,11 @@ def residual_region(res, lay: Layout, x):
     return stops, sorted(region - lay.stops, key=ids.__getitem__)
 
 
-def head_columns(res, lay: Layout, values, layer) -> dict:
+def head_columns(res, lay: Layout, values, layer) -> dict | None:
     """``{(projection, head, role): bool mask of the projection's output columns}``: each
-    role's columns split evenly among the heads, in order; checked (:func:`_check`):
-    no other column of a projection's output reaches a head's slice."""
+    role's columns split evenly among the heads, in order; None where that does not
+    hold (:func:`_apart`: some other column of a projection's output reaches a head's
+    slice, as where heads share K/V columns; or a role's columns do not split evenly)."""
     comps = lay.heads[layer]
     n = len(comps)
     out: dict = {}
@@ -102,23 +157,19 @@ def head_columns(res, lay: Layout, values, layer) -> dict:
         like = values[p.proj]
         cols = list(p.cols)
         if len(cols) % n:
-            raise InputError(
-                f"patching: the {p.role} projection `{p.proj.name}` has {len(cols)} "
-                f"columns for {n} heads: its heads' columns cannot be told apart"
-            )
+            return None
         size = len(cols) // n
         for h, comp in enumerate(comps):
             mask = torch.zeros(like.shape[-1], dtype=torch.bool, device=like.device)
             mask[cols[h * size : (h + 1) * size]] = True
             out[(p.proj, comp.head, p.role)] = mask
-    _check(res, lay, values, layer, out)
-    return out
+    return out if _apart(res, lay, values, layer, out) else None
 
 
-def _check(res, lay, values, layer, cols):
-    """InputError where a head's slice depends on a projection column not its own: the
-    gradient of a random weighting of the slice (positive weights) at the projections'
-    outputs, by autograd through the nodes between them."""
+def _apart(res, lay, values, layer, cols) -> bool:
+    """Whether no head's slice depends on a projection column not its own: the gradient
+    of a random weighting of the slice (positive weights) at the projections' outputs,
+    by autograd through the nodes between them, is 0 off its own columns."""
     ids = res.graph.ids
     comps = lay.heads[layer]
     projs = sorted({p.proj for p in lay.projections[layer]}, key=ids.__getitem__)
@@ -145,12 +196,8 @@ def _check(res, lay, values, layer, cols):
                     if proj is p and head == comp.head:
                         own = own | m
                 if bool((g.reshape(-1, g.shape[-1])[:, ~own] != 0).any()):
-                    raise InputError(
-                        f"patching: head {comp.head} of layer {layer} reads columns of "
-                        f"`{p.name}` that are not its own share of the projection (heads "
-                        "that share key/value columns, as grouped-query attention does, "
-                        "cannot be patched one at a time)"
-                    )
+                    return False
+    return True
 
 
 def assignment(lay: Layout, like, node):
