@@ -15,6 +15,10 @@ The graph of ``sbp.backprop``'s Result is run again node by node (as
   position, mixed as ``mu * current + (1 - mu) * ablated`` (``mu`` = 1: kept, 0:
   ablated). A head's query, key or value is its projection applied to its own
   recomputed input, its columns only; every other consumer reads the stream unchanged.
+  Where heads share projection columns (grouped-query attention: one K/V head repeated
+  for the query heads of its group), a head's key and value are its own copy: the
+  shared K/V computed from that head's recomputed input and read by that head alone,
+  the other heads of its group keep theirs (:class:`.patching_edges.OwnPass`).
   A kept edge reads its source's value in this patched run, an ablated one the source's
   ablated value (as EAP-IG's ``evaluate_graph`` does);
 - a **branch** at a block's fan-out point (skip, query, key, value, mlp): what that
@@ -45,7 +49,7 @@ from ..errors import InputError
 from ..tracing.trace import input_tensors
 from .circuit_layout import layout
 from .fanout import ancestors, descendants
-from .patching_edges import args_of, assignment, call, destinations
+from .patching_edges import args_of, assignment, call, call_order, destinations, own_pass
 
 __all__ = ["EDGE_KEY", "NODE_KEY", "MODES", "BRANCHES", "Patching"]
 
@@ -103,7 +107,7 @@ class Patching:
         self.evaluations = 0
         self._entries: dict = {}
         self._own: dict = {}
-        self._order = _call_order(graph, out)
+        self._order = call_order(graph, out)
         self._inputs = {k: res.values[n] for k, n in graph.user_inputs.items()}
         self.base = self._values(self._inputs)
         self.clean = float(self.base[out])
@@ -193,32 +197,16 @@ class Patching:
                 alt = call(node, *args_of(node, {x: xd}, vals))
                 out = alt if cols is None else torch.where(cols, alt, out)
             for own in self._own.get(node, ()):
-                out = self._own_pass(own, out, mix, vals, record)
+                reads = [r for r in own.reads if r[0] in mix]
+                if reads:
+                    xs = [self._input_of(d, x, mix[d], vals, record) for d, _, x, _ in reads]
+                    out = own_pass(own, reads, xs, out, vals, self.lay.positions)
             if branch is not None and node in branch[2]:
                 out = call(node, *args_of(node, self._branch_input(branch, node, vals), vals))
             if node in replace:
                 out = replace[node](out)
             vals[node] = out
         return vals
-
-    def _own_pass(self, own, out, mix, vals, record):
-        """The heads' slice ``out`` with one head's columns computed again from the
-        projections applied to that head's own recomputed inputs (where heads share
-        projection columns: the other heads keep what they read)."""
-        reads = [r for r in own.reads if r[0] in mix]
-        if not reads:
-            return out
-        local = {}
-        for d, proj, x, cols in reads:
-            xd = self._input_of(d, x, mix[d], vals, record)
-            alt = call(proj, *args_of(proj, {x: xd}, vals))
-            local[proj] = torch.where(cols, alt, local.get(proj, vals[proj]))
-        for n in own.order:
-            local[n] = call(n, *args_of(n, local, vals))
-        positions = self.lay.positions
-        flat = torch.where(own.mask, local[own.site].reshape(positions, -1),
-                           out.reshape(positions, -1))  # fmt: skip
-        return flat.reshape(out.shape)
 
     def _input_of(self, d, x, mu, vals, record):
         """Destination ``d``'s value of ``x``: the residual region recomputed from the
@@ -480,17 +468,6 @@ def _check_mode(mode, corrupted, reference):
         raise InputError(f"corrupted= is read in mode 'corrupted' only, not {mode!r}")
     if mode != "mean" and reference is not None:
         raise InputError(f"reference= is read in mode 'mean' only, not {mode!r}")
-
-
-def _call_order(graph, out) -> list:
-    """The ops the output depends on, in graph order."""
-    seen, todo = set(), [out]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(n.all_input_nodes)
-    return [n for n in graph.nodes if n.op == "call_function" and n in seen]
 
 
 def _edge_frame(edges):

@@ -29,8 +29,8 @@ from .circuit_layout import SHORT_ROLES, Component, Layout
 from .fanout import ancestors, descendants
 from .heads import QKV
 
-__all__ = ["Destinations", "OwnPass", "destinations", "residual_region", "assignment", "call",
-           "args_of"]  # fmt: skip
+__all__ = ["Destinations", "OwnPass", "destinations", "own_pass", "residual_region",
+           "assignment", "call", "call_order", "args_of"]  # fmt: skip
 
 #: the max that softmax subtracts: no gradient flows through it (its paths cancel)
 _SHIFT = torch.ops.semiring_backprop.softmax_shift.default
@@ -104,6 +104,21 @@ def destinations(res, lay: Layout, values) -> Destinations:
             regions[x] = residual_region(res, lay, x)
     index = {(c.layer, c.role, c.head, inp): i for i, (c, inp) in enumerate(dests)}
     return Destinations(dests, entries, regions, index, own)
+
+
+def own_pass(own: OwnPass, reads, inputs, out, vals, positions):
+    """The heads' slice ``out`` with one head's columns computed again from the
+    projections applied to that head's own recomputed ``inputs`` (one per row of
+    ``reads``, a part of ``own.reads``); the other heads' columns are kept."""
+    local = {}
+    for (_, proj, x, cols), xd in zip(reads, inputs):
+        alt = call(proj, *args_of(proj, {x: xd}, vals))
+        local[proj] = torch.where(cols, alt, local.get(proj, vals[proj]))
+    for n in own.order:
+        local[n] = call(n, *args_of(n, local, vals))
+    flat = torch.where(own.mask, local[own.site].reshape(positions, -1),
+                       out.reshape(positions, -1))  # fmt: skip
+    return flat.reshape(out.shape)
 
 
 def _mask(like, cols):
@@ -230,3 +245,14 @@ def call(node, args, kwargs):
         m = args[0].detach().amax(args[1], keepdim=True)
         return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     return node.target(*args, **kwargs)
+
+
+def call_order(graph, out) -> list:
+    """The ops the output depends on, in graph order."""
+    seen, todo = set(), [out]
+    while todo:
+        n = todo.pop()
+        if n not in seen:
+            seen.add(n)
+            todo.extend(n.all_input_nodes)
+    return [n for n in graph.nodes if n.op == "call_function" and n in seen]
