@@ -1,8 +1,9 @@
 """Ablation on the traced graph (``analysis.patching.Patching``) on every family whose
 circuits are tested: BERT (post-LN), GPT-2 (fused query/key/value), a Llama with
-grouped-query attention (four query heads read two key/value heads), and
-``nn.TransformerEncoderLayer`` models (post-norm and pre-norm); float64, small random
-configs, mode "corrupted".
+grouped-query attention (four query heads read two key/value heads),
+``nn.TransformerEncoderLayer`` models (post-norm and pre-norm) and TransformerLens'
+HookedTransformer (LayerNorm; rotary, RMSNorm and one K/V head for two query heads);
+float64, small random configs, mode "corrupted".
 
 Oracles, the model's own forward (hooks on its own modules, not the traced graph):
 - every edge kept gives the clean output, none the corrupted input's output;
@@ -36,6 +37,8 @@ from semiring_backprop.analysis.patching import EDGE_KEY, Patching
 
 T = pytest.importorskip("transformers")
 pd = pytest.importorskip("pandas")
+# TransformerLens 3 deprecates HookedTransformer (tested here as test_transformer_lens.py does)
+pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 
 F64 = torch.float64
 MP = sbp.MaxProduct()
@@ -100,6 +103,20 @@ class Encoder(nn.Module):
         return self.head(x)
 
 
+def _lens(name):
+    """TransformerLens' HookedTransformer as test_transformer_lens.py builds it: LayerNorm
+    and learned positions, or rotary, RMSNorm and one K/V head for two query heads."""
+    pytest.importorskip("transformer_lens")
+    import test_transformer_lens as ttl
+
+    return ttl.model(name)
+
+
+def _logits(y):
+    return y[0, -1, 5] - y[0, -2, 3]
+
+
+TL_IDS, TL_COR = torch.tensor([[3, 7, 1, 9, 4, 11]]), torch.tensor([[3, 7, 20, 9, 30, 11]])
 # name: (build, metric, keyword of the ids or None (positional), clean ids, corrupted ids)
 FAMILIES = {
     "bert": (_bert, _mlm, "input_ids", IDS, COR),
@@ -107,6 +124,8 @@ FAMILIES = {
     "llama_gqa": (_llama, _causal, "input_ids", IDS, COR),
     "mha_post": (lambda: Encoder(False), _mha, None, MHA_IDS, MHA_COR),
     "mha_pre": (lambda: Encoder(True), _mha, None, MHA_IDS, MHA_COR),
+    "lens_ln": (lambda: _lens("learned-ln"), _logits, None, TL_IDS, TL_COR),
+    "lens_gqa": (lambda: _lens("rotary-rms-gqa"), _logits, None, TL_IDS, TL_COR),
 }
 
 
@@ -152,11 +171,6 @@ def test_every_edge_kept_is_the_clean_output_and_none_the_corrupted(name):
     _close(p.clean, clean, "clean")
     _close(p.metric(p.edges()), clean, "every edge kept")
     _close(p.empty, corrupted, "no edge kept")
-
-
-def _embedding(name):
-    model, _ = built(name)
-    return model.emb if name.startswith("mha") else model.get_input_embeddings()
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -249,6 +263,15 @@ def _heads(i, h, d=4):
 def _hf_reference(name, dst, pos):
     """The model's own forward with destination ``dst``'s input at ``pos`` corrupted."""
     model, _ = built(name)
+    if name.startswith("lens"):  # its hook points: q / k / v (batch, position, head, d)
+        layer, role, head, inp = dst[0] if isinstance(dst, list) else dst
+        if role == "target":
+            return replaced(name, model.ln_final.hook_normalized, "out", pos)
+        block = model.blocks[layer]
+        if role == "mlp":
+            return replaced(name, block.ln2.hook_normalized, "out", pos)
+        hook = getattr(block.attn, f"hook_{inp}")
+        return replaced(name, hook, "out", pos, 0 if isinstance(dst, list) else head)
     layer, role, head, inp = dst
     if name == "bert":
         block = model.bert.encoder.layer[layer] if role != "target" else None
@@ -327,6 +350,11 @@ DESTINATIONS = {
                   ((2, "target", None, "target"), 3)],
     "mha_post": [((0, "head", 0, "q"), 1), ((1, "head", 1, "k"), 1), ((0, "head", 1, "v"), 1),
                  ((1, "mlp", None, "mlp"), 3), ((2, "target", None, "target"), 0)],
+    "lens_ln": [((1, "head", 0, "q"), 4), ((0, "head", 1, "k"), 2), ((1, "head", 1, "v"), 4),
+                ((0, "mlp", None, "mlp"), 2), ((2, "target", None, "target"), 5)],
+    # (one K/V head for both query heads: the k edges of both, as the hook on K sees them)
+    "lens_gqa": [((1, "head", 1, "q"), 4), ([(0, "head", 0, "k"), (0, "head", 1, "k")], 2),
+                 ((1, "mlp", None, "mlp"), 4), ((2, "target", None, "target"), 4)],
     "mha_pre": [((1, "head", 0, "q"), 3), ((0, "head", 1, "k"), 1), ((1, "head", 0, "v"), 2),
                 ((0, "mlp", None, "mlp"), 1), ((2, "target", None, "target"), 3)],
 }  # fmt: skip

@@ -34,6 +34,9 @@ __all__ = ["Destinations", "OwnPass", "destinations", "own_pass", "residual_regi
 
 #: the max that softmax subtracts: no gradient flows through it (its paths cancel)
 _SHIFT = torch.ops.semiring_backprop.softmax_shift.default
+#: ``dst.copy_(src)`` as a traced value: ``src`` in ``dst``'s shape and dtype
+_COPY = torch.ops.aten.copy.default
+_SLICE_SCATTER = torch.ops.aten.slice_scatter.default
 
 
 @dataclass
@@ -238,12 +241,20 @@ def args_of(node, first, rest):
 
 def call(node, args, kwargs):
     """Run one op of the graph (marks are identities; the softmax shift as the op computes
-    it, here also under vmap and autograd, where the custom op has no rules)."""
+    it, here also under vmap and autograd, where the custom op has no rules; the
+    functional copy as the broadcast it is, which autograd differentiates)."""
     if node.target is mark_op:
         return args[0]
     if node.target is _SHIFT:
         m = args[0].detach().amax(args[1], keepdim=True)
         return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    if node.target is _COPY:  # (autograd has no derivative for the functional copy)
+        dst, src = args[:2]
+        return torch.broadcast_to(src.to(dst.dtype), dst.shape).clone()
+    if node.target is _SLICE_SCATTER and len(args) > 4 and args[4] is not None:
+        # an open end (sys.maxsize) clamped to the size: vmap cannot batch it
+        dim = args[2] % args[0].dim()
+        args = (*args[:4], min(args[4], args[0].shape[dim]), *args[5:])
     return node.target(*args, **kwargs)
 
 
