@@ -201,6 +201,22 @@ def test_edges_match_enumeration(name, seed):
 
 
 @pytest.mark.parametrize("name", list(TINY))
+def test_edges_match_enumeration_when_each_group_of_sources_meets_alone(name, monkeypatch):
+    """The source passes meet the entries' D a few groups at a time (``MEET_BUDGET``);
+    with no budget, one group at a time: the ⊕ over the meetings is every path still."""
+    from semiring_backprop.analysis import circuit_edges as ce
+
+    monkeypatch.setattr(ce, "MEET_BUDGET", 0)
+    edges = circuit_edges(tiny(name), seed="x")
+    want, _ = brute(name, "x")
+    got = {tuple(_plain(row[c]) for c in KEY): row for _, row in edges.iterrows()}
+    assert set(got) == set(want)
+    for key, products in want.items():
+        for sr in SEMIRINGS:
+            _check(got[key][sr.name], _expected(products, sr), f"{name} {sr.name} {key}")
+
+
+@pytest.mark.parametrize("name", list(TINY))
 def test_attention_edges_match_enumeration(name):
     _, attn = tables(name, "structural")
     _, want = brute(name, "structural")

@@ -279,11 +279,13 @@ def _residual_region(res, lay: Layout, acc: dict) -> set:
     return region
 
 
-def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dict:
-    """``{entry tensor: (components, [stacked value per semiring])}``: per component (in
-    ``lay.components``' order, stacked along a new first dim) the ⊕ over the paths that
-    pass the component (alpha at its nodes, its columns only) and reach the entry through
-    the residual stream alone.
+def _source_passes(res, lay: Layout, srs, al, entries: set, between: set):
+    """Per group of components, ``{entry tensor: (components, [stacked value per
+    semiring])}``: per component (indices in ``lay.components``, stacked along a new
+    first dim) the ⊕ over the paths that pass the component (alpha at its nodes, its
+    columns only) and reach the entry through the residual stream alone. A generator:
+    the caller meets each group with the entries' D and lets it go (all groups at once
+    held more than the pass's values and D together).
 
     One forward pass per group of components on the same nodes (the embedding, the heads
     of one block, one MLP), over the nodes of ``between`` (those on a residual path to an
@@ -296,7 +298,6 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dic
     groups: dict = {}
     for c, comp in enumerate(comps):
         groups.setdefault(comp.nodes, []).append(c)
-    found: dict = {}
     for nodes, cs in groups.items():
         seeds = {n: _group_seed(res, srs, al, [comps[c] for c in cs], n) for n in nodes}
         region = _reached(seeds, between, lay.stops)
@@ -307,13 +308,38 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set) -> dic
         order = sorted(region - set(seeds), key=ids.__getitem__)
         wanted = [x for x in entries if x in region]
         got = _batched_pass(res, srs, seeds, order, wanted, len(cs))
-        for x, rows in got.items():
-            found.setdefault(x, []).append((cs, rows))
+        yield {x: (cs, rows) for x, rows in got.items()}
+
+
+#: elements of the source passes' values held before they meet the entries' D (one
+#: meeting per group of components is slower: the contractions get small and many)
+MEET_BUDGET = 2**25
+
+
+def _held_groups(parts):
+    """The groups of :func:`_source_passes` joined as ``{entry: (components, [value per
+    semiring])}``, as many at a time as :data:`MEET_BUDGET` allows."""
+    held, size = [], 0
+    for part in parts:
+        held.append(part)
+        size += sum(f.numel() for _, rows in part.values() for r in rows for f in r)
+        if size >= MEET_BUDGET:
+            yield _joined(held)
+            held, size = [], 0
+    if held:
+        yield _joined(held)
+
+
+def _joined(parts) -> dict:
+    found: dict = {}
+    for part in parts:
+        for x, got in part.items():
+            found.setdefault(x, []).append(got)
     out = {}
-    for x, parts in found.items():
-        idx = [c for cs, _ in parts for c in cs]
-        rows = [tuple(torch.cat(f) for f in zip(*(r[s] for _, r in parts)))
-                for s in range(len(srs))]  # fmt: skip
+    for x, got in found.items():
+        idx = [c for cs, _ in got for c in cs]
+        rows = [tuple(torch.cat(f) for f in zip(*(r[s] for _, r in got)))
+                for s in range(len(got[0][1]))]  # fmt: skip
         out[x] = (idx, rows)
     return out
 
@@ -465,6 +491,8 @@ def _meet(res, lay: Layout, srs, fwd, dests) -> dict:
             by_entry.setdefault(x, []).append((i, slot))
     out = {i: [None] * len(srs) for i, _ in dests}
     for x, group in by_entry.items():
+        if x not in fwd:  # (no component of this group reaches it)
+            continue
         idx, rows = fwd[x]
         shape = res.values[x].shape
         plain = all(f.dim() == 1 + len(shape) for r in rows for f in r) and all(
@@ -592,9 +620,14 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     forward = [all(_by_position(res, lay, x) for x in acc) for _, _, acc in dests]
     reached = {x for (_, _, acc), f in zip(dests, forward) if f for x in acc}
     between = set().union(*(r for r, f in zip(regions, forward) if f))
-    fwd = _source_passes(res, lay, srs, al, reached, between)
-    met = _meet(res, lay, srs, fwd, [(i, d[2]) for i, (d, f) in enumerate(zip(dests, forward))
-                                     if f])  # fmt: skip
+    meeting = [(i, d[2]) for i, (d, f) in enumerate(zip(dests, forward)) if f]
+    met = None
+    for part in _held_groups(_source_passes(res, lay, srs, al, reached, between)):
+        got = _meet(res, lay, srs, part, meeting)  # (zero where not these groups' rows)
+        met = got if met is None else {
+            i: [sr.plus(a, b) for sr, a, b in zip(srs, met[i], got[i])] for i in got}  # fmt: skip
+    if met is None:
+        met = _meet(res, lay, srs, {}, meeting)
     comps = lay.components
     for i, ((dst, inp, acc), f) in enumerate(zip(dests, forward)):
         if f:
