@@ -34,7 +34,6 @@ import torch
 
 from ..engine.alpha import apply_rule
 from ..engine.reverse import contributions, propagate
-from ..errors import InputError
 from ..semirings import MaxProduct
 from .circuit import readout, site_labels
 from .circuit_layout import (
@@ -49,6 +48,7 @@ from .circuit_layout import (
     head_plan,
     layout,
     pinned,
+    residual_region,
 )
 from .heads import QKV, only_columns
 
@@ -242,41 +242,13 @@ def residual_pass(res, lay: Layout, srs, acc: dict) -> dict:
     (``{tensor: [D per semiring]}``), the ⊕ over the paths from each component's node
     that reach an entry through the residual stream alone, times its D."""
     needed = res.needed
-    region = _residual_region(res, lay, acc)
+    region = residual_region(res, lay, acc)
     graph = res.graph
     start = max(graph.ids[n] for n in acc) + 1
     with torch.no_grad():
         store = propagate(graph, res.values, srs, dict(acc), needed, within=region, start=start,
                           stop=min(graph.ids[n] for n in region))  # fmt: skip
     return {n: v for n, v in store.items() if n in lay.stops}
-
-
-def _residual_region(res, lay: Layout, acc: dict) -> set:
-    """The nodes a residual pass from the entries ``acc`` goes through (InputError where
-    the residual stream reads inside a component)."""
-    needed = res.needed
-    region, todo = set(), list(acc)
-    while todo:
-        n = todo.pop()
-        if n in region:
-            continue
-        if n in lay.blocked:
-            raise InputError(
-                f"circuit edges: the residual stream before `{next(iter(acc)).name}` reads "
-                f"`{n.name}` inside a component (its first op) without passing the "
-                "component's output: the paths there cannot be given to one component"
-            )
-        region.add(n)
-        if n not in lay.stops:
-            todo.extend(a for a in n.all_input_nodes if a in needed)
-    for s in region & lay.stops:
-        inner = [a for a in s.all_input_nodes if a in region]
-        if inner:
-            raise InputError(
-                f"circuit edges: `{inner[0].name}`, an input of the component `{s.name}`, "
-                "is also read by the residual stream: paths through it pass no component"
-            )
-    return region
 
 
 def _source_passes(res, lay: Layout, srs, al, entries: set, between: set):
@@ -617,7 +589,7 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     rows: list = []
     dests = list(_destinations(res, lay, srs))
     # (each region refuses a residual stream that enters a component)
-    regions = [_residual_region(res, lay, acc) for _, _, acc in dests]
+    regions = [residual_region(res, lay, acc) for _, _, acc in dests]
     forward = [all(_by_position(res, lay, x) for x in acc) for _, _, acc in dests]
     reached = {x for (_, _, acc), f in zip(dests, forward) if f for x in acc}
     between = set().union(*(r for r, f in zip(regions, forward) if f))

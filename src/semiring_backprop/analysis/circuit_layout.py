@@ -147,6 +147,37 @@ def _mlp_entries(res, block, roles) -> list:
     return out
 
 
+def residual_region(res, lay: Layout, entries) -> set:
+    """The nodes the residual stream passes on its way to ``entries`` (tensors a
+    destination reads), back to the components' nodes (``lay.stops``), which it
+    includes. InputError where the stream reads inside a component (its first op, or an
+    input of its node): the paths there cannot be given to one component."""
+    needed = res.needed
+    entries = list(entries)
+    region, todo = set(), list(entries)
+    while todo:
+        n = todo.pop()
+        if n in region:
+            continue
+        if n in lay.blocked:
+            raise InputError(
+                f"circuit: the residual stream before `{entries[0].name}` reads "
+                f"`{n.name}` inside a component (its first op) without passing the "
+                "component's output: the paths there cannot be given to one component"
+            )
+        region.add(n)
+        if n not in lay.stops:
+            todo.extend(a for a in n.all_input_nodes if a in needed)
+    for s in region & lay.stops:
+        inner = [a for a in s.all_input_nodes if a in region]
+        if inner:
+            raise InputError(
+                f"circuit: `{inner[0].name}`, an input of the component `{s.name}`, "
+                "is also read by the residual stream: paths through it pass no component"
+            )
+    return region
+
+
 # -- one call's values -----------------------------------------------------------------
 
 

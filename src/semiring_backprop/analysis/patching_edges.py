@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import map_arg
 
-from ..errors import InputError
 from ..tracing.trace import mark_op
 from .circuit_layout import SHORT_ROLES, Component, Layout
+from .circuit_layout import residual_region as layout_region
 from .fanout import ancestors, descendants
 from .heads import QKV
 
@@ -142,22 +142,9 @@ def _attention_region(res, lay: Layout, layer) -> tuple:
 
 def residual_region(res, lay: Layout, x):
     """``(stops, order)``: the components' nodes the residual stream before ``x`` reads,
-    and the nodes between them and ``x`` in graph order (InputError where the stream
-    reads inside a component)."""
-    needed = res.needed
-    region, todo = set(), [x]
-    while todo:
-        n = todo.pop()
-        if n in region:
-            continue
-        if n in lay.blocked:
-            raise InputError(
-                f"patching: the residual stream before `{x.name}` reads `{n.name}` inside "
-                "a component (its first op) without passing the component's output"
-            )
-        region.add(n)
-        if n not in lay.stops:
-            todo.extend(a for a in n.all_input_nodes if a in needed)
+    and the nodes between them and ``x`` in graph order (the region of
+    :func:`.circuit_layout.residual_region`)."""
+    region = layout_region(res, lay, [x])
     ids = res.graph.ids
     stops = sorted(region & lay.stops, key=ids.__getitem__)
     return stops, sorted(region - lay.stops, key=ids.__getitem__)
