@@ -304,6 +304,8 @@ def _held_groups(parts):
 
 
 def _joined(parts) -> dict:
+    if len(parts) == 1:  # (one group, as by default: its rows as they are, not copied)
+        return {x: (list(cs), rows) for x, (cs, rows) in parts[0].items()}
     found: dict = {}
     for part in parts:
         for x, got in part.items():
