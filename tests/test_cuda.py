@@ -155,21 +155,28 @@ SYNC_SETS = {
 #: anything (it compares samples of the weights with the trace's), and the checks for
 #: non-finite values (the forward's and the pass's), read once at the end, after every
 #: kernel of the call is queued
-END_CHECKS = ("graph", "confirm", "_first_overflow")
+END_CHECKS = ("graph", "confirm", "_first_overflow", "_fine")
 
 
+@pytest.mark.parametrize("replayed", [False, True], ids=["from Python", "CUDA graph"])
 @pytest.mark.parametrize("label", list(SYNC_SETS))
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
-def test_a_traced_pass_waits_for_the_device_only_at_its_end(name, label):
+def test_a_traced_pass_waits_for_the_device_only_at_its_end(name, label, replayed):
     """Once traced, a call (forward values and the reverse pass, ``keep=`` the input)
     queues its work without waiting for the GPU: torch's sync debug mode reports every
-    operation that synchronizes, and each must be one of the checks read at the end."""
+    operation that synchronizes, and each must be one of the checks read at the end.
+    So it is when the pass runs from Python, and when it is a replayed CUDA graph."""
     import traceback
 
     spec, model, emb = _spec_model(name, torch.float32)
     model, emb = model.cuda(), emb.cuda()
-    bp = sbp.Backprop(model, spec.output, SYNC_SETS[label], keep=("inputs_embeds",))
+    bp = sbp.Backprop(
+        model, spec.output, SYNC_SETS[label], keep=("inputs_embeds",), cuda_graphs=replayed
+    )
     want = bp(kwargs={"inputs_embeds": emb})  # traces and checks the trace (syncs)
+    if replayed:
+        want = bp(kwargs={"inputs_embeds": emb})  # captured here
+        assert len(bp.captured) == 1
     want = [f.clone() for sr in SYNC_SETS[label]
             for f in _readouts(sr, want.value("inputs_embeds", sr))]  # fmt: skip
     torch.cuda.synchronize()
@@ -236,3 +243,94 @@ def test_cli_explain_on_cuda_gives_the_cpu_numbers(tmp_path, _offline_quiet):
     got, want = (r.result.at(r.source, maxp).hi.cpu() for r in (gpu, cpu))
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-6)
     assert gpu.path.value == pytest.approx(cpu.path.value, rel=1e-3)
+
+
+# -- passes replayed as CUDA graphs ---------------------------------------------------------
+
+
+def _fields(semirings, res, place="inputs_embeds"):
+    return [f for sr in semirings for f in _readouts(sr, res.value(place, sr))]
+
+
+def _same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.device.type == "cuda"
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("label", list(SYNC_SETS))
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_a_replayed_pass_gives_the_pass_run_from_python(name, label):
+    """The second call with inputs of one shape captures the pass, later ones replay it:
+    every semiring's values equal those of the same pass run from Python on each new
+    input, and a result already returned does not change when the graph replays."""
+    spec, model, emb = _spec_model(name)
+    model, emb = model.cuda(), emb.cuda()
+    semirings = SYNC_SETS[label]
+    bp = sbp.Backprop(model, spec.output, semirings, keep=("inputs_embeds",), cuda_graphs=True)
+    ref = sbp.Backprop(model, spec.output, semirings, keep=("inputs_embeds",), cuda_graphs=False)
+    torch.manual_seed(1)
+    inputs = [emb] + [emb + 0.1 * torch.randn_like(emb) for _ in range(3)]
+    results = []
+    for i, x in enumerate(inputs):
+        res = bp(kwargs={"inputs_embeds": x})
+        assert len(bp.captured) == (0 if i == 0 else 1)
+        _same(_fields(semirings, res), _fields(semirings, ref(kwargs={"inputs_embeds": x})))
+        results.append([f.clone() for f in _fields(semirings, res)])
+    assert ref.captured == []
+    for res_fields, x in zip(results, inputs, strict=True):  # still what they were
+        _same(res_fields, _fields(semirings, ref(kwargs={"inputs_embeds": x})))
+    (row,) = bp.captured
+    assert row["input shapes"] == [tuple(emb.shape)]
+    assert row["pool MB"] > 0
+
+
+def test_replays_follow_lengths_weights_and_checks(monkeypatch):
+    """A new length is captured apart (at most PER_MODEL kept, least recently used let
+    go); a weight written in place is read by the next call (the trace's check sees the
+    write and the captured passes are let go); a NaN input of a replayed call is refused
+    as it is from Python; ``cuda_graphs=False`` and the environment variable turn it off."""
+    from semiring_backprop.engine import graphed
+
+    spec, model, emb = _spec_model("bert")
+    model = model.cuda()
+    semirings = [sbp.Real(), sbp.MaxProduct()]
+    monkeypatch.setattr(graphed, "PER_MODEL", 2)
+    bp = sbp.Backprop(model, spec.output, semirings, keep=("inputs_embeds",), cuda_graphs=True)
+    torch.manual_seed(2)
+    hidden = emb.shape[-1]
+    for length in (4, 5, 6, 4):
+        x = torch.randn(1, length, hidden, dtype=F64, device="cuda")
+        for _ in range(3):
+            res = bp(kwargs={"inputs_embeds": x})
+        ref = sbp.Backprop(model, spec.output, semirings, keep=("inputs_embeds",),
+                           cuda_graphs=False)(kwargs={"inputs_embeds": x})  # fmt: skip
+        _same(_fields(semirings, res), _fields(semirings, ref))
+    assert [r["input shapes"][0][1] for r in bp.captured] == [6, 4]
+
+    x = emb.cuda()
+    for _ in range(3):
+        bp(kwargs={"inputs_embeds": x})
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "layer.0" in n and "weight" in n).mul_(1.5)
+    res = bp(kwargs={"inputs_embeds": x})
+    assert bp.captured == []
+    x_ = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(spec.output(model(inputs_embeds=x_)), x_)
+    torch.testing.assert_close(res.at("inputs_embeds", sbp.Real()), grad)
+
+    bad = x.clone()
+    bad[0, 1, 2] = float("nan")
+    for _ in range(2):
+        bp(kwargs={"inputs_embeds": x})
+    assert len(bp.captured) == 1
+    with pytest.raises(sbp.errors.NonFiniteError, match="inputs_embeds"):
+        bp(kwargs={"inputs_embeds": bad})
+
+    off = sbp.Backprop(model, spec.output, semirings, keep=("inputs_embeds",), cuda_graphs=False)
+    monkeypatch.setenv("SEMIRING_BACKPROP_CUDA_GRAPHS", "0")
+    default_off = sbp.Backprop(model, spec.output, semirings, keep=("inputs_embeds",))
+    for b in (off, default_off):
+        for _ in range(3):
+            b(kwargs={"inputs_embeds": x})
+        assert b.captured == []

@@ -10,7 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import independence, rules
-from .engine import allocator, budget, checkpoints, forward, liveness
+from .engine import allocator, budget, checkpoints, forward, graphed, liveness
 from .engine.reverse import Overflow, needed_nodes, reverse
 from .errors import InputError, OutOfMemoryError, SemiringBackpropError, is_out_of_memory
 from .result import Result, resolve_keep
@@ -151,6 +151,13 @@ class Backprop:
     ``MaxProduct``) is kept across calls, up to this size. It trades memory for time;
     the values are the same either way.
 
+    ``cuda_graphs`` (default on; ``SEMIRING_BACKPROP_CUDA_GRAPHS=0`` turns the default
+    off): on a GPU, a ``keep=`` pass that ran once for inputs of the same shapes is
+    captured as a CUDA graph on its second call and replayed on later ones (no Python
+    per rule; the same kernels, so the same values). Each captured pass holds a memory
+    pool about the size of its peak; ``captured`` lists them (see
+    ``semiring_backprop.engine.graphed``).
+
     On its first call, on glibc, malloc is set to reuse freed host memory instead of
     returning it to the system (``semiring_backprop.allocator``: faster by a third
     on a CPU, no value changes); ``SEMIRING_BACKPROP_TUNE_MALLOC=0`` leaves it alone.
@@ -182,6 +189,7 @@ class Backprop:
         weight_cache: int = 2**30,
         dynamic: bool = True,
         paper: bool = False,
+        cuda_graphs: bool | None = None,
         _traces: _Traces | None = None,
     ):
         if isinstance(semirings, Semiring):
@@ -206,6 +214,7 @@ class Backprop:
         options = {"whole": tuple(whole), "allow_training": allow_training,
                    "per_example": per_example, "paper": bool(paper)}  # fmt: skip
         self._traces = _traces or _Traces(model, output, options, int(weight_cache), dynamic)
+        self.cuda_graphs = graphed.enabled_by_default() if cuda_graphs is None else cuda_graphs
 
     @property
     def model(self):
@@ -255,6 +264,12 @@ class Backprop:
     def traces(self) -> int:
         """How many graphs are traced now (for the current weights)."""
         return self._traces.count
+
+    @property
+    def captured(self) -> list[dict]:
+        """The passes kept as CUDA graphs for this model and output function: input
+        shapes, semirings, kept places and the memory pool each holds (MB)."""
+        return self._traces.passes.describe()
 
     @property
     def _prepared(self):
@@ -309,6 +324,9 @@ class Backprop:
             if not getattr(graph, "eager_checked", False):  # what the trace check reads
                 held |= {n for n in (compared(graph),) if n is not None}
             drop = liveness.unread_values(graph, needed_nodes(graph, graph.output_node), held)
+            replayed = self._replay(graph, kept, drop, args, kwargs)
+            if replayed is not None:
+                return replayed
         with torch.no_grad():
             values, confirm = forward.run_deferred(graph, args, kwargs, drop)
             out = values.get(graph.output_node)
@@ -334,6 +352,20 @@ class Backprop:
                 confirm()
         if kept is not None:
             values = {n: v for n, v in values.items() if n in kept}
+        return Result(graph, values, store, self.semirings, kept=kept)
+
+    def _replay(self, graph, kept, drop, args: tuple, kwargs: dict) -> Result | None:
+        """The pass replayed as a CUDA graph (see ``engine.graphed``), or None: run it."""
+        if not (self.cuda_graphs and getattr(graph, "eager_checked", False)):
+            return None
+        if not torch.cuda.is_available():
+            return None
+        got = self._traces.passes.run(graph, self.semirings, kept, drop, args, kwargs)
+        if got is None:
+            return None
+        values, store = got
+        self._check_examples(args, kwargs, values.get(graph.output_node))
+        values = {n: v for n, v in values.items() if n in kept}
         return Result(graph, values, store, self.semirings, kept=kept)
 
     def _check_trace(self, graph, args: tuple, kwargs: dict, values) -> None:
@@ -363,6 +395,7 @@ class _Traces:
         self.limit = limit  # most graphs kept per input signature (None: all)
         self.graphs: dict = {}  # signature -> graphs traced for it
         self.stamp = self.prepared = self.samples = None
+        self.passes = graphed.Passes()  # passes captured as CUDA graphs
 
     @property
     def model(self):
@@ -376,6 +409,7 @@ class _Traces:
         """A fresh store of prepared weights, for every graph (``samples``: the model's
         ``reuse.samples`` now, if known)."""
         self.prepared = rules.Prepared(self.weight_cache) if self.weight_cache else None
+        self.passes.clear()  # captured with the graphs and prepared weights of before
         if self.prepared is not None:
             self.samples = reuse.samples(self.model) if samples is None else samples
         for graphs in self.graphs.values():

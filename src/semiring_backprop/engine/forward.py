@@ -84,6 +84,7 @@ def run_deferred(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = No
         graph._static_checked = True
         return None
 
+    confirm.finite = finite  # (0-dim bool, or None: nothing checked) read without naming
     return values, confirm
 
 

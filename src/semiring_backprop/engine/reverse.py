@@ -73,7 +73,7 @@ def _is_complex(node) -> bool:
 
 def reverse(
     graph, values: dict, semirings: list, seed_node, keep=None, snapshots=None, reached=None,
-    check: str = "pass",
+    check: str = "pass", flags: list | None = None,
 ) -> dict:  # fmt: skip
     """D(v) for every needed node v, as ``{node: [value per semiring]}``.
 
@@ -86,7 +86,10 @@ def reverse(
     semirings whose ops can hide one (``Semiring.overflow == "node"``), where paths end
     for the others. A :class:`NonFiniteError` names the first node (from the output)
     where one appears; an :class:`Overflow` seen only where paths end asks the caller
-    to run the pass again with ``check="every"`` to find that node.
+    to run the pass again with ``check="every"`` to find that node. With ``flags`` (a
+    list), the statistics are appended to it instead, and not read: the caller reads
+    them with :func:`check_flags` (a pass captured as a CUDA graph reads them after
+    each replay).
     """
     needed = needed_nodes(graph, seed_node)
     if seed_node not in needed:
@@ -97,7 +100,7 @@ def reverse(
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
     return propagate(
         graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached,
-        check=check,
+        check=check, flags=flags,
     )  # fmt: skip
 
 
@@ -117,7 +120,7 @@ def _overflow(graph, node, sr, cls=NonFiniteError) -> NonFiniteError:
 
 def propagate(
     graph, values, semirings, acc: dict, needed, within=None, keep=None, *,
-    start=None, stop=0, snapshots=None, reached=None, check=None,
+    start=None, stop=0, snapshots=None, reached=None, check=None, flags=None,
 ) -> dict:  # fmt: skip
     """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
 
@@ -129,10 +132,12 @@ def propagate(
     partial sums are copied there (the state to run the pass on from, see
     :mod:`checkpoints`); ``reached`` (a set) collects every node that gets a D.
     ``check`` (None, ``"pass"``, ``"every"``): refuse an overflowed D (see
-    :func:`reverse`; ``"every"``: every semiring that can overflow, at every node).
+    :func:`reverse`; ``"every"``: every semiring that can overflow, at every node);
+    ``flags``: a list to which the checks' statistics go, unread (see :func:`reverse`).
     """
     store = {}
-    flags = []  # (node, semiring, 0-dim statistic): checked together at the end
+    own_flags = flags is None
+    flags = [] if own_flags else flags  # (node, semiring, 0-dim statistic): read at the end
     lean = liveness.plan(graph, needed, keep) if keep is not None else None
     plan = reverse_plan(graph, needed)
     start = len(graph.nodes) if start is None else start
@@ -177,13 +182,18 @@ def propagate(
                 continue
             slot = acc.setdefault(inp, [None] * len(semirings))
             slot[s] = semirings[s].accumulate(slot[s], c)
-    if flags:
-        first = _first_overflow(flags)
-        if first is not None:
-            node, sr = first
-            late = check != "every" and sr.overflow == "end"
-            raise _overflow(graph, node, sr, Overflow if late else NonFiniteError)
+    if own_flags:
+        check_flags(graph, flags, check)
     return store
+
+
+def check_flags(graph, flags: list, check) -> None:
+    """Raise for the first overflowed statistic among ``flags`` (see :func:`reverse`)."""
+    first = _first_overflow(flags) if flags else None
+    if first is not None:
+        node, sr = first
+        late = check != "every" and sr.overflow == "end"
+        raise _overflow(graph, node, sr, Overflow if late else NonFiniteError)
 
 
 def _first_overflow(flags):

@@ -17,6 +17,7 @@ only in hindsight): a single explanation runs eagerly, a data set compiles early
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -42,6 +43,7 @@ _MODES = {"auto": "auto", "1": True, "0": False}
 _state = {
     "compile": _MODES.get(os.environ.get("SEMIRING_BACKPROP_COMPILE", "auto").lower(), "auto"),
     "failed": set(),
+    "frozen": False,  # no new compilation (see no_new_compiles)
     "eager_s": {},  # kernel key -> estimated seconds of eager work done so far
 }
 
@@ -70,11 +72,27 @@ def has_storage(t: torch.Tensor) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def no_new_compiles():
+    """Within the block, kernels that have run compiled still do and no other compiles
+    (a pass being captured as a CUDA graph must not compile: compiling launches work)."""
+    before = _state["frozen"]
+    _state["frozen"] = True
+    try:
+        yield
+    finally:
+        _state["frozen"] = before
+
+
 def _should_compile(key, work: int, device) -> bool:
     mode = _state["compile"]
     if not mode or work < MIN_WORK or key in _state["failed"]:
         return False
-    if mode is True or key in _COMPILED_KEYS:
+    if key in _COMPILED_KEYS:
+        return True
+    if _state["frozen"]:
+        return False
+    if mode is True:
         return True
     spent = _state["eager_s"].get(key, 0.0) + work * _EAGER_S_PER_TRIPLE.get(device.type, 8e-9)
     _state["eager_s"][key] = spent
