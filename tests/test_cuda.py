@@ -258,17 +258,22 @@ def _same(got, want):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("label", list(SYNC_SETS))
+REPLAYED = [(label, ("inputs_embeds",)) for label in SYNC_SETS] + [("three", None)]
+
+
+@pytest.mark.parametrize(("label", "keep"), REPLAYED, ids=[
+    f"{label}-{'keep' if keep else 'checkpoints'}" for label, keep in REPLAYED])  # fmt: skip
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
-def test_a_replayed_pass_gives_the_pass_run_from_python(name, label):
+def test_a_replayed_pass_gives_the_pass_run_from_python(name, label, keep):
     """The second call with inputs of one shape captures the pass, later ones replay it:
     every semiring's values equal those of the same pass run from Python on each new
-    input, and a result already returned does not change when the graph replays."""
+    input, and a result already returned does not change when the graph replays. With
+    ``keep=None`` (checkpoints), top paths read from a replayed result are the same."""
     spec, model, emb = _spec_model(name)
     model, emb = model.cuda(), emb.cuda()
     semirings = SYNC_SETS[label]
-    bp = sbp.Backprop(model, spec.output, semirings, keep=("inputs_embeds",), cuda_graphs=True)
-    ref = sbp.Backprop(model, spec.output, semirings, keep=("inputs_embeds",), cuda_graphs=False)
+    bp = sbp.Backprop(model, spec.output, semirings, keep=keep, cuda_graphs=True)
+    ref = sbp.Backprop(model, spec.output, semirings, keep=keep, cuda_graphs=False)
     torch.manual_seed(1)
     inputs = [emb] + [emb + 0.1 * torch.randn_like(emb) for _ in range(3)]
     results = []
@@ -283,6 +288,17 @@ def test_a_replayed_pass_gives_the_pass_run_from_python(name, label):
     (row,) = bp.captured
     assert row["input shapes"] == [tuple(emb.shape)]
     assert row["pool MB"] > 0
+    if keep is None:
+        res, want = (
+            bp(kwargs={"inputs_embeds": inputs[2]}),
+            ref(kwargs={"inputs_embeds": inputs[2]}),
+        )
+        for sign in "+-":
+            got, exp = (
+                res.top_path("inputs_embeds", sign=sign),
+                want.top_path("inputs_embeds", sign=sign),
+            )
+            assert got.value == exp.value and len(got) == len(exp)
 
 
 def test_replays_follow_lengths_weights_and_checks(monkeypatch):

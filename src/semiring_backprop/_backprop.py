@@ -309,6 +309,11 @@ class Backprop:
     def _run(self, graph, args: tuple, kwargs: dict) -> Result:
         if self.keep is None and checkpoints.ENABLED and checkpoints.usable(graph):
             needed = needed_nodes(graph, graph.output_node)
+            step = lambda: graphed.checkpointed_pass(graph, self.semirings, needed)  # noqa: E731
+            ckpt = self._replay(graph, None, step, args, kwargs)
+            if ckpt is not None:
+                self._check_examples(args, kwargs, ckpt.held[graph.output_node])
+                return Result(graph, ckpt.values, ckpt.store, self.semirings)
             with torch.no_grad():
                 ckpt = checkpoints.run(
                     graph, lambda drop: forward.run(graph, args, kwargs, drop),
@@ -324,9 +329,13 @@ class Backprop:
             if not getattr(graph, "eager_checked", False):  # what the trace check reads
                 held |= {n for n in (compared(graph),) if n is not None}
             drop = liveness.unread_values(graph, needed_nodes(graph, graph.output_node), held)
-            replayed = self._replay(graph, kept, drop, args, kwargs)
+            step = lambda: graphed.kept_pass(graph, self.semirings, kept, drop)  # noqa: E731
+            replayed = self._replay(graph, kept, step, args, kwargs)
             if replayed is not None:
-                return replayed
+                values, store = replayed
+                self._check_examples(args, kwargs, values.get(graph.output_node))
+                values = {n: v for n, v in values.items() if n in kept}
+                return Result(graph, values, store, self.semirings, kept=kept)
         with torch.no_grad():
             values, confirm = forward.run_deferred(graph, args, kwargs, drop)
             out = values.get(graph.output_node)
@@ -354,19 +363,14 @@ class Backprop:
             values = {n: v for n, v in values.items() if n in kept}
         return Result(graph, values, store, self.semirings, kept=kept)
 
-    def _replay(self, graph, kept, drop, args: tuple, kwargs: dict) -> Result | None:
-        """The pass replayed as a CUDA graph (see ``engine.graphed``), or None: run it."""
+    def _replay(self, graph, kept, step, args: tuple, kwargs: dict):
+        """The pass replayed as a CUDA graph (``engine.graphed``; ``step``: the pass and
+        how its results are copied out, made by ``step()``), or None: run it from Python."""
         if not (self.cuda_graphs and getattr(graph, "eager_checked", False)):
             return None
         if not torch.cuda.is_available():
             return None
-        got = self._traces.passes.run(graph, self.semirings, kept, drop, args, kwargs)
-        if got is None:
-            return None
-        values, store = got
-        self._check_examples(args, kwargs, values.get(graph.output_node))
-        values = {n: v for n, v in values.items() if n in kept}
-        return Result(graph, values, store, self.semirings, kept=kept)
+        return self._traces.passes.run(graph, self.semirings, kept, *step(), args, kwargs)
 
     def _check_trace(self, graph, args: tuple, kwargs: dict, values) -> None:
         if getattr(graph, "eager_checked", False):  # once per traced graph

@@ -263,17 +263,33 @@ class _Row(Sequence):
         return len(self.ckpt.semirings)
 
 
-def run(graph, forward_run, semirings, needed, inputs: frozenset):
+def run(graph, forward_run, semirings, needed, inputs: frozenset, *, flags=None,
+        check_budget=True):  # fmt: skip
     """A checkpointed pass: ``forward_run(drop)`` computes the forward values (dropping
     ``drop``); returns the :class:`Checkpoints` (its ``values`` and ``store``: every
-    node's, on demand)."""
+    node's, on demand). ``flags``: see :func:`reverse`; ``check_budget=False``: no
+    refusal of a pass too large (a pass captured as a CUDA graph was checked before)."""
     lay = layout(graph, needed)
     kept = lay.frontier | inputs
     values = forward_run(liveness.unread_values(graph, needed, kept))
     held = {n: values[n] for n in (*lay.frontier, *graph.constants, *graph.user_inputs.values())}
     held[graph.output_node] = values[graph.output_node]
     snaps, reached = dict.fromkeys(b - 1 for b in lay.bounds[1:]), set()
-    budget.check(graph, values, semirings, needed, kept)  # before a pass too large
-    store = reverse(graph, values, semirings, graph.output_node, kept, snaps, reached)
+    if check_budget:
+        budget.check(graph, values, semirings, needed, kept)  # before a pass too large
+    store = reverse(graph, values, semirings, graph.output_node, kept, snaps, reached, flags=flags)
     store = {n: d for n, d in store.items() if n in inputs}
     return Checkpoints(graph, needed, semirings, lay, held, store, snaps, reached)
+
+
+def copied(ckpt: Checkpoints, copy) -> Checkpoints:
+    """``ckpt`` with every tensor it holds replaced by ``copy(value)`` (a pass replayed
+    as a CUDA graph hands out copies of what its graph's memory holds)."""
+    held = {n: copy(v) for n, v in ckpt.held.items()}
+    store = {n: [copy(v) for v in d] for n, d in ckpt.held_store.items()}
+    snaps = {
+        i: None if snap is None else {n: [copy(v) for v in slot] for n, slot in snap.items()}
+        for i, snap in ckpt.snaps.items()
+    }  # fmt: skip
+    return Checkpoints(ckpt.graph, ckpt.needed, ckpt.semirings, ckpt.layout, held, store,
+                       snaps, set(ckpt.reached))  # fmt: skip

@@ -40,7 +40,8 @@ from torch.utils import _pytree as pytree
 
 from .. import kernels
 from ..errors import SemiringBackpropError, is_out_of_memory
-from . import forward
+from ..semirings.base import retype
+from . import checkpoints, forward
 from .reverse import check_flags, reverse
 
 log = logging.getLogger(__name__)
@@ -68,8 +69,14 @@ class Passes:
         self.failed: set = set()
         self.lock = threading.Lock()
 
-    def run(self, graph, semirings, kept, drop, args, kwargs):
-        """``(values, store)`` of a replayed pass, or None: run it from Python."""
+    def run(self, graph, semirings, kept, step, copy_out, args, kwargs):
+        """What ``step`` returned, computed by a replay and copied out of the graph's
+        memory, or None: run the pass from Python.
+
+        ``step(args, kwargs)`` runs the pass and returns ``(out, flags, confirm)``: what
+        the pass holds, its overflow statistics and its forward's ``confirm`` (see
+        ``forward.run_deferred``); ``copy_out(out)`` copies what a replay computed out of
+        the graph's memory. ``kept`` is part of the key (None: checkpoints)."""
         key = _key(graph, semirings, kept, args, kwargs)
         if key is None:
             return None
@@ -83,15 +90,15 @@ class Passes:
                 self.seen[key] += 1
                 if self.seen[key] < CAPTURE_AT:
                     return None
-                entry = self._capture(key, graph, semirings, kept, drop, args, kwargs)
+                entry = self._capture(key, graph, semirings, kept, step, args, kwargs)
                 if entry is None:
                     return None
             self.captured.move_to_end(key)
-        return entry.replay(args, kwargs)
+        return entry.replay(args, kwargs, copy_out)
 
-    def _capture(self, key, graph, semirings, kept, drop, args, kwargs):
+    def _capture(self, key, graph, semirings, kept, step, args, kwargs):
         try:
-            entry = CapturedPass(graph, semirings, kept, drop, args, kwargs)
+            entry = CapturedPass(graph, semirings, kept, step, args, kwargs)
         except Exception as e:
             if isinstance(e, SemiringBackpropError):  # the pass itself refuses: say so
                 raise
@@ -146,7 +153,7 @@ def _key(graph, semirings, kept, args, kwargs):
 class CapturedPass:
     """One pass of ``graph`` for inputs of one layout, captured as a CUDA graph."""
 
-    def __init__(self, graph, semirings, kept, drop, args, kwargs):
+    def __init__(self, graph, semirings, kept, step, args, kwargs):
         # held so that what the captured kernels read stays where it is
         self.graph, self.prepared, self.kept = graph, graph.prepared, kept
         self.semirings = list(semirings)
@@ -158,13 +165,12 @@ class CapturedPass:
             for x in leaves
         ]  # fmt: skip
         s_args, s_kwargs = pytree.tree_unflatten(self.static, self.spec)
-        self.drop = drop
         device = next(x.device for x in self.static if isinstance(x, torch.Tensor))
         with torch.cuda.device(device), torch.no_grad():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # lazy set-up and recompiles happen here
-                self._step(s_args, s_kwargs)
+                step(s_args, s_kwargs)
             torch.cuda.current_stream().wait_stream(side)
             before = torch.cuda.memory_reserved(device)
             self.cuda_graph = torch.cuda.CUDAGraph()
@@ -172,42 +178,69 @@ class CapturedPass:
                 kernels.no_new_compiles(),
                 torch.cuda.graph(self.cuda_graph, capture_error_mode="thread_local"),
             ):
-                self.out = self._step(s_args, s_kwargs)
+                self.out = step(s_args, s_kwargs)
             self.pool_bytes = torch.cuda.memory_reserved(device) - before
         self.shapes = [tuple(x.shape) for x in self.static if isinstance(x, torch.Tensor)]
 
-    def _step(self, args, kwargs):
-        flags: list = []
-        values, confirm = forward.run_deferred(self.graph, args, kwargs, self.drop)
-        store = reverse(
-            self.graph, values, self.semirings, self.graph.output_node, self.kept, flags=flags
-        )
-        held = {n: values[n] for n in (*self.kept, self.graph.output_node) if n in values}
-        return held, store, flags, confirm
-
-    def replay(self, args, kwargs):
-        """``(values, store)`` for these inputs, copied out of the graph's memory; None
-        where a check failed (the caller runs the pass from Python, which names it)."""
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    def replay(self, args, kwargs, copy_out):
+        """``copy_out(out)`` of the pass replayed on these inputs; None where a check
+        failed (the caller runs the pass from Python, which names the node)."""
+        leaves, _ = pytree.tree_flatten((tuple(args), dict(kwargs)))
         with self.lock:
             for mine, x in zip(self.static, leaves, strict=True):
                 if isinstance(mine, torch.Tensor):
                     mine.copy_(x)
             self.cuda_graph.replay()
-            held, store, flags, confirm = self.out
+            out, flags, confirm = self.out
             if not _fine(self.graph, flags, confirm):
                 return None
-            values = {n: _copy(v) for n, v in held.items()}
-            store = {n: [_copy(v) for v in per_sr] for n, per_sr in store.items()}
-        return values, store
+            return copy_out(out)
 
     def describe(self) -> dict:
         return {
             "input shapes": self.shapes,
             "semirings": [s.name for s in self.semirings],
-            "kept": sorted(n.name for n in self.kept),
+            "kept": None if self.kept is None else sorted(n.name for n in self.kept),
             "pool MB": round(self.pool_bytes / 2**20, 1),
         }
+
+
+def kept_pass(graph, semirings, kept, drop):
+    """The ``step`` of a ``keep=`` pass: the kept values (and the output) and D."""
+
+    def step(args, kwargs):
+        flags: list = []
+        values, confirm = forward.run_deferred(graph, args, kwargs, drop)
+        store = reverse(graph, values, semirings, graph.output_node, kept, flags=flags)
+        held = {n: values[n] for n in (*kept, graph.output_node) if n in values}
+        return (held, store), flags, confirm
+
+    def copy_out(out):
+        held, store = out
+        return {n: copy(v) for n, v in held.items()}, {
+            n: [copy(v) for v in d] for n, d in store.items()
+        }
+
+    return step, copy_out
+
+
+def checkpointed_pass(graph, semirings, needed):
+    """The ``step`` of a ``keep=None`` pass: its checkpoints (``checkpoints.run``)."""
+
+    def step(args, kwargs):
+        flags, confirms = [], []
+
+        def forward_run(drop):
+            values, confirm = forward.run_deferred(graph, args, kwargs, drop)
+            confirms.append(confirm)
+            return values
+
+        inputs = frozenset(graph.user_inputs.values())
+        ckpt = checkpoints.run(graph, forward_run, semirings, needed, inputs, flags=flags,
+                               check_budget=False)  # fmt: skip
+        return ckpt, flags, confirms[0]
+
+    return step, lambda ckpt: checkpoints.copied(ckpt, copy)
 
 
 def _fine(graph, flags, confirm) -> bool:
@@ -222,11 +255,10 @@ def _fine(graph, flags, confirm) -> bool:
     return True
 
 
-def _copy(value):
+def copy(value):
+    """A semiring value (or a tensor) copied out of a graph's memory."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, tuple):
-        from ..semirings.base import retype
-
-        return retype(value, tuple(_copy(f) for f in value))
+        return retype(value, tuple(copy(f) for f in value))
     return value
