@@ -49,6 +49,7 @@ import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import rules  # noqa: E402
 from semiring_backprop.engine import allocator, forward, reverse  # noqa: E402
 from semiring_backprop.result import resolve_keep  # noqa: E402
+from semiring_backprop.semirings.base import fmap  # noqa: E402
 
 UNITS = 8  # hidden units summed into the explained scalar
 KEEP = ("inputs_embeds",)
@@ -127,8 +128,8 @@ def build(case: str, dtype, device):
 
 
 def record_contractions(graph, semirings, keep, emb):
-    """The contraction rule calls of one interpreted pass: ``[(semiring, fn, args,
-    kwargs)]``, with the D and operands each call read."""
+    """The contraction rule calls of one interpreted pass: ``[(semiring name, fn, args,
+    kwargs)]``, with the D (a copy) and operands each call read."""
     calls, plain = [], rules.lookup
 
     def lookup(target):
@@ -136,9 +137,12 @@ def record_contractions(graph, semirings, keep, emb):
         if rule is None or rule.kind != "contraction":
             return rule
 
-        def record(*args, **kwargs):
-            calls.append((args[0].name, rule.fn, args, kwargs))
-            return rule.fn(*args, **kwargs)
+        def record(sr, g, *args, **kwargs):
+            # D as the rule read it: the pass may later write into its memory (a sum ⊕-ed
+            # in place into a value that shares it)
+            copy = fmap(lambda f: f.clone() if isinstance(f, torch.Tensor) else f, g)
+            calls.append((sr.name, rule.fn, (sr, copy, *args), kwargs))
+            return rule.fn(sr, g, *args, **kwargs)
 
         return dataclasses.replace(rule, fn=record)
 
