@@ -52,3 +52,56 @@ def test_no_capture_on_a_cpu_and_the_switches():
 def test_the_environment_variable_sets_the_default(monkeypatch, value, on):
     monkeypatch.setenv("SEMIRING_BACKPROP_CUDA_GRAPHS", value)
     assert sbp.Backprop(Chain()).cuda_graphs is on
+
+
+@pytest.mark.parametrize("keep", [("inputs_embeds",), None], ids=["keep", "checkpoints"])
+def test_the_recorded_step_computes_the_pass(keep):
+    """What a capture records (``kept_pass`` / ``checkpointed_pass``), run here once
+    without a graph and copied out as a replay's result is, gives the values and top
+    paths of the pass run by ``Backprop`` from Python."""
+    pytest.importorskip("transformers")
+    from semiring_backprop.engine import liveness
+    from semiring_backprop.engine.reverse import needed_nodes
+    from semiring_backprop.result import Result, resolve_keep
+    from test_branches import HF_SPECS
+
+    spec = HF_SPECS["bert"]
+    torch.manual_seed(5)
+    model = spec.build().double().eval()
+    emb = model.get_input_embeddings()(torch.randint(1, 20, (1, 6))).detach()
+    semirings = [sbp.Real(), sbp.MaxProduct(), sbp.Entropy()]
+    bp = sbp.Backprop(model, spec.output, semirings, keep=keep)
+    kwargs = {"inputs_embeds": emb}
+    want = bp(kwargs=kwargs)
+    graph = bp.graph(kwargs=kwargs)
+    needed = needed_nodes(graph, graph.output_node)
+    if keep is None:
+        step, copy_out = graphed.checkpointed_pass(graph, semirings, needed)
+    else:
+        kept = resolve_keep(graph, keep)
+        step, copy_out = graphed.kept_pass(
+            graph, semirings, kept, liveness.unread_values(graph, needed, kept)
+        )
+    with torch.no_grad():
+        out, flags, confirm = step((), kwargs)
+    assert graphed._fine(graph, flags, confirm)
+    got = copy_out(out)
+    if keep is None:
+        res = Result(graph, got.values, got.store, semirings)
+    else:
+        values, store = got
+        res = Result(
+            graph, {n: v for n, v in values.items() if n in kept}, store, semirings, kept=kept
+        )
+    for sr in semirings:
+        for a, b in zip(
+            res.value("inputs_embeds", sr), want.value("inputs_embeds", sr), strict=True
+        ):
+            assert torch.equal(a, b)
+    if keep is None:
+        for sign in "+-":
+            p, q = (
+                res.top_path("inputs_embeds", sign=sign),
+                want.top_path("inputs_embeds", sign=sign),
+            )
+            assert p.value == q.value and len(p) == len(q)
