@@ -663,6 +663,24 @@ def test_cli_refuses_a_model_directory_with_code_of_its_own(tmp_path, capsys, mo
     assert "Traceback" not in err and out == ""
 
 
+@pytest.mark.parametrize("loader", ["load", "load_task", "load_tokenizer"])
+def test_a_config_that_is_not_an_object_is_a_load_error(loader, tmp_path):
+    """Each way a checkpoint is loaded by name refuses a config.json holding a JSON list
+    with the file named (some transformers versions fail on it with a TypeError)."""
+    from semiring_backprop.errors import LoadError
+    from semiring_backprop.hf import loading, tasks
+    from semiring_backprop.runner import driver
+
+    (tmp_path / "config.json").write_text("[1, 2, 3]")
+    call = {
+        "load": lambda: loading.load(str(tmp_path)),
+        "load_task": lambda: tasks.load_task(str(tmp_path), "classification"),
+        "load_tokenizer": lambda: driver.load_tokenizer(str(tmp_path)),
+    }[loader]
+    with pytest.raises(LoadError, match=r"its config\.json holds a JSON list, not an object"):
+        call()
+
+
 # -- 6. checkpoints without the LM head ---------------------------------------------------
 
 # the head of BertForMaskedLM, written out by hand: every weight a BertModel checkpoint

@@ -57,6 +57,24 @@ def check_tokenizer(model_id: str, tokenizer) -> None:
     )
 
 
+def check_config_file(model_id: str, where: str | None = None) -> None:
+    """Refuse a local ``config.json`` that is JSON but not an object of settings (a list,
+    a number): some transformers versions read it with a ``TypeError`` from their own
+    internals. A missing or unparsable file is left to transformers, which names it."""
+    path = os.path.join(os.path.expanduser(model_id if where is None else where), "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            held = json.load(f)
+    except (OSError, ValueError):
+        return
+    if not isinstance(held, dict):
+        raise LoadError(
+            f"could not load {model_id!r}: its config.json holds a JSON "
+            f'{type(held).__name__}, not an object of settings ({{"model_type": ...}}). '
+            "Restore config.json, or save the model again with model.save_pretrained(DIR)"
+        )
+
+
 def weights_error(model_id: str, where: str, e: Exception) -> LoadError | None:
     """The :class:`LoadError` for an exception of ``from_pretrained`` whose cause is the
     weights file, or None for any other exception."""
@@ -186,6 +204,7 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
             f"could not load {model_id!r}: no such directory. Pass a local directory written by "
             "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), or a hub id."
         )
+    check_config_file(model_id)
     try:  # never code from the model's directory (and so never a prompt asking)
         config = transformers.AutoConfig.from_pretrained(model_id, trust_remote_code=False)
         tokenizer = transformers.AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)

@@ -27,7 +27,7 @@ from ..targets import (
     check_score,
     output_field,
 )
-from .loading import check_tokenizer
+from .loading import check_config_file, check_tokenizer
 
 # -- labels ---------------------------------------------------------------------------
 
@@ -198,6 +198,7 @@ def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu"):
         "token": transformers.AutoModelForTokenClassification,
         "similarity": transformers.AutoModel,
     }[task]
+    check_config_file(model_id, where)
     try:
         config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=False)
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=False)

@@ -289,8 +289,9 @@ def load_tokenizer(model_id: str, kind=None):
     """``(tokenizer, config, kind)`` without the weights."""
     import transformers
 
-    from ..hf.loading import lm_kind, load_hint
+    from ..hf.loading import check_config_file, lm_kind, load_hint
 
+    check_config_file(model_id)
     try:
         config = transformers.AutoConfig.from_pretrained(model_id, trust_remote_code=False)
         tok = transformers.AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
