@@ -11,7 +11,9 @@ torch's forward + backward to those input embeddings, run in turn with our call
 memory above what was held before the call, relative to autograd's; on CUDA the
 growth of the memory torch reserves is printed too, as a captured CUDA graph keeps a
 pool of its own). A row's time is one call of an ``sbp.Backprop`` already called once,
-whatever that call does inside.
+whatever that call does inside; on CUDA, already called twice (the second call captures
+the pass as a CUDA graph, see ``engine/graphed.py``: time and peak are a replay's, and
+the graph's pool is its own column).
 
 The floor of a row is the same pass's contraction kernels timed alone: the calls of
 the contraction rules (mm, bmm, addmm, baddbmm) during one pass of the interpreter
@@ -203,7 +205,7 @@ def bench_case(case, model, output, tokens, args, shared: dict):
     base = {"case": CASES[case][0], "tokens": tokens}
     yield {**base, "label": "torch autograd", "time": _time(autograd, args.reps, device),
            "ratio": 1.0, "peak": ref_peak, "mem": 1.0, "first": None, "floors": {},
-           "reps": args.reps, "reserved": 0}  # fmt: skip
+           "reps": args.reps, "reserved": 0, "pool": 0}  # fmt: skip
     for label in args.sets:
         semirings, keep = SETS[label]
         reserved = _reserved(device)
@@ -214,6 +216,9 @@ def bench_case(case, model, output, tokens, args, shared: dict):
         call()
         _sync(device)
         first = time.perf_counter() - t0
+        if torch.device(device).type == "cuda":
+            call()  # the second call captures the pass as a CUDA graph: the rest replay it
+            _sync(device)
         peak = peak_bytes(call, device)
         reps = 1 if first > args.slow else args.reps  # a slow set: one round
         t, ratio, _ = _paired(autograd, call, reps, device)
@@ -223,7 +228,8 @@ def bench_case(case, model, output, tokens, args, shared: dict):
             floors = floor(graph, semirings, keep, emb, reps, device)
         yield {**base, "label": label, "time": t, "ratio": ratio, "peak": peak,
                "mem": peak / max(ref_peak, 1), "first": first, "floors": floors, "reps": reps,
-               "reserved": _reserved(device) - reserved}  # fmt: skip
+               "reserved": _reserved(device) - reserved,
+               "pool": sum(c["pool MB"] for c in bp.captured)}  # fmt: skip
         del bp, call
 
 
@@ -231,7 +237,7 @@ def _row(r, cuda: bool) -> str:
     fl = sum(r["floors"].values())
     floor_cells = f"{fl:.3f} | {r['time'] / fl:.1f}" if fl else " | "
     first = "" if r["first"] is None else f"{r['first']:.2f}"
-    reserved = f" {r['reserved'] / 2**20:.0f} |" if cuda else ""
+    reserved = f" {r['reserved'] / 2**20:.0f} | {r['pool']:.0f} |" if cuda else ""
     rounds = "" if r["reps"] > 1 or r["label"] == "torch autograd" else " (1 round)"
     return (f"| {r['case']} | {r['tokens']} | {r['label']}{rounds} | {r['time']:.3f} | "
             f"{r['ratio']:.2f} | {floor_cells} | {r['peak'] / 2**20:.0f} | {r['mem']:.2f} |"
@@ -367,9 +373,10 @@ def main(argv=None):
           f"threads: {torch.get_num_threads()}, malloc: {malloc}, "
           f"cores: {os.cpu_count()}")  # fmt: skip
     print("| model | tokens | computed | time (s) | × autograd | floor (s) | pass / floor "
-          "| peak mem (MB) | × autograd |" + (" reserved growth (MB) |" if cuda else "")
+          "| peak mem (MB) | × autograd |"
+          + (" reserved growth (MB) | CUDA graph pool (MB) |" if cuda else "")
           + " first call (s) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if cuda else "") + "---|")
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else "") + "---|")
     rows, cold = [], []
     for case in list(args.cases):
         try:
