@@ -176,7 +176,7 @@ def test_a_traced_pass_waits_for_the_device_only_at_its_end(name, label, replaye
     want = bp(kwargs={"inputs_embeds": emb})  # traces and checks the trace (syncs)
     if replayed:
         want = bp(kwargs={"inputs_embeds": emb})  # captured here
-        assert len(bp.captured) == 1
+        assert len(bp.captured) == 1, bp._traces.passes.why_not
     want = [f.clone() for sr in SYNC_SETS[label]
             for f in _readouts(sr, want.value("inputs_embeds", sr))]  # fmt: skip
     torch.cuda.synchronize()
@@ -279,7 +279,7 @@ def test_a_replayed_pass_gives_the_pass_run_from_python(name, label, keep):
     results = []
     for i, x in enumerate(inputs):
         res = bp(kwargs={"inputs_embeds": x})
-        assert len(bp.captured) == (0 if i == 0 else 1)
+        assert len(bp.captured) == (0 if i == 0 else 1), bp._traces.passes.why_not
         _same(_fields(semirings, res), _fields(semirings, ref(kwargs={"inputs_embeds": x})))
         results.append([f.clone() for f in _fields(semirings, res)])
     assert ref.captured == []

@@ -67,6 +67,7 @@ class Passes:
         self.captured: collections.OrderedDict = collections.OrderedDict()
         self.seen: collections.Counter = collections.Counter()
         self.failed: set = set()
+        self.why_not = ""  # why the last capture that failed did
         self.lock = threading.Lock()
 
     def run(self, graph, semirings, kept, step, copy_out, args, kwargs):
@@ -103,11 +104,9 @@ class Passes:
             if isinstance(e, SemiringBackpropError):  # the pass itself refuses: say so
                 raise
             self.failed.add(key)
-            log.info(
-                "the pass is not captured as a CUDA graph (%s: %s); it runs from Python",
-                type(e).__name__,
-                str(e).splitlines()[0][:200] if str(e) else "",
-            )
+            self.why_not = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            log.info("the pass is not captured as a CUDA graph (%s); it runs from Python",
+                     self.why_not)  # fmt: skip
             if is_out_of_memory(e):
                 torch.cuda.empty_cache()
             return None
