@@ -42,13 +42,17 @@ def test_no_capture_on_a_cpu_and_the_switches():
     x = torch.ones(1, 1)
     for _ in range(3):
         res = bp((x,))
+    assert bp.captured == [] and not bp.cuda_graphs
+    bp = sbp.Backprop(bp.model, bp.output, [sbp.Real()], keep=(0,), cuda_graphs=True)
+    for _ in range(3):
+        res = bp((x,))
     assert bp.captured == [] and bp.cuda_graphs
     assert float(res.at(0, sbp.Real())) == 8.0
     assert graphed._key(bp.graph((x,)), [sbp.Real()], None, (x,), {}) is None  # not CUDA
     assert not sbp.Backprop(Chain(), cuda_graphs=False).cuda_graphs
 
 
-@pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("1", True), ("", True)])
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("", False), ("1", True), ("on", True)])
 def test_the_environment_variable_sets_the_default(monkeypatch, value, on):
     monkeypatch.setenv("SEMIRING_BACKPROP_CUDA_GRAPHS", value)
     assert sbp.Backprop(Chain()).cuda_graphs is on

@@ -21,11 +21,22 @@ Checks stay: the forward's non-finite check and the reverse pass's overflow stat
 are computed inside the graph and read after each replay; when one fails, the call runs
 again from Python, which names the node as an uncaptured pass does.
 
+Passes with ``keep=None`` are captured too: their checkpoints (the values and partial
+sums from which paths and tables compute segments again) are copied out of the graph's
+memory after each replay.
+
 Each captured pass holds a private memory pool about the size of the pass's peak, for as
 long as it is kept: at most :data:`PER_MODEL` per model and output function, the least
-recently used let go first. ``Backprop(cuda_graphs=False)`` or the environment variable
-``SEMIRING_BACKPROP_CUDA_GRAPHS=0`` turns capture off. Passes with ``keep=None`` (which
-keep checkpoints for paths and tables) are not captured.
+recently used let go first.
+
+Capture is off by default for now: ``Backprop(cuda_graphs=True)`` or the environment
+variable ``SEMIRING_BACKPROP_CUDA_GRAPHS=1`` turns it on. The mechanism (the forward and
+the reverse pass of a ``keep=`` pass captured on a side stream after a warm-up, replayed
+on new inputs) was measured on an H100 in the form of ``benchmarks/probe_cuda_graphs.py``
+and gave the values of the pass run from Python exactly, for every semiring; this
+module's form of it (overflow checks read after the replay, ``keep=None`` checkpoints,
+the copies out, the bounds) has its tests in ``tests/test_cuda.py``, which have not run
+on a GPU yet. Once they have, it is meant to be on by default.
 """
 
 from __future__ import annotations
@@ -54,8 +65,10 @@ CAPTURE_AT = 2
 
 
 def enabled_by_default() -> bool:
-    return os.environ.get("SEMIRING_BACKPROP_CUDA_GRAPHS", "1").strip().lower() not in (
-        "0", "false", "no", "off",
+    """Off unless ``SEMIRING_BACKPROP_CUDA_GRAPHS`` is ``1`` (``true``, ``yes``, ``on``):
+    this form of the capture has not yet run on a GPU (see the module's docstring)."""
+    return os.environ.get("SEMIRING_BACKPROP_CUDA_GRAPHS", "0").strip().lower() in (
+        "1", "true", "yes", "on",
     )  # fmt: skip
 
 
