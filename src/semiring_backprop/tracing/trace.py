@@ -246,6 +246,7 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
                 check_functions(_Explained(model, output), args, kwargs, functions)
             _detach_no_grad_blocks(program)
             _views_as_reshapes(program)
+            _unwrap_bool_checks(program)
             program = program.run_decompositions(table)
             _select_by_indices(program)
             _drop_identity_restrides(program)
@@ -452,6 +453,29 @@ def _views_as_reshapes(program) -> None:
     for node in views:
         node.target = aten.reshape.default
     if views:
+        program.graph_module.recompile()
+
+
+def _unwrap_bool_checks(program) -> None:
+    """``cast_symbool_to_symint_guardless(b) == 1`` becomes ``b``. torch 2.11 writes a
+    check on a tensor's truth (``torch._check_tensor_all``, as transformers' LLaVA checks
+    that the image tokens match the image features) this way, and its own
+    ``run_decompositions`` cannot trace the cast again; later versions write a
+    ``sym_ite`` instead. The runtime assertion stays, on the bool itself."""
+    graph = program.graph_module.graph
+    changed = False
+    for node in list(graph.nodes):
+        if getattr(node.target, "__name__", None) != "cast_symbool_to_symint_guardless":
+            continue
+        for user in list(node.users):
+            if user.target is operator.eq and user.args == (node, 1) and not user.kwargs:
+                user.replace_all_uses_with(node.args[0])
+                graph.erase_node(user)
+                changed = True
+        if not node.users:
+            graph.erase_node(node)
+    if changed:
+        graph.lint()
         program.graph_module.recompile()
 
 
