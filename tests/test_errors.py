@@ -375,9 +375,12 @@ def test_untraceable_model_suggests_eager_attention_or_a_plain_function():
             return x * 2
         return x * 3
 
+    branch = flow.__code__.co_firstlineno + 1  # the line that reads the tensor's value
     with raises(
-        sbp.TracingError, "could not trace", "attn_implementation='eager'", "plain function"
-    ):
+        sbp.TracingError, "could not trace", "attn_implementation='eager'", "plain function",
+        "uses a tensor's value where torch.export needs a number",
+        f"It failed at {__file__}, line {branch} (if x.sum() > 0:",
+    ):  # fmt: skip
         sbp.backprop(flow, args=(x34(),), output=total)
 
 

@@ -15,8 +15,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
+import traceback
 
 import torch
 from torch.utils import _pytree as pytree
@@ -307,6 +309,38 @@ def experts_hint(model) -> str:
     return (
         " This model's experts run as a Python loop (experts_implementation='eager'): "
         "load it with experts_implementation='grouped_mm' (the default) or 'batched_mm'."
+    )
+
+
+#: torch's errors for a tensor's value read where tracing needs a number: a Python branch
+#: on it, or a size computed from it that the traced graph cannot hold
+_DATA_DEPENDENT = ("PendingUnbackedSymbolNotFound", "GuardOnDataDependentSymNode")
+_NOT_THE_MODELS = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__name__.split(".")[0]])
+)
+
+
+def data_dependent_hint(e: BaseException) -> str:
+    """Where torch.export failed on a tensor's value (a branch on it, a size computed
+    from it): that, and the line of the model's code it failed at, as the start of a
+    sentence; ``""`` for any other failure."""
+    chain, seen = [], set()
+    while e is not None and id(e) not in seen:  # the error and what it was raised from
+        seen.add(id(e))
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    if not any(type(x).__name__ in _DATA_DEPENDENT for x in chain):
+        return ""
+    where = ""
+    for frame in reversed(traceback.extract_tb(chain[-1].__traceback__)):
+        if not frame.filename.startswith(_NOT_THE_MODELS + ("<",)):
+            code = f" ({frame.line.strip()})" if frame.line else ""
+            where = f" It failed at {frame.filename}, line {frame.lineno}{code}."
+            break
+    return (
+        "The model's code uses a tensor's value where torch.export needs a number while "
+        "tracing (a Python branch on it, or a data-dependent shape: a size computed from "
+        f"it).{where} "
     )
 
 

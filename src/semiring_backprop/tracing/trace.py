@@ -25,6 +25,7 @@ from . import decompositions
 from . import ops as _ops  # noqa: F401  (defines the mark op)
 from .checks import (
     check_functions,
+    data_dependent_hint,
     eager_failure,
     experts_hint,
     refuse_backward_hooks,
@@ -272,7 +273,8 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
             f"torch.export: {type(e).__name__}: {first[:500]}\n"
             + (
                 eager
-                or "Things to try: load a Hugging Face model with attn_implementation='eager'; "
+                or data_dependent_hint(e)
+                + "Things to try: load a Hugging Face model with attn_implementation='eager'; "
                 "remove data-dependent Python control flow; or pass a plain function of "
                 f"tensors as the model.{experts_hint(model)}"
             )
