@@ -264,11 +264,13 @@ print(t1 - t0, t3 - t2, t4 - t3)
 """
 
 
-def cold_first_call(case, label, device, dtype):
+def cold_first_call(case, label, device, dtype, threads=0):
     """A fresh process: (imports, trace, forward and pass) of a ``Backprop``'s first call
     at 20 tokens, with the library's defaults (kernels compiled when they pay)."""
     code = _COLD.format(case=case, label=label, device=device, dtype=dtype)
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, check=True).stdout  # fmt: skip
     return [float(x) for x in out.split()[-3:]]
@@ -340,6 +342,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     p.add_argument("--malloc", default="tuned", choices=["tuned", "default"])
+    p.add_argument("--threads", type=int, default=0, help="torch's threads for both sides "
+                   "(0: torch's default); one thread is steadier on a busy machine")  # fmt: skip
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the contraction floor")  # fmt: skip
     p.add_argument(
@@ -355,6 +359,8 @@ def main(argv=None):
     if args.quick:
         args.reps, args.tokens = min(args.reps, 2), [t for t in args.tokens if t <= 128]
     torch.set_grad_enabled(True)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     malloc = "tuned" if allocator.tune(args.malloc == "tuned") else "default"
     sbp.kernels.set_compile(True)  # steady state: kernels compiled from the start
     if args.profile:
@@ -397,7 +403,7 @@ def main(argv=None):
     for case in args.cases if args.cold else ():
         for label in FIRST_CALL_GOALS:
             try:
-                imp, tr, run = cold_first_call(case, label, args.device, args.dtype)
+                imp, tr, run = cold_first_call(case, label, args.device, args.dtype, args.threads)
             except subprocess.CalledProcessError as e:
                 print(f"first call, {CASES[case][0]}, {label}: failed\n{e.stderr[-2000:]}")
                 continue
