@@ -11,20 +11,23 @@ torch's forward + backward to those input embeddings, run in turn with our call
 memory above what was held before the call, relative to autograd's; on CUDA the
 growth of the memory torch reserves is printed too, as a captured CUDA graph keeps a
 pool of its own). A row's time is one call of an ``sbp.Backprop`` already called once,
-whatever that call does inside; on CUDA, already called twice (the second call captures
-the pass as a CUDA graph, see ``engine/graphed.py``: time and peak are a replay's, and
-the graph's pool is its own column).
+whatever that call does inside; on CUDA, already called twice (with capture on,
+``SEMIRING_BACKPROP_CUDA_GRAPHS=1``, the second call captures the pass as a CUDA graph,
+see ``engine/graphed.py``: time and peak are then a replay's, and the graph's pool is
+its own column).
 
 The floor of a row is the same pass's contraction kernels timed alone: the calls of
 the contraction rules (mm, bmm, addmm, baddbmm) during one pass of the interpreter
 (``engine.forward`` then ``engine.reverse``) are recorded with their semiring, D and
 operands, then only they are replayed; "pass / floor" is the row's time over it.
 ``--cold`` times the first call (trace included) in a fresh process at 20 tokens;
-``--profile`` prints where the time of a pass goes instead of the table.
+``--profile`` prints where the time and memory of a pass go instead of the table
+(``profile_passes.py``).
 
     python benchmarks/bench_passes.py --cases bert --tokens 20 128 512 --reps 3
     python benchmarks/bench_passes.py --cases gpt2 --tokens 20 128 --reps 3 --no-cold
-    python benchmarks/bench_passes.py --quick --device cuda        # about two minutes
+    python benchmarks/bench_passes.py --threads 1 --cases minilm   # a busy machine: 1 thread
+    python benchmarks/bench_passes.py --quick --device cuda --cases bert gpt2
     python benchmarks/bench_passes.py --profile --cases bert --tokens 128 512 \\
         --sets Real "Real+MaxProduct+Entropy"
 """
