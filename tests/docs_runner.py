@@ -12,7 +12,10 @@ The conventions (docs/*.md and README.md):
 - ```text, ```json, ```yaml, ```toml, ```csv blocks anywhere else are displays;
 - ``<!-- skip: reason -->`` on the line before a block skips it (the tests allow it only
   for the README's set-up commands);
-- any other language is an error: a block is either run or a display.
+- any other language is an error: a block is either run or a display;
+- a Python block that imports an optional package (one of ``OPTIONAL``, the extras)
+  that is not installed is not run: the page's other blocks run, and its test is
+  skipped after them, naming the package.
 
 >>> blocks = parse(open("docs/results.md").read(), "docs/results.md")
 >>> compare("p = 0.5001\\n...", "p = 0.5\\nmore\\nlines")   # None: they match
@@ -20,9 +23,11 @@ The conventions (docs/*.md and README.md):
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import difflib
 import gc
+import importlib.util
 import io
 import linecache
 import os
@@ -37,6 +42,9 @@ from dataclasses import dataclass, field
 RUN = ("python", "bash")
 DISPLAY = ("text", "json", "yaml", "toml", "csv")
 RTOL, ATOL = 1e-3, 1e-6
+#: the modules of the package's optional extras a page may import
+OPTIONAL = ("transformers", "tokenizers", "matplotlib", "pandas", "scipy", "tqdm", "pyarrow",
+            "datasets", "ray", "captum", "transformer_lens", "spacy")  # fmt: skip
 #: torch's seed in a fresh interpreter: a page's Python blocks start as a reader's would
 FRESH_TORCH_SEED = 67280421310721
 
@@ -77,6 +85,8 @@ class PageRun:
     page: str
     blocks: list = field(default_factory=list)
     skipped: list = field(default_factory=list)
+    #: (block, the optional modules it imports that are not installed): not run
+    missing: list = field(default_factory=list)
     seconds: dict = field(default_factory=dict)
     failure: str | None = None
 
@@ -322,6 +332,23 @@ def unraisable(found: list):
         sys.unraisablehook = hook
 
 
+def missing_optional(block: Block) -> list[str]:
+    """The optional modules (``OPTIONAL``) a Python block imports that are not installed."""
+    if block.lang != "python":
+        return []
+    try:
+        tree = ast.parse(block.code)
+    except SyntaxError:
+        return []  # (running it says so)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return sorted(n for n in names & set(OPTIONAL) if importlib.util.find_spec(n) is None)
+
+
 def run_block(block: Block, namespace: dict, workdir) -> str | None:
     """Run one block; the failure's message, or None when it ran and printed what the
     page says (and left nothing unclosed behind)."""
@@ -355,6 +382,10 @@ def run_page(path, workdir, page=None) -> PageRun:
         for block in result.blocks:
             if block.skip is not None:
                 result.skipped.append(block)
+                continue
+            missing = missing_optional(block)
+            if missing:
+                result.missing.append((block, missing))
                 continue
             start = time.perf_counter()
             result.failure = run_block(block, namespace, workdir)

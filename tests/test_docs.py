@@ -156,6 +156,9 @@ def test_page(page, quickstart):
         pytest.fail(run.failure, pytrace=False)
     if page != "README.md":
         assert not run.skipped, f"{page}: only the README's set-up commands may be skipped"
+    if run.missing:  # the other blocks ran and printed what the page shows
+        left_out = [f"line {b.line} imports {', '.join(names)}" for b, names in run.missing]
+        pytest.skip(f"{page}: blocks left out, their packages not installed: {'; '.join(left_out)}")
 
 
 # -- the checker itself -----------------------------------------------------------------
@@ -257,6 +260,21 @@ def test_run_page_checks_output_and_names_the_block(tmp_path):
 def test_run_page_bash_is_strict(tmp_path, code, message):
     run = _page(tmp_path, f"```bash\n{code}\n```\n")
     assert run.failure is not None and message in run.failure
+
+
+def test_run_page_leaves_out_a_block_that_needs_a_missing_optional_package(tmp_path, monkeypatch):
+    """Its other blocks run and are checked; the block is named with the package."""
+    import docs_runner
+
+    monkeypatch.setattr(docs_runner, "OPTIONAL", (*docs_runner.OPTIONAL, "no_such_extra_x"))
+    text = ("```python\nprint(1)\n```\n```text\n1\n```\n"
+            "```python\nimport torch\nfrom no_such_extra_x.sub import y\n```\n"
+            "```python\nprint(2)\n```\n```text\n{}\n```\n")  # fmt: skip
+    run = _page(tmp_path, text.format(2))
+    assert run.failure is None and list(run.seconds) == [1, 11]
+    assert [(b.line, names) for b, names in run.missing] == [(7, ["no_such_extra_x"])]
+    run = _page(tmp_path, text.format(3))  # the blocks after it are still checked
+    assert "block at line 11" in run.failure and "-3\n+2" in run.failure
 
 
 def test_run_page_python_error_stops_the_page(tmp_path):

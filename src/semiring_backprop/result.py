@@ -27,7 +27,7 @@ class Result:
         ``res`` explains ``log p(are) - log p(is)`` at the mask of a tiny BERT:
 
         >>> res
-        Result(183 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount)
+        Result(182 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount)
         >>> res.at("bert.embeddings.word_embeddings", sbp.Real()).shape  # the gradient
         torch.Size([1, 11, 16])
         >>> ent = res.at("bert.encoder.layer.0.attention:input", sbp.Entropy())
@@ -233,7 +233,7 @@ class Result:
 
             >>> path = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
             >>> path
-            <Path MaxProduct(neuron) +: 96 steps, product 0.000115082>
+            <Path MaxProduct(neuron) +: 95 steps, product 0.000115082>
             >>> top = res.aggregate("bert.embeddings.word_embeddings", sbp.MaxProduct())
             >>> path.value == top.hi[0, 2].item()
             True
@@ -379,7 +379,7 @@ class Result:
 
         Examples:
             >>> print(res.view("top_path", tokens=tokens))
-            Result: 183 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
+            Result: 182 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
             <BLANKLINE>
             top path ...
         """

@@ -44,7 +44,7 @@ class Path:
     Examples:
         >>> path = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
         >>> print(path)            # one line per module the path passes through
-        MaxProduct(neuron) top path, product 0.0001151, 96 steps, from
+        MaxProduct(neuron) top path, product 0.0001151, 95 steps, from
         bert.embeddings.word_embeddings[0,2,6]:
         steps layer branch   edge prod    running  module
         ...

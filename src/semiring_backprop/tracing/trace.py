@@ -485,17 +485,31 @@ def _drop_identity_restrides(program) -> None:
     """``as_strided`` that only restates a contiguous tensor's own layout (export keeps
     eager's strides, e.g. after a pooling that reads a transposed input) is the
     identity: its users read the input. Any other ``as_strided`` stays, and the pass
-    refuses it (it reads memory, not values)."""
+    refuses it (it reads memory, not values). So is a ``view`` to the shape its input
+    has (transformers 5.24's SDPA attention reshapes its output to its own shape; 5.17's
+    does not): the graph, its node count and its paths' steps do not depend on it."""
     graph = program.graph_module.graph
     changed = False
     for node in list(graph.nodes):
-        if node.target is aten.as_strided.default and _is_identity_restride(node):
+        if (node.target is aten.as_strided.default and _is_identity_restride(node)) or (
+            node.target is aten.view.default and _is_identity_view(node)
+        ):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             changed = True
     if changed:
         graph.lint()
         program.graph_module.recompile()
+
+
+def _is_identity_view(node) -> bool:
+    x, val = node.args[0], node.meta.get("val")
+    before = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not isinstance(before, torch.Tensor):
+        return False
+    return val.dim() == before.dim() and all(
+        statically_known_true(a == b) for a, b in zip(val.shape, before.shape)
+    )
 
 
 def _is_identity_restride(node) -> bool:

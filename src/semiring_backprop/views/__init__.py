@@ -49,7 +49,7 @@ class View:
         >>> v.to_html("api-view.html")
         'api-view.html'
         >>> v.show()                           # plain text where stdout is no terminal
-        Result: 183 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
+        Result: 182 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
         <BLANKLINE>
         top path ...
     """
@@ -175,15 +175,15 @@ def path(p, title: str = "top gradient path", res=None) -> View:
     Examples:
         >>> p = res.top_path(("bert.embeddings.word_embeddings", (0, 2)))
         >>> print(sbp.views.path(p, res=res))
-        MaxProduct(neuron) top path, product 0.0001151, 96 steps, from
+        MaxProduct(neuron) top path, product 0.0001151, 95 steps, from
         bert.embeddings.word_embeddings[0,2,6]:
               steps layer branch   edge prod    running  module
                   0                        –          1  bert.embeddings.word_embeddings
         ...
               17-21     0 value      0.04392      1.421  ...attention.self.value (head 1)
         ...
-              81-85                  0.02835  0.0001151  cls.predictions.decoder
-              88-95                        1  0.0001151  output
+              80-84                  0.02835  0.0001151  cls.predictions.decoder
+              87-94                        1  0.0001151  output
     """
     runs = path_runs(p, **_known(res, [p]))
     return View(_html.path_block(p, runs, title), lambda color: _text.path(p, runs, color), title)
@@ -255,7 +255,7 @@ def result(res, quantity: str | None = None, *, source=None, tokens=None) -> Vie
 
     Examples:
         >>> print(sbp.views.result(res, "entropy", tokens=tokens))
-        Result: 183 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
+        Result: 182 nodes; Real, MaxProduct(neuron), TopK(2), Entropy, PathCount
         <BLANKLINE>
         entropy (path entropy in nats (Entropy, ⊕ over the token's units); at
         bert.embeddings.word_embeddings)
