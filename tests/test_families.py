@@ -476,6 +476,28 @@ def test_as_strided_that_restates_a_layout_is_the_identity_and_others_are_refuse
         sbp.backprop(windows, (torch.randn(4, dtype=F64),))
 
 
+def test_a_view_to_the_shape_it_has_is_the_identity():
+    """transformers 5.24's SDPA attention reshapes its output to the shape it has (5.17's
+    does not): the graph leaves such a view out, so its nodes and paths do not depend on
+    it. A view that changes the shape stays."""
+    torch.manual_seed(0)
+    lin, x = torch.nn.Linear(4, 4).to(F64).eval(), torch.randn(2, 5, 4, dtype=F64)
+    plain = lambda x: torch.tanh(lin(x)).sum()  # noqa: E731
+    same = lambda x: torch.tanh(lin(x).view(2, 5, 4)).sum()  # noqa: E731
+    flat = lambda x: torch.tanh(lin(x).view(10, 4)).sum()  # noqa: E731
+    res = {f: sbp.backprop(f, (x,), semirings=SEMIRINGS) for f in (plain, same, flat)}
+    views = {f: [n for n in r.graph.nodes if n.target is torch.ops.aten.view.default]
+             for f, r in res.items()}  # fmt: skip
+    assert len(views[same]) == len(views[plain]) and len(views[flat]) == len(views[plain]) + 1
+    assert len(res[same].graph.nodes) == len(res[plain].graph.nodes)
+    leaf = x.clone().requires_grad_()
+    (want,) = torch.autograd.grad(plain(leaf), leaf)
+    for r in res.values():
+        torch.testing.assert_close(r.at(0, sbp.Real()), want, rtol=1e-12, atol=1e-12)
+    assert len(res[same].top_path(0).steps) == len(res[plain].top_path(0).steps)
+    assert len(res[flat].top_path(0).steps) == len(res[plain].top_path(0).steps) + 1
+
+
 def test_sentence_embedding_similarity():
     """A sentence-transformers model, unmodified: mean pooling over the attention mask,
     normalized embeddings, their cosine similarity explained for both sentences."""
