@@ -109,3 +109,42 @@ def test_the_recorded_step_computes_the_pass(keep):
                 want.top_path("inputs_embeds", sign=sign),
             )
             assert p.value == q.value and len(p) == len(q)
+
+
+def test_the_second_call_with_one_layout_is_captured(monkeypatch):
+    """The first call of a new trace checks it against the model and runs from Python;
+    the second call with the same layout is the one captured, a new layout is counted
+    apart. (On a CPU: the key is made to accept CPU tensors and the capture is a stand-in
+    that runs the recorded step; the GPU's capture is in tests/test_cuda.py.)"""
+    made = []
+
+    class StandIn:
+        def __init__(self, graph, semirings, kept, step, args, kwargs):
+            made.append(tuple(args[0].shape))
+            self.step = step
+
+        def replay(self, args, kwargs, copy_out):
+            with torch.no_grad():
+                out, _flags, _confirm = self.step(args, kwargs)
+            return copy_out(out)
+
+        def describe(self):
+            return {"input shapes": made[-1:]}
+
+    def cpu_key(graph, semirings, kept, args, kwargs):
+        return (id(graph), tuple(semirings), kept, tuple(tuple(a.shape) for a in args))
+
+    monkeypatch.setattr(graphed, "available", lambda: True)
+    monkeypatch.setattr(graphed, "_key", cpu_key)
+    monkeypatch.setattr(graphed, "CapturedPass", StandIn)
+    bp = sbp.Backprop(Chain(depth=3, scale=2.0), lambda y: y.sum(), [sbp.Real()], keep=(0,),
+                      cuda_graphs=True)  # fmt: skip
+    for n in (1, 2):
+        x = torch.ones(n, 1)
+        res = bp((x,))
+        assert made == [(1, 1)] * (n - 1), "the first call of a layout runs from Python"
+        res = bp((x,))
+        assert made[-1] == (n, 1) and len(made) == n, "the second one is captured"
+        assert torch.equal(res.at(0, sbp.Real()), torch.full((n, 1), 8.0))
+    res = bp((torch.ones(2, 1),))
+    assert len(made) == 2 and len(bp.captured) == 2

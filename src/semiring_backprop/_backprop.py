@@ -366,9 +366,11 @@ class Backprop:
     def _replay(self, graph, kept, step, args: tuple, kwargs: dict):
         """The pass replayed as a CUDA graph (``engine.graphed``; ``step``: the pass and
         how its results are copied out, made by ``step()``), or None: run it from Python."""
-        if not (self.cuda_graphs and getattr(graph, "eager_checked", False)):
+        if not (self.cuda_graphs and graphed.available()):
             return None
-        if not torch.cuda.is_available():
+        if not getattr(graph, "eager_checked", False):
+            # the call that checks the trace runs from Python; it is the key's first call
+            self._traces.passes.saw(graph, self.semirings, kept, args, kwargs)
             return None
         return self._traces.passes.run(graph, self.semirings, kept, *step(), args, kwargs)
 

@@ -72,6 +72,11 @@ def enabled_by_default() -> bool:
     )  # fmt: skip
 
 
+def available() -> bool:
+    """Whether passes can be captured here at all (a CUDA device is present)."""
+    return torch.cuda.is_available()
+
+
 class Passes:
     """The captured passes of one model and output function, and how often each key was
     seen (``Backprop`` keeps one per traced model)."""
@@ -82,6 +87,14 @@ class Passes:
         self.failed: set = set()
         self.why_not = ""  # why the last capture that failed did
         self.lock = threading.Lock()
+
+    def saw(self, graph, semirings, kept, args, kwargs) -> None:
+        """Count a call that runs from Python before ``run`` is asked (the one that
+        checks a new trace against the model): the next call with its key is captured."""
+        key = _key(graph, semirings, kept, args, kwargs)
+        if key is not None:
+            with self.lock:
+                self.seen[key] += 1
 
     def run(self, graph, semirings, kept, step, copy_out, args, kwargs):
         """What ``step`` returned, computed by a replay and copied out of the graph's
@@ -101,7 +114,7 @@ class Passes:
             if entry is None:
                 if len(self.seen) > 4096:  # keys of graphs long gone
                     self.seen.clear()
-                self.seen[key] += 1
+                self.seen[key] += 1  # (the first call may have been counted by `saw`)
                 if self.seen[key] < CAPTURE_AT:
                     return None
                 entry = self._capture(key, graph, semirings, kept, step, args, kwargs)
