@@ -3,7 +3,8 @@ replays themselves are checked in ``tests/test_cuda.py``).
 
 The reverse pass can hand its overflow statistics to its caller instead of reading them
 (a captured pass reads them after each replay): the same error comes out of
-``check_flags``; a ``Backprop`` on a CPU never captures, and the off switches are read.
+``check_flags``; a ``Backprop`` on a CPU never captures (capture is on by default), and the off
+switches are read.
 """
 
 from __future__ import annotations
@@ -37,12 +38,13 @@ def test_overflow_statistics_handed_out_give_the_same_error(semiring):
     check_flags(graph, [], "pass")  # nothing to read: nothing raised
 
 
-def test_no_capture_on_a_cpu_and_the_switches():
+def test_no_capture_on_a_cpu_and_the_switches(monkeypatch):
+    monkeypatch.delenv("SEMIRING_BACKPROP_CUDA_GRAPHS", raising=False)
     bp = sbp.Backprop(Chain(depth=3, scale=2.0), lambda y: y[0, 0], [sbp.Real()], keep=(0,))
     x = torch.ones(1, 1)
     for _ in range(3):
         res = bp((x,))
-    assert bp.captured == [] and not bp.cuda_graphs
+    assert bp.captured == [] and bp.cuda_graphs  # on by default, but not on a CPU
     bp = sbp.Backprop(bp.model, bp.output, [sbp.Real()], keep=(0,), cuda_graphs=True)
     for _ in range(3):
         res = bp((x,))
@@ -52,7 +54,9 @@ def test_no_capture_on_a_cpu_and_the_switches():
     assert not sbp.Backprop(Chain(), cuda_graphs=False).cuda_graphs
 
 
-@pytest.mark.parametrize(("value", "on"), [("0", False), ("", False), ("1", True), ("on", True)])
+@pytest.mark.parametrize(
+    ("value", "on"), [("0", False), ("off", False), ("", True), ("1", True), ("on", True)]
+)
 def test_the_environment_variable_sets_the_default(monkeypatch, value, on):
     monkeypatch.setenv("SEMIRING_BACKPROP_CUDA_GRAPHS", value)
     assert sbp.Backprop(Chain()).cuda_graphs is on

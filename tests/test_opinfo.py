@@ -260,6 +260,8 @@ def _case(name: str, index: int, op, sample) -> Case | Outcome:
     x = [t.clone().requires_grad_() for t in inputs]
     torch.manual_seed(0)
     out = fn(*x)
+    if any(isinstance(o, torch.Tensor) and o.device.type != "cpu" for o in pytree.tree_leaves(out)):
+        return Outcome("skip", "output on another device")  # `to`'s samples where CUDA is
     output = _scalar(out)
     if output is None:
         return Outcome("skip", "no differentiable float output")

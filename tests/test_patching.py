@@ -118,7 +118,7 @@ def test_nothing_ablated_is_the_clean_output_and_everything_the_corrupted():
     model = tiny()
     clean, corrupted = run(model, IDS), run(model, COR)
     assert clean != pytest.approx(corrupted)
-    assert p.clean == clean
+    assert math.isclose(p.clean, clean, rel_tol=1e-12)  # (the last bit may differ on other CPUs)
     assert math.isclose(p.metric(p.edges()), clean, rel_tol=1e-12)
     assert math.isclose(p.empty, corrupted, rel_tol=1e-12)
     assert math.isclose(p.faithfulness(p.edges()), 1, rel_tol=1e-12)

@@ -151,12 +151,11 @@ class Backprop:
     ``MaxProduct``) is kept across calls, up to this size. It trades memory for time;
     the values are the same either way.
 
-    ``cuda_graphs`` (off by default; ``SEMIRING_BACKPROP_CUDA_GRAPHS=1`` turns the default
-    on): on a GPU, a pass that ran once for inputs of the same shapes is captured as a
-    CUDA graph on its second call and replayed on later ones (no Python per rule; the
+    ``cuda_graphs`` (on by default; ``False`` or ``SEMIRING_BACKPROP_CUDA_GRAPHS=0`` turns
+    it off): on a GPU, a pass that ran once for inputs of the same shapes is captured as
+    a CUDA graph on its second call and replayed on later ones (no Python per rule; the
     same kernels, so the same values). Each captured pass holds a memory pool about the
-    size of its peak; ``captured`` lists them. Not yet run on a GPU in this form: see
-    ``semiring_backprop.engine.graphed``.
+    size of its peak; ``captured`` lists them. See ``semiring_backprop.engine.graphed``.
 
     On its first call, on glibc, malloc is set to reuse freed host memory instead of
     returning it to the system (``semiring_backprop.allocator``: faster by a third
