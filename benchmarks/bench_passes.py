@@ -11,10 +11,11 @@ torch's forward + backward to those input embeddings, run in turn with our call
 memory above what was held before the call, relative to autograd's; on CUDA the
 growth of the memory torch reserves is printed too, as a captured CUDA graph keeps a
 pool of its own). A row's time is one call of an ``sbp.Backprop`` already called once,
-whatever that call does inside; on CUDA, already called twice (with capture on,
-``SEMIRING_BACKPROP_CUDA_GRAPHS=1``, the second call captures the pass as a CUDA graph,
-see ``engine/graphed.py``: time and peak are then a replay's, and the graph's pool is
-its own column).
+whatever that call does inside; on CUDA, already called twice (the second call captures
+the pass as a CUDA graph, see ``engine/graphed.py``; ``SEMIRING_BACKPROP_CUDA_GRAPHS=0``
+turns capture off): time is then a replay's, and the peak is the replay's plus the
+graph's pool (where the pass's values live for as long as the graph is kept; the pool is
+also its own column).
 
 The floor of a row is the same pass's contraction kernels timed alone: the calls of
 the contraction rules (mm, bmm, addmm, baddbmm) during one pass of the interpreter
@@ -223,6 +224,10 @@ def bench_case(case, model, output, tokens, args, shared: dict):
             call()  # the second call captures the pass as a CUDA graph: the rest replay it
             _sync(device)
         peak = peak_bytes(call, device)
+        pool = sum(c["pool MB"] for c in bp.captured)
+        # a replay allocates little: the pass's values live in the graph's pool, held for
+        # as long as the graph is kept, so the pool counts in the call's peak
+        peak += int(pool * 2**20)
         reps = 1 if first > args.slow else args.reps  # a slow set: one round
         t, ratio, _ = _paired(autograd, call, reps, device)
         floors = {}
@@ -231,8 +236,7 @@ def bench_case(case, model, output, tokens, args, shared: dict):
             floors = floor(graph, semirings, keep, emb, reps, device)
         yield {**base, "label": label, "time": t, "ratio": ratio, "peak": peak,
                "mem": peak / max(ref_peak, 1), "first": first, "floors": floors, "reps": reps,
-               "reserved": _reserved(device) - reserved,
-               "pool": sum(c["pool MB"] for c in bp.captured)}  # fmt: skip
+               "reserved": _reserved(device) - reserved, "pool": pool}  # fmt: skip
         del bp, call
 
 
