@@ -1,4 +1,5 @@
-"""``Backprop(dynamic=True)``: one symbolic-size trace serves inputs of other lengths.
+"""``Backprop(dynamic=True)``: one symbolic-size trace serves inputs of other lengths; by
+default the first trace is for exact shapes and the first other length traces symbolically.
 
 Oracles: ``torch.autograd`` for the gradient (float64), and a static, per-shape trace
 (``dynamic=False`` / a fresh ``sbp.backprop``) for the other semirings' readouts. Models
@@ -113,7 +114,7 @@ def _runs(name):
     """A dynamic ``Backprop`` of one model called at every length, and a fresh one-shot
     ``sbp.backprop`` (static trace) at one length it did not trace."""
     model = hf_model(name)
-    dyn = sbp.Backprop(model, output, SEMIRINGS)
+    dyn = sbp.Backprop(model, output, SEMIRINGS, dynamic=True)
     inputs, dyn_res, traces = {}, {}, []
     for i, length in enumerate(LENGTHS):
         inputs[length] = _embeds(length, seed=100 + i)
@@ -220,7 +221,7 @@ def bert_ids():
     """A dynamic ``Backprop`` of BERT on ``input_ids`` + ``attention_mask``, traced at 5."""
     model = hf_model("bert")
     assert dict(model.named_modules())[WORD_EMB] is model.get_input_embeddings()
-    bp = sbp.Backprop(model, output, [sbp.Real()])
+    bp = sbp.Backprop(model, output, [sbp.Real()], dynamic=True)
     first = bp(kwargs=_ids_mask(5, seed=1))
     return model, bp, first
 
@@ -284,7 +285,7 @@ def _mlp():
 def test_batch_size_varies_in_one_trace():
     mlp = _mlp().to(F64).eval()
     out = lambda y: y.sum()  # noqa: E731
-    bp = sbp.Backprop(mlp, out, [sbp.Real(), sbp.MaxProduct()])
+    bp = sbp.Backprop(mlp, out, [sbp.Real(), sbp.MaxProduct()], dynamic=True)
     for batch in (3, 7, 2):
         x = torch.randn(batch, 4, dtype=F64)
         res = bp((x,))
@@ -312,7 +313,7 @@ def test_batch_size_varies_in_one_trace():
 def test_batch_size_varies_per_example_output():
     mlp = _mlp().to(F64).eval()
     out = lambda y: y[:, 0]  # noqa: E731
-    bp = sbp.Backprop(mlp, out, [sbp.Real()], per_example=True)
+    bp = sbp.Backprop(mlp, out, [sbp.Real()], per_example=True, dynamic=True)
     for batch in (3, 7):
         x = torch.randn(batch, 4, dtype=F64)
         res = bp((x,))
@@ -371,7 +372,7 @@ def test_fixed_index_past_a_shorter_input_fails_clearly():
     tracing them fails as the model does (no value is read past the end)."""
     mlp = _mlp().to(F64).eval()
     fixed = lambda y: y[0, 4].sum()  # noqa: E731
-    bp = sbp.Backprop(mlp, fixed, [sbp.Real()])
+    bp = sbp.Backprop(mlp, fixed, [sbp.Real()], dynamic=True)
     res = bp((torch.randn(1, 6, 4, dtype=F64),))
     short = torch.randn(1, 3, 4, dtype=F64)
     assert not res.graph.accepts({0: short})
@@ -408,7 +409,7 @@ def test_shape_dependent_branch_is_not_reused_for_the_other_branch(kind):
     torch.manual_seed(0)
     model = _ShapeBranch(kind).to(F64).eval()
     out = lambda y: y.sum()  # noqa: E731
-    bp = sbp.Backprop(model, out, [sbp.Real()])
+    bp = sbp.Backprop(model, out, [sbp.Real()], dynamic=True)
     bp((torch.randn(1, 6, 4, dtype=F64),))
     x = torch.randn(1, 5, 4, dtype=F64)  # takes the other branch
     res = bp((x,))
@@ -466,7 +467,7 @@ def test_static_mlp_retraces_per_batch_size():
     mlp = _mlp().to(F64).eval()
     out = lambda y: y.sum()  # noqa: E731
     static = sbp.Backprop(mlp, out, [sbp.Real()], dynamic=False)
-    dyn = sbp.Backprop(mlp, out, [sbp.Real()])
+    dyn = sbp.Backprop(mlp, out, [sbp.Real()], dynamic=True)
     batches = (3, 7, 3, 2)
     for batch in batches:
         x = torch.randn(batch, 4, dtype=F64)
@@ -498,3 +499,30 @@ def test_top_path_value_is_the_maxproduct_maximum():
     assert fresh_path.value == pytest.approx(
         runs["dyn_res"][FRESH].top_path("inputs_embeds").value, rel=1e-9, abs=1e-15
     )
+
+
+# -- 6. the default: exact shapes first, symbolic once the sizes vary --------------------
+
+
+def test_default_traces_exact_shapes_first_then_symbolic_sizes_once():
+    """The first call traces for its exact shapes; the first call of another length
+    traces once with symbolic sizes, which serves every later length. Each call's
+    gradient is autograd's."""
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).to(F64)
+    out = lambda y: y.sum()  # noqa: E731
+    bp = sbp.Backprop(mlp, out, [sbp.Real()])
+    torch.manual_seed(0)
+    xs = {n: torch.randn(n, 4, dtype=F64) for n in (3, 7, 2, 11)}
+    first = bp.graph((xs[3],))
+    traces = []
+    for x in (xs[3], xs[7], xs[2], xs[3], xs[11]):
+        res = bp((x,))
+        traces.append(bp.traces)
+        x_ = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(out(mlp(x_)), x_)
+        torch.testing.assert_close(res.at(0, sbp.Real()), grad, rtol=1e-12, atol=1e-12)
+    assert traces == [1, 2, 2, 2, 2]
+    symbolic = bp.graph((xs[7],))
+    assert symbolic is not first and bp.graph((xs[11],)) is symbolic
+    assert bp.graph((xs[3],)) is first  # its own shapes still find the first graph
+    assert bp.traces == 2

@@ -103,7 +103,7 @@ def test_the_check_stays_out_of_the_way_where_it_cannot_run():
 
 def test_backprop_class_checks_every_call():
     mlp = _mlp()
-    bp = sbp.Backprop(mlp, output=lambda y: y[:, 0], per_example=True)
+    bp = sbp.Backprop(mlp, output=lambda y: y[:, 0], per_example=True, dynamic=True)
     bp((torch.randn(4, 4),))
     bp((torch.randn(6, 4),))  # another batch size: one trace, checked again
     assert bp.traces == 1

@@ -114,9 +114,13 @@ def clear_traces() -> None:
 class Backprop:
     """A reusable explainer: traces once, then only runs the pass.
 
-    The trace has symbolic sizes (``dynamic=True``): one graph serves inputs of any
-    sequence length (and batch size, when traced with a batch of 2 or more) with the
-    same structure, dtypes and devices. ``output`` is traced into the graph, so it must
+    The first trace is for the input's exact shapes (about three times faster to make
+    than a trace with symbolic sizes: 3.5 s against 9.8 s for a 6-layer BERT). An input
+    of other sizes is traced once more with symbolic sizes, and that graph serves inputs
+    of any sequence length (and batch size, when traced with a batch of 2 or more) with
+    the same structure, dtypes and devices. ``dynamic=True`` traces with symbolic sizes
+    from the first call (for a data set of many lengths), ``dynamic=False`` always for
+    exact shapes; the values are the same either way. ``output`` is traced into the graph, so it must
     be a fixed function of the model's output (its indices become constants; a negative
     index such as ``logits[0, -1]`` follows the length): make one ``Backprop`` per
     output function, or pass a varying position as a tensor input of a wrapper.
@@ -186,7 +190,7 @@ class Backprop:
         allow_training: bool = False,
         per_example: bool = False,
         weight_cache: int = 2**30,
-        dynamic: bool = True,
+        dynamic: bool | None = None,
         paper: bool = False,
         cuda_graphs: bool | None = None,
         _traces: _Traces | None = None,
@@ -228,9 +232,10 @@ class Backprop:
     def graph(self, args=(), kwargs: dict | None = None):
         """The traced graph for inputs like these (traced on first use).
 
-        With ``dynamic`` (default), a graph is traced with symbolic sizes and serves
-        every input of the same structure, dtypes and devices whose sizes fit it
-        (sentences of any length, usually); inputs that do not fit are traced again.
+        By default the first graph is traced for these exact shapes, and the first input
+        it does not fit is traced with symbolic sizes: that graph serves every input of
+        the same structure, dtypes and devices whose sizes fit it (sentences of any
+        length, usually); inputs that fit neither are traced again.
 
         Examples:
             >>> bp = sbp.Backprop(model, output=are_is)
@@ -392,7 +397,7 @@ class _Traces:
     weights they were traced with. ``weak``: the model is held by a weak reference (the
     traces :func:`backprop` keeps must not keep a model alive)."""
 
-    def __init__(self, model, output, options, weight_cache=0, dynamic=True, *, weak=False,
+    def __init__(self, model, output, options, weight_cache=0, dynamic=None, *, weak=False,
                  limit=None):  # fmt: skip
         self._model = weakref.ref(model) if weak else (lambda: model)
         self.output, self.options = output, options
@@ -442,9 +447,12 @@ class _Traces:
             if graph.accepts(given, leaves):
                 return graph
         opts = self.options
+        dynamic = self.dynamic
+        if dynamic is None:  # exact shapes first (faster to trace); symbolic once they vary
+            dynamic = bool(self.graphs.get(key))
         graph = trace(
             model, args, kwargs, self.output, whole=opts["whole"],
-            allow_training=opts["allow_training"], dynamic=self.dynamic,
+            allow_training=opts["allow_training"], dynamic=dynamic,
             paper=opts.get("paper", False),
         )  # fmt: skip
         _check_output(graph, opts["per_example"])

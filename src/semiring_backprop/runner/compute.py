@@ -141,7 +141,7 @@ class Explainer:
         self.wrapper = Score(self.model, logits=paper).eval()
         self.semirings, self.top_path, self.pairs = list(semirings), top_path, pairs
         self.bp = Backprop(self.wrapper, output=lambda y: y, semirings=self.semirings,
-                           per_example=True, paper=paper)  # fmt: skip
+                           per_example=True, paper=paper, dynamic=True)  # fmt: skip
         emb = self.model.get_input_embeddings()
         self.source = next(n for n, m in self.wrapper.named_modules() if m is emb)
 
