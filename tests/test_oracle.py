@@ -203,6 +203,23 @@ def case_routing_zoo():
     return f, (randn(2, 3), randn(3)), lambda y: (y * c).sum(), [0, 1]
 
 
+def case_uniform_masks():
+    """Masks that hold everywhere or nowhere (an unpadded input's attention mask): their
+    rules pass D on or give the zero without a ``where``; ``z`` is read only where a
+    mask never holds, and through a fill that masks everything."""
+    c = randn(2, 3)
+
+    def f(x, y, z):
+        n = x.shape[-1]
+        always, never = torch.arange(n) >= 0, torch.arange(n) < 0
+        a = torch.where(always, x, z)  # x everywhere
+        b = torch.where(never, z, a * y)  # a * y everywhere
+        e = b.masked_fill(never, 0.5) + torch.where(always[None], x, 1.5)  # nothing masked
+        return e * 2 + torch.tanh(z).masked_fill(always, 0.0)  # z: masked everywhere
+
+    return f, (randn(2, 3), randn(3), randn(2, 3)), lambda y: (y * c).sum(), [0, 1]
+
+
 def case_pointwise_zoo():
     def f(x):
         z = torch.exp(x)
@@ -367,6 +384,7 @@ CASES = {
     "dense_zeros": case_dense_zeros,
     "kept_composites": case_kept_composites,
     "routing_zoo": case_routing_zoo,
+    "uniform_masks": case_uniform_masks,
     "pointwise_zoo": case_pointwise_zoo,
     "conv_padding_groups": case_conv_padding_groups,
     "conv2d_transposed_and_weight_input": case_conv2d_transposed_and_weight_input,
