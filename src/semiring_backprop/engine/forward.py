@@ -8,7 +8,7 @@ from torch.fx.node import map_arg
 from .. import rules
 from ..errors import ForwardError, InputError, NonFiniteError, where
 from ..tracing.trace import Graph, input_tensors, mark_op
-from ..rules.routing import uniform
+from ..rules.routing import where_value
 from .liveness import stand_in
 
 # ops that may pass inf through or write it on purpose (masks): not an overflow
@@ -29,24 +29,6 @@ _FINITE_IF_INPUTS_ARE = frozenset(
         aten.embedding.default, aten.abs.default,
     }
 )  # fmt: skip
-
-
-def _where(cond, x, y):
-    """``torch.where(cond, x, y)``; where the condition is uniform (``rules.routing.uniform``:
-    on the CPU) and the input it picks already is the output (its shape, dtype and a
-    contiguous layout), that input itself: no copy of what the mask of an unpadded input
-    leaves as it is."""
-    same = uniform(cond)
-    if same is not None:
-        v = x if same else y
-        if (
-            isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
-            and v.is_contiguous()
-            and v.shape == torch.broadcast_shapes(cond.shape, x.shape, y.shape)
-            and v.dtype == torch.result_type(x, y)
-        ):  # fmt: skip
-            return v
-    return aten.where.self(cond, x, y)
 
 
 def run(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = None) -> dict:
@@ -86,7 +68,7 @@ def run_deferred(graph: Graph, args: tuple, kwargs: dict, drop: dict | None = No
             if node.target is mark_op:
                 out = a[0]
             elif node.target is aten.where.self and not k:
-                out = _where(*a)
+                out = where_value(*a)
             else:
                 out = node.target(*a, **k)
         except Exception as e:  # torch raises many types: say where, in the user's model

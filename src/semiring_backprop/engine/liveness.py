@@ -11,10 +11,19 @@ Each rule declares which forward values it reads (``Rule.reads``). With ``keep=`
   computed again from it just before the first rule of the reverse pass that reads it.
   Composite ops decompose into such chains: GELU is ``x·0.5·(1 + erf(x/√2))``, whose
   rules read ``0.5x``, ``x/√2`` and ``1 + erf(x/√2)`` where autograd's fused GELU saves
-  ``x`` alone. The same ops run on the same inputs: the same values, bit for bit.
-  A group of such values is recomputed only where that holds fewer values: when the root
-  is held anyway, or when the group has two values or more (a pointwise op's output is
-  at least as large as each of its inputs).
+  ``x`` alone. Views (reshapes, permutes, expands) continue a chain. Inputs broadcast along a dimension of the output (a row statistic: a
+  softmax's shift and sum, a norm's mean, a mask) do not end a chain: they are held
+  beside the root, which costs a dimension's worth less than the output. So the
+  attention probabilities, ``exp(s - max) / sum``, and the exponentials are computed
+  again from the scores ``s``, where the forward would hold two score-sized tensors per
+  layer. The same ops run on the same inputs: the same values, bit for bit. A group of
+  such values is recomputed only where that holds fewer values: when the root is held
+  anyway, or when the group has two values or more (a pointwise op's output is at least
+  as large as each of its inputs); all of a group is computed at once, before the first
+  rule (in the reverse order) that reads one of them. Where one value of a group comes
+  before all the others (the exponentials before the probabilities) and the root is held
+  for the group alone, that value is held instead of the root: as much memory, fewer ops
+  run again.
 
 A value let go is replaced by a stand-in of the same shape, dtype and device that holds
 no memory (NaN elements: no rule reads them), so rules still see every argument's shape.
@@ -29,7 +38,10 @@ import torch
 from torch.fx.node import map_arg
 
 from .. import rules
+from ..rules.routing import where_value
 from ..tracing.trace import mark_op
+
+_WHERE = torch.ops.aten.where.self
 
 #: the most ops run again to recompute one value (a bound on the extra time)
 MAX_OPS = 16
@@ -79,7 +91,12 @@ def before_rule(p: Plan, node_id: int, values: dict) -> None:
     get = lambda a: env[a] if a in env else values[a]  # noqa: E731  (a root or a constant)
     for node in ops:
         args, kwargs = map_arg(node.args, get), map_arg(node.kwargs, get)
-        env[node] = args[0] if node.target is mark_op else node.target(*args, **kwargs)
+        if node.target is mark_op:
+            env[node] = args[0]
+        elif node.target is _WHERE and not kwargs:
+            env[node] = where_value(*args)  # as the forward computed it
+        else:
+            env[node] = node.target(*args, **kwargs)
     for m in put:
         values[m] = env[m]
     for r in release:
@@ -166,30 +183,75 @@ def _recompute(graph, readers, stay):
         group = [m for m in group if len(programs[m]) <= MAX_OPS]
         if not group or (r not in held and len(group) < 2):
             continue  # holding the root instead would hold as much
-        for m in group:
-            p = max(readers[m])  # the first rule, in reverse order, to read it
-            ops, put = restore.setdefault(p, (set(), []))
-            ops.update(programs[m])
-            put.append(m)
-            roots[r] = min(roots.get(r, p), p)
+        if r not in held:  # held for this group alone: a member all others follow from
+            anchor = next((m for m in group if all(m in programs[o] for o in group)), None)
+            if anchor is not None:  # is held instead (as much memory, fewer ops again)
+                group = [m for m in group if m is not anchor]
+                programs = {m: programs[m] - programs[anchor] for m in group}
+        # the first rule, in reverse order, to read one of them: all are computed there
+        p = max(max(readers[m]) for m in group)
+        ops, put = restore.setdefault(p, (set(), []))
+        program = set().union(*(programs[m] for m in group))
+        ops.update(program)
+        put.extend(group)
+        # what the program reads besides itself: the root, the row statistics beside it
+        # (and the model's constants, which are always there)
+        reads = {a for n in program for a in n.all_input_nodes if a not in program}
+        for v in reads - set(graph.constants):
+            roots[v] = min(roots.get(v, p), p)
     return roots, restore
 
 
 def _root_of(node, root: dict, constants):
-    """The one value ``node`` is a cheap function of (with the model's constants), if
-    any; else None."""
+    """The one value ``node`` is a cheap function of (with the model's constants and
+    inputs broadcast along one of its dimensions), if any; else None."""
     if node.op != "call_function" or not _cheap(node):
         return None
-    sources = {root.get(a, a) for a in node.all_input_nodes if a not in constants}
+    sources = set()
+    for a in node.all_input_nodes:
+        if a in constants:
+            continue
+        if _beside(a, node) and not (a in root and float_node(a)):
+            continue  # held beside the root (a float that is computed again is not)
+        sources.add(root.get(a, a))
     return next(iter(sources)) if len(sources) == 1 else None
 
 
+def _beside(a, node) -> bool:
+    """Whether input ``a`` of ``node`` is smaller by at least one of the output's
+    dimensions (it is broadcast along it): a row statistic or a mask, or a number."""
+    av, ov = a.meta.get("val"), node.meta.get("val")
+    if not isinstance(av, torch.Tensor):
+        return True  # a size or a number
+    if not isinstance(ov, torch.Tensor) or av.dim() > ov.dim():
+        return False
+    if av.dim() < ov.dim():
+        return True
+    return any(_one(x) and not _one(y) for x, y in zip(av.shape, ov.shape))
+
+
+def _one(size) -> bool:
+    """A size known to be 1 (symbolic sizes are not: torch.export fixes sizes 0 and 1)."""
+    return isinstance(size, int) and size == 1
+
+
+_aten = torch.ops.aten
+#: ops that give a view of their one tensor input (no computation, no memory)
+_VIEWS = frozenset(
+    {
+        _aten.view.default, _aten._unsafe_view.default, _aten.expand.default,
+        _aten.permute.default, _aten.unsqueeze.default, _aten.squeeze.dim,
+        _aten.squeeze.dims, _aten.transpose.int, _aten.t.default, _aten.alias.default,
+    }
+)  # fmt: skip
+
+
 def _cheap(node) -> bool:
-    """Deterministic elementwise ops (and marks) with a tensor output."""
+    """Deterministic elementwise ops, views and marks with a tensor output."""
     if not isinstance(node.meta.get("val"), torch.Tensor):
         return False
     target = node.target
-    if target is mark_op:
+    if target is mark_op or target in _VIEWS:
         return True
     return (
         isinstance(target, torch._ops.OpOverload)

@@ -332,6 +332,23 @@ def uniform(cond) -> bool | None:
     return False if not bool(cond.any()) else None
 
 
+def where_value(cond, x, y):
+    """``torch.where(cond, x, y)``; where the condition is uniform (:func:`uniform`: on
+    the CPU) and the input it picks already is the output (its shape, dtype and a
+    contiguous layout), that input itself: no copy of what the mask of an unpadded input
+    leaves as it is."""
+    same = uniform(cond)
+    if same is not None and isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        v = x if same else y
+        if (
+            v.is_contiguous()
+            and v.shape == torch.broadcast_shapes(cond.shape, x.shape, y.shape)
+            and v.dtype == torch.result_type(x, y)
+        ):  # fmt: skip
+            return v
+    return aten.where.self(cond, x, y)
+
+
 def _chosen(sr, g, holds, shape):
     """D of an input read where the mask holds, for a uniform mask (``holds``: whether
     it holds everywhere): D itself (⊕-reduced to the input's shape), or the zero."""
