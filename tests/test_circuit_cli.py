@@ -80,9 +80,10 @@ def _eap(file):
     return d
 
 
-def _grad_times_input(where, text, label) -> float:
+def _grad_times_input(where, text, label, structural=False) -> float:
     """The classification target's Real value with seed "x", by torch.autograd: the
-    gradient × input of the embeddings of the inputs (input_ids, token_type_ids)."""
+    gradient × input of the embeddings of the inputs (input_ids, token_type_ids); with
+    ``structural``, the seed one at every element: the gradient summed."""
     import transformers as T
 
     tok = T.AutoTokenizer.from_pretrained(where)
@@ -102,7 +103,7 @@ def _grad_times_input(where, text, label) -> float:
         for h in handles:
             h.remove()
     logit.backward()
-    return sum(float((o.grad * o).sum().detach()) for o in outs)
+    return sum(float((o.grad * (1 if structural else o)).sum().detach()) for o in outs)
 
 
 def test_classification_circuit_target_is_grad_times_input(saved, tmp_path):
@@ -188,3 +189,160 @@ def test_loaded_model_of_another_head_is_refused(saved):
         circuit_of_text(model, TEXT, task="classification", tokenizer=tok)
     with pytest.raises(InputError, match="choose one of"):
         circuit_of_text(model, TEXT, task="summary", tokenizer=tok)
+
+
+# -- --seed, --ig-steps, --ig-method ------------------------------------------------------
+
+BASE = "a dog to the table"  # as many tokens as TEXT
+
+
+def _sites(file) -> dict:
+    """``{(layer, head or "mlp", position): influence}`` of a Neuronpedia file's heads and
+    MLPs (the node ids are ``{layer}_{head}_{position}``, an MLP's head index is 2)."""
+    graph = json.loads(file.read_text())
+    out = {}
+    for n in graph["nodes"]:
+        if n["feature_type"] in ("attention head", "mlp"):
+            layer, head, pos = (int(x) for x in n["node_id"].split("_"))
+            out[(layer, "mlp" if head == 2 else head, pos)] = n["influence"]
+    return out
+
+
+def _api_sites(c) -> dict:
+    return {(int(r["layer"]), "mlp" if r["role"] == "mlp" else int(r["head_index"]),
+             int(r["position"])): r["Real"] for r in c.components().to_dict("records")}  # fmt: skip
+
+
+def _classification_cli(saved, tmp_path, *flags):
+    rc, text, err = _run(["circuit", saved["classification"], "--task", "classification",
+                          "--text", TEXT, "--label", "pos", "--dtype", "float64", *flags,
+                          "--json", str(tmp_path / "c.json"),
+                          "--neuronpedia", str(tmp_path / "np")])  # fmt: skip
+    assert rc == 0, err
+    files = list((tmp_path / "np").glob("*-circuit.json"))
+    assert len(files) == 1
+    return text, _eap(tmp_path / "c.json"), files[0]
+
+
+def _api(saved, **kw):
+    from semiring_backprop.circuits.hf import circuit_of_text
+
+    return circuit_of_text(saved["classification"], TEXT, "pos", task="classification",
+                           dtype=torch.float64, **kw)  # fmt: skip
+
+
+def test_seed_structural_gives_the_apis_sites(saved, tmp_path):
+    """Under Real the structural seed moves every embedding element by the same amount,
+    which the embeddings' LayerNorm takes away: the target is the gradient summed (0 up
+    to rounding, by torch.autograd) and so is every site; the seed x gives others."""
+    text, d, np_file = _classification_cli(saved, tmp_path, "--seed", "structural")
+    want = _grad_times_input(saved["classification"], TEXT, 1, structural=True)
+    assert math.isclose(d["nodes"]["logits"]["score"], want, rel_tol=1e-9, abs_tol=1e-15)
+    want = _api(saved, seed="structural")
+    assert want.seed == "structural"
+    got = _sites(np_file)
+    assert set(got) == set(_api_sites(want)) and len(got) == 7 * 3  # [CLS] 5 words [SEP]
+    for key, value in _api_sites(want).items():
+        assert math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-12), key
+    # the flag changes the values: the seed x gives others
+    x = _api_sites(_api(saved))
+    assert any(not math.isclose(x[k], v, rel_tol=1e-6) for k, v in got.items())
+    assert (d["cfg"]["seed"], d["cfg"]["ig_steps"], d["cfg"]["ig_method"]) == ("structural", 0, "")
+    assert "seed structural" in text.splitlines()[0]
+    logit = next(n for n in json.loads(np_file.read_text())["nodes"] if n["is_target_logit"])
+    assert "seed structural" in logit["clerp"]
+
+
+def _captum_ig(where, text, base, label, steps) -> float:
+    """Captum's integrated gradients of the label's logit at the word embeddings, from
+    the baseline text's to the text's, summed: the target's value with IG steps."""
+    import transformers as T
+
+    captum_attr = pytest.importorskip("captum.attr")
+    tok = T.AutoTokenizer.from_pretrained(where)
+    model = T.AutoModelForSequenceClassification.from_pretrained(where).double().eval()
+    enc, other = tok(text, return_tensors="pt"), tok(base, return_tensors="pt")
+    rest = {k: v for k, v in enc.items() if k != "input_ids"}
+
+    def logit(ids):
+        n = ids.shape[0]
+        return model(ids, **{k: v.expand(n, -1) for k, v in rest.items()}).logits[:, label]
+
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # Captum's points and weights
+    try:
+        lig = captum_attr.LayerIntegratedGradients(logit, model.bert.embeddings.word_embeddings)
+        attr = lig.attribute(enc["input_ids"], other["input_ids"], n_steps=steps,
+                             method="gausslegendre")  # fmt: skip
+    finally:
+        torch.set_default_dtype(old)
+    return float(attr.sum())
+
+
+def test_ig_steps_give_the_apis_real_column_and_captums_total(saved, tmp_path):
+    text, d, np_file = _classification_cli(saved, tmp_path, "--baseline-text", BASE,
+                                           "--ig-steps", "4")  # fmt: skip
+    want = _api(saved, baseline_text=BASE, ig_steps=4)
+    got = _sites(np_file)
+    assert set(got) == set(_api_sites(want))
+    for key, value in _api_sites(want).items():
+        assert math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-12), key
+    no_steps = _api_sites(_api(saved, baseline_text=BASE))
+    assert any(not math.isclose(no_steps[k], v, rel_tol=1e-6) for k, v in got.items())
+    total = _captum_ig(saved["classification"], TEXT, BASE, 1, 4)
+    assert math.isclose(d["nodes"]["logits"]["score"], total, rel_tol=1e-9, abs_tol=1e-12)
+    assert (d["cfg"]["seed"], d["cfg"]["ig_steps"], d["cfg"]["ig_method"]) == (
+        "x - x'", 4, "gausslegendre")  # fmt: skip
+    said = "seed x - x' (baseline), 4 IG steps (gausslegendre; Real only)"
+    assert said in text.splitlines()[0]
+    logit = next(n for n in json.loads(np_file.read_text())["nodes"] if n["is_target_logit"])
+    assert said in logit["clerp"]
+    small = want.prune(top_n=2)  # a new Circuit: the record stays
+    assert (small.seed, small.ig_steps, small.ig_method) == ("x - x'", 4, "gausslegendre")
+    assert small.to_eap_json()["cfg"]["ig_steps"] == 4
+    html = small.view()._repr_html_()
+    assert "4 IG steps (gausslegendre; Real only)" in html and "conductance" in html
+
+
+def test_ig_method_is_passed_on(saved, tmp_path):
+    flags = ["--baseline-text", BASE, "--ig-steps", "3", "--ig-method", "riemann_left"]
+    _, d, np_file = _classification_cli(saved, tmp_path, *flags)
+    want = _api(saved, baseline_text=BASE, ig_steps=3, ig_method="riemann_left")
+    got = _sites(np_file)
+    for key, value in _api_sites(want).items():
+        assert math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-12), key
+    assert (d["cfg"]["ig_steps"], d["cfg"]["ig_method"]) == (3, "riemann_left")
+
+
+def test_default_seed_is_recorded(saved, tmp_path):
+    text, d, np_file = _classification_cli(saved, tmp_path, "--top-n", "2")
+    assert (d["cfg"]["seed"], d["cfg"]["ig_steps"], d["cfg"]["ig_method"]) == ("x", 0, "")
+    assert "seed" not in text.splitlines()[0]
+    logit = next(n for n in json.loads(np_file.read_text())["nodes"] if n["is_target_logit"])
+    assert "seed" not in logit["clerp"]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--ig-steps", "-1", "--baseline-text", BASE], "--ig-steps"),
+        (["--ig-steps", "4"], "--baseline-text"),
+        (["--ig-steps", "1", "--ig-method", "riemann_trapezoid", "--baseline-text", BASE],
+         "--ig-method"),
+        (["--seed", "structural", "--baseline-text", BASE], "--seed"),
+        (["--seed", "structural", "--ig-steps", "4", "--baseline-text", BASE], "--seed"),
+    ],
+)  # fmt: skip
+def test_seed_and_steps_refused_before_the_model_loads(flags, message, tmp_path):
+    # a model that does not exist: the refusal comes first
+    rc, _, err = _run(["circuit", str(tmp_path / "no-model"), "--task", "classification",
+                       "--text", TEXT, *flags])  # fmt: skip
+    assert rc == 2 and message in err, err
+    assert "no-model" not in err
+
+
+def test_bad_seed_and_method_names_are_refused_by_the_parser():
+    for flags in (["--seed", "zero"], ["--ig-method", "simpson"], ["--ig-steps", "two"]):
+        with pytest.raises(SystemExit) as e:
+            _run(["circuit", "m", "--text", TEXT, *flags])
+        assert e.value.code == 2

@@ -188,6 +188,9 @@ def _task_arguments(p, pair: str, target: str) -> None:
 
 
 def _circuit_parser(sub):
+    from .analysis.marginals import SEEDS
+    from .circuits.ig import METHODS
+
     c = sub.add_parser(
         "circuit",
         help="the circuit (heads, MLPs and the edges between them) of a word choice, label "
@@ -216,6 +219,28 @@ def _circuit_parser(sub):
         "--baseline-text",
         help="a corrupted text of as many tokens: the seed is the difference of the two "
         "texts' token embeddings (x - x'), as in activation patching",
+    )
+    c.add_argument(
+        "--seed",
+        choices=SEEDS,
+        default="x",
+        help="without --baseline-text: x, each source's own value (default), or structural, "
+        "one at every element of every source",
+    )
+    c.add_argument(
+        "--ig-steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --baseline-text: Real summed over N integrated-gradients steps from the "
+        "baseline to the text (each site's conductance; the other semirings stay at the "
+        "text); default 0, the seed x - x' at the text alone",
+    )
+    c.add_argument(
+        "--ig-method",
+        choices=METHODS,
+        default="gausslegendre",
+        help="the steps' quadrature, Captum's names (default: gausslegendre)",
     )
     c.add_argument("--top-n", type=int, help="keep the N strongest head/MLP sites (|Real|)")
     c.add_argument("--threshold", type=float, help="keep the sites of |Real| at least this")
@@ -246,6 +271,7 @@ def _circuit(args) -> int:
             text_pair=args.text_pair, position=args.position, pooling=args.pooling,
             score=args.score, dim=args.dim, baseline_text=args.baseline_text,
             kind=args.kind, dtype=getattr(torch, args.dtype), device=args.device,
+            seed=args.seed, ig_steps=args.ig_steps, ig_method=args.ig_method,
         )  # fmt: skip
         if args.top_n is not None or args.threshold is not None or args.cumulative is not None:
             c = c.prune(top_n=args.top_n, threshold=args.threshold, cumulative=args.cumulative)

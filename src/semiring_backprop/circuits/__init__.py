@@ -59,7 +59,10 @@ class Circuit:
     column per semiring. ``tokens``: the text's tokens; ``what``: the explained output
     in words; ``mask``: 1 per token, 0 per padding position (padding has no sites);
     ``model_id``: the model's name, where known; ``source``: the circuit this one was
-    pruned from (None: this is whole).
+    pruned from (None: this is whole). ``seed``, ``ig_steps``, ``ig_method``: how the
+    paths were seeded (``"x"``, ``"structural"``, ``"x - x'"`` with a baseline, or
+    ``"custom"`` for a dict of places; the integrated-gradients steps of Real, 0 for
+    none, and their quadrature, ``""`` for none), as the exports and the drawing say.
 
     Examples:
         >>> c = sbp.Circuit.from_result(res, [sbp.Real(), sbp.MaxProduct()], tokens=tokens)
@@ -84,6 +87,9 @@ class Circuit:
     d_model: int | None = None
     model_id: str = ""
     source: Circuit | None = field(default=None, repr=False)
+    seed: str = "x"
+    ig_steps: int = 0
+    ig_method: str = ""
 
     def __post_init__(self):
         self.nodes = _frame(self.nodes, NODE_COLUMNS, "nodes")
@@ -152,7 +158,9 @@ class Circuit:
             d_model = int(shape[-1])
         ids = _token_ids(res)
         labels = list(nodes[nodes.role == "embedding"].token)
-        return cls(nodes, edges, attention_edges, srs, labels, whole, what, ids, mask, d_model)
+        return cls(nodes, edges, attention_edges, srs, labels, whole, what, ids, mask, d_model,
+                   seed=_seed_name(seed, baseline), ig_steps=ig_steps,
+                   ig_method=ig_method if ig_steps else "")  # fmt: skip
 
     # -- reading ----------------------------------------------------------------------
 
@@ -182,6 +190,18 @@ class Circuit:
     def full(self) -> Circuit:
         """The whole circuit this one was pruned from (itself when whole)."""
         return self.source if self.source is not None else self
+
+    @property
+    def seeding(self) -> str:
+        """How the paths were seeded, in words (``""`` for the default, the seed ``x``
+        at the input), e.g. ``"seed x - x' (baseline), 8 IG steps (gausslegendre; Real
+        only)"``."""
+        said = [] if self.seed == "x" else [f"seed {self.seed}" + (
+            " (baseline)" if self.seed == "x - x'" else "")]  # fmt: skip
+        if self.ig_steps:
+            only = "; Real only" if self.names != ["Real"] else ""
+            said.append(f"{self.ig_steps} IG steps ({self.ig_method}{only})")
+        return ", ".join(said)
 
     @property
     def n_layers(self) -> int:
@@ -421,6 +441,13 @@ def _edge_stays(row, keys: set, reads: set) -> bool:
         return True
     dst = _key(row["dst_role"], row["dst_layer"], row["dst_head_index"], p)
     return dst in (reads if row["input"] in ("k", "v") else keys)
+
+
+def _seed_name(seed, baseline) -> str:
+    """The ``seed`` a circuit records: the seed's name, ``"x - x'"`` with a baseline."""
+    if baseline is not None:
+        return "x - x'"
+    return seed if isinstance(seed, str) else "custom"
 
 
 def _token_ids(res) -> list | None:

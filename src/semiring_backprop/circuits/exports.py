@@ -1,7 +1,8 @@
 """A circuit as files other tools read, and as graphs.
 
 * EAP-IG / MIB graph JSON (``Graph.from_json`` of the EAP-IG package): ``cfg``
-  (``n_layers``, ``n_heads``, ``parallel_attn_mlp``, ``d_model``), ``nodes``
+  (``n_layers``, ``n_heads``, ``parallel_attn_mlp``, ``d_model``; and what EAP-IG does
+  not read: ``semiring``, the circuit's ``seed``, ``ig_steps`` and ``ig_method``), ``nodes``
   ``{name: {in_graph, score}}`` and ``edges`` ``{"src->dst<q>": {score, in_graph}}``, with
   the node names ``input``, ``a{l}.h{h}``, ``m{l}`` and ``logits``. That graph has no
   positions: a node's or an edge's score is the ⊕ of its sites' values over positions
@@ -10,7 +11,9 @@
 * The attribution graph JSON of circuit-tracer and Neuronpedia: ``metadata``,
   ``qParams``, ``nodes`` (``node_id``, ``feature``, ``layer``, ``ctx_idx``,
   ``feature_type``, ``jsNodeId``, ``clerp``, ``influence``, ...) and ``links``
-  (``source``, ``target``, ``weight``), one node per site (component and position).
+  (``source``, ``target``, ``weight``), one node per site (component and position). The
+  metadata's schema keeps no other keys, so a seed other than ``x`` and the
+  integrated-gradients steps are named in the target's ``clerp``.
 * networkx (a ``MultiDiGraph``) and Graphviz DOT, one node per site.
 
 Sites and their edges, as every export names them (:func:`site_id`): a site is one
@@ -167,7 +170,8 @@ def eap_graph(circuit, semiring=None) -> dict:
     full = circuit.full
     n_layers, n_heads = circuit.n_layers, circuit.n_heads
     cfg = {"n_layers": n_layers, "n_heads": n_heads, "parallel_attn_mlp": False,
-           "d_model": int(circuit.d_model or 0), "semiring": col}  # fmt: skip
+           "d_model": int(circuit.d_model or 0), "semiring": col, "seed": circuit.seed,
+           "ig_steps": int(circuit.ig_steps), "ig_method": circuit.ig_method}  # fmt: skip
     scores: dict[str, list] = {}
     for row in full.nodes.to_dict("records"):
         if row["role"] != "residual":
@@ -233,6 +237,8 @@ def _np_node(circuit, row, col) -> dict:
         kind, clerp = "mlp", f"MLP {_int(row['layer'])}"
     said = f"{clerp}: {col} {value:.4g}" if influence is not None else clerp
     if role == "target":
+        # the metadata's schema keeps no extra keys: the seed goes in the target's label
+        said += f"; {circuit.seeding}" if circuit.seeding else ""
         # the viewer reads a logit's label as `Output "TOKEN" (p=P)` and stops on any
         # other; the scalar explained is no one token's probability, so p=n/a
         said = 'Output "{}" (p=n/a)'.format(said.replace('"', "'"))

@@ -5,7 +5,8 @@ the mask (or the next position of a causal LM); ``classification``, a label's lo
 (or its margin to a foil label); ``token``, a label's logit at one position;
 ``similarity``, one dimension of the text's pooled embedding. A baseline text, of as
 many tokens, makes the seed the difference of the two texts' token embeddings
-(``x - x'``)."""
+(``x - x'``), from which ``ig_steps`` integrated-gradients steps may run; without one
+the seed is ``x`` or ``structural``."""
 
 from __future__ import annotations
 
@@ -22,14 +23,19 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
                     position: int | None = None, pooling=None, score: str = "logit",
                     dim: int | None = None, baseline_text: str | None = None,
                     semirings=None, kind: str | None = None, dtype=torch.float32,
-                    device="cpu"):  # fmt: skip
+                    device="cpu", seed: str = "x", ig_steps: int = 0,
+                    ig_method: str = "gausslegendre"):  # fmt: skip
     """The :class:`~semiring_backprop.circuits.Circuit` of ``task``'s scalar for
     ``text`` (the arguments as for ``explain``: ``target`` is the word of ``lm`` or the
     label of ``classification`` and ``token``; ``text_pair``, ``position``,
     ``pooling``, ``score``, ``dim`` where the task reads them). ``model``: a hub id, a
     local directory, or a loaded model (with ``tokenizer``). ``baseline_text``: a text
     of the same number of tokens; the seed is then ``x - x'`` at the token embeddings
-    (else ``x``).
+    (else ``seed``: ``"x"``, each source's own value, or ``"structural"``, one at every
+    element). ``ig_steps=N`` (with ``baseline_text``): Real summed over ``N``
+    integrated-gradients steps from the baseline (``ig_method``: the quadrature), as for
+    :func:`~semiring_backprop.circuits.circuit`. These are checked before the model is
+    loaded.
 
     A circuit is read from one example: a task that needs a batch (the similarity of
     two texts; an ``lm`` word of several tokens) is refused with what to give instead.
@@ -46,6 +52,7 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
 
     if task not in TASKS:
         raise InputError(f"task {task!r}: choose one of {', '.join(TASKS)}")
+    _check_seed(seed, baseline_text, ig_steps, ig_method)
     if task == "similarity" and text_pair is not None:
         raise InputError(
             "a circuit is read from one text, and the similarity of two texts runs the "
@@ -97,6 +104,31 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
         with torch.no_grad():
             baseline = {place: emb(base_ids).detach()}
     c = circuit(model, kwargs=prep.inputs, output=prep.target, semirings=semirings,
-                baseline=baseline, seed="x", tokens=prep.examples[0], what=prep.what)  # fmt: skip
+                baseline=baseline, seed=seed, tokens=prep.examples[0], what=prep.what,
+                ig_steps=ig_steps, ig_method=ig_method)  # fmt: skip
     c.model_id = model_id
     return c
+
+
+def _check_seed(seed, baseline_text, ig_steps, ig_method) -> None:
+    """Refuse what ``circuit`` would refuse after the pass (``check_call``), before the
+    model is loaded, naming the arguments and the command line's flags."""
+    from ..analysis.marginals import SEEDS
+    from .ig import check_steps
+
+    if seed not in SEEDS:
+        raise InputError(f"seed={seed!r} (--seed): use one of {', '.join(SEEDS)}")
+    try:
+        check_steps(ig_steps, ig_method)
+    except InputError as e:
+        raise InputError(f"{e} (--ig-steps, --ig-method)") from None
+    if baseline_text is not None and seed != "x":
+        raise InputError(
+            f"a baseline text makes the seed x - x' (--baseline-text): seed={seed!r} "
+            "(--seed) cannot be used with it; leave the seed at x, or give no baseline"
+        )
+    if ig_steps and baseline_text is None:
+        raise InputError(
+            f"ig_steps={ig_steps} (--ig-steps) integrates from a baseline x' to the input: "
+            "give a corrupted text of as many tokens (baseline_text=, --baseline-text)"
+        )

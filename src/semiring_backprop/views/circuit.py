@@ -244,7 +244,8 @@ def _pos(sid: str) -> int:
 
 def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
     """The circuit as a :class:`~semiring_backprop.views.View`: the drawing, a caption
-    naming the example and the semiring, a colour bar and a legend."""
+    naming the example, the seed (where not ``x``), the integrated-gradients steps (where
+    any) and the semiring, a colour bar and a legend."""
     col = circuit.column(semiring)
     svg, drawn = circuit_svg(circuit, semiring, max_edges)
     comps = circuit.components()
@@ -252,13 +253,14 @@ def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
     text = circuit.prompt
     scale = _scale(circuit, col)
     said = f"; explained: {circuit.what}" if circuit.what else ""
+    said += f"; {circuit.seeding}" if circuit.seeding else ""
     kept = (f"{len(comps)} of {len(every)} head/MLP sites kept"
             if len(comps) < len(every) else f"all {len(every)} head/MLP sites")  # fmt: skip
     shown = f"{drawn['edges']} of {drawn['edges_total']} non-zero edges drawn (the strongest)"
     caption = (
         f"<h3>Circuit of “{_html.esc(text)}”</h3><div class=note>"
         f"{_html.esc(said[2:] + '; ' if said else '')}values under {_html.esc(col)} "
-        f"({_html.esc(_meaning(col))}); {kept}; {shown}.</div>"
+        f"({_html.esc(_meaning(col, circuit.ig_steps))}); {kept}; {shown}.</div>"
     )
     legend = (
         "<div class=note>Rows: the embeddings (bottom), per layer the attention heads "
@@ -290,7 +292,9 @@ def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
     return View(body, as_text, "circuit")
 
 
-def _meaning(col: str) -> str:
+def _meaning(col: str, ig_steps: int = 0) -> str:
+    if col == "Real" and ig_steps:
+        return "each site's conductance: its flow summed over the steps from the baseline"
     if col == "Real":
         return "the total flow through each site: its share of the output"
     if col.startswith("MaxProduct"):
