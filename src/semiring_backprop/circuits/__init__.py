@@ -71,8 +71,9 @@ class Circuit:
         >>> small = c.prune(top_n=3)           # the three strongest sites under Real
         >>> small
         <Circuit: 3 of 33 head/MLP sites, ... edges; Real, MaxProduct(neuron)>
-        >>> sorted(small.to_eap_json()["cfg"].items())[:3]
-        [('d_model', 16), ('n_heads', 2), ('n_layers', 1)]
+        >>> cfg = small.to_eap_json()["cfg"]
+        >>> [cfg[k] for k in ("n_layers", "n_heads", "d_model", "seed", "ig_steps")]
+        [1, 2, 16, 'x', 0]
     """
 
     nodes: object
