@@ -571,7 +571,7 @@ def test_t5_one_trace_serves_every_length():
     buckets is masked away), so the finite check and the pass leave them out."""
     model = _model("t5-encoder")
     output = lambda out: out.last_hidden_state[0, -1, 3]  # noqa: E731
-    bp = sbp.Backprop(model, output, [sbp.Real(), sbp.Entropy()])
+    bp = sbp.Backprop(model, output, [sbp.Real(), sbp.Entropy()], dynamic=True)
     for n in (6, 9):
         embeds = model.get_input_embeddings()(torch.arange(n)[None] % V).detach()
         res = bp(kwargs={"inputs_embeds": embeds})

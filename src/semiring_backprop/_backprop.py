@@ -166,17 +166,17 @@ class Backprop:
     on a CPU, no value changes); ``SEMIRING_BACKPROP_TUNE_MALLOC=0`` leaves it alone.
 
     Examples:
-        One trace serves sentences of other lengths:
+        The first sentence is traced for its shapes; the second, of another length,
+        once more with symbolic sizes, which then serves every length:
 
         >>> bp = sbp.Backprop(model, output=are_is, semirings=[sbp.Real()])
         >>> for text in ["the keys to the cabinet [MASK] on the table",
-        ...              "the dog is on the [MASK]"]:
+        ...              "the dog is on the [MASK]", "the dog is on the [MASK] table"]:
         ...     r = bp(kwargs=dict(tok(text, return_tensors="pt")))
-        ...     print(r.at("bert.embeddings.word_embeddings", sbp.Real()).shape)
-        torch.Size([1, 11, 16])
-        torch.Size([1, 8, 16])
-        >>> bp.traces
-        1
+        ...     print(r.at("bert.embeddings.word_embeddings", sbp.Real()).shape, bp.traces)
+        torch.Size([1, 11, 16]) 1
+        torch.Size([1, 8, 16]) 2
+        torch.Size([1, 9, 16]) 2
     """
 
     def __init__(
