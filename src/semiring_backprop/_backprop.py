@@ -120,10 +120,11 @@ class Backprop:
     of any sequence length (and batch size, when traced with a batch of 2 or more) with
     the same structure, dtypes and devices. ``dynamic=True`` traces with symbolic sizes
     from the first call (for a data set of many lengths), ``dynamic=False`` always for
-    exact shapes; the values are the same either way. ``output`` is traced into the graph, so it must
-    be a fixed function of the model's output (its indices become constants; a negative
-    index such as ``logits[0, -1]`` follows the length): make one ``Backprop`` per
-    output function, or pass a varying position as a tensor input of a wrapper.
+    exact shapes; the values are the same either way. ``output`` is traced into the
+    graph, so it must be a fixed function of the model's output (its indices become
+    constants; a negative index such as ``logits[0, -1]`` follows the length): make one
+    ``Backprop`` per output function, or pass a varying position as a tensor input of a
+    wrapper.
     What the trace depends on is checked on every call: it is traced again when the
     model's parameters or buffers are replaced or modified in place (torch's version
     counter: optimizer steps, ``load_state_dict``, ``with torch.no_grad(): p.mul_(2)``),

@@ -7,8 +7,8 @@ from torch.fx.node import map_arg
 
 from .. import rules
 from ..errors import ForwardError, InputError, NonFiniteError, where
-from ..tracing.trace import Graph, input_tensors, mark_op
 from ..rules.routing import where_value
+from ..tracing.trace import Graph, input_tensors, mark_op
 from .liveness import stand_in
 
 # ops that may pass inf through or write it on purpose (masks): not an overflow

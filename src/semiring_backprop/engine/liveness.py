@@ -11,19 +11,19 @@ Each rule declares which forward values it reads (``Rule.reads``). With ``keep=`
   computed again from it just before the first rule of the reverse pass that reads it.
   Composite ops decompose into such chains: GELU is ``x·0.5·(1 + erf(x/√2))``, whose
   rules read ``0.5x``, ``x/√2`` and ``1 + erf(x/√2)`` where autograd's fused GELU saves
-  ``x`` alone. Views (reshapes, permutes, expands) continue a chain. Inputs broadcast along a dimension of the output (a row statistic: a
-  softmax's shift and sum, a norm's mean, a mask) do not end a chain: they are held
-  beside the root, which costs a dimension's worth less than the output. So the
-  attention probabilities, ``exp(s - max) / sum``, and the exponentials are computed
-  again from the scores ``s``, where the forward would hold two score-sized tensors per
-  layer. The same ops run on the same inputs: the same values, bit for bit. A group of
-  such values is recomputed only where that holds fewer values: when the root is held
-  anyway, or when the group has two values or more (a pointwise op's output is at least
-  as large as each of its inputs); all of a group is computed at once, before the first
-  rule (in the reverse order) that reads one of them. Where one value of a group comes
-  before all the others (the exponentials before the probabilities) and the root is held
-  for the group alone, that value is held instead of the root: as much memory, fewer ops
-  run again.
+  ``x`` alone. Views (reshapes, permutes, expands) continue a chain. Inputs broadcast
+  along a dimension of the output (a row statistic: a softmax's shift and sum, a norm's
+  mean, a mask) do not end one: they are held beside the root, a dimension's worth
+  smaller than the output. The same ops run on the same inputs: the same values, bit
+  for bit. A group of such values is recomputed only where that holds fewer values:
+  when the root is held anyway, or when the group has two values or more (a pointwise
+  op's output is at least as large as each of its inputs); all of a group is computed
+  at once, before the first rule (in the reverse order) that reads one of them. Where
+  one value of a group comes before all the others and the root is held for the group
+  alone, that value is held instead of the root: as much memory, fewer ops run again.
+  So attention holds the exponentials ``exp(s - max)`` and computes the probabilities
+  (``/ sum``, and the masks' ``where``) again from them, where the forward would hold
+  both.
 
 A value let go is replaced by a stand-in of the same shape, dtype and device that holds
 no memory (NaN elements: no rule reads them), so rules still see every argument's shape.

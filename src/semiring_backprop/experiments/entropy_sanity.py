@@ -250,8 +250,9 @@ def lengths(out: Path, config: Config, progress: bool = True) -> list[dict]:
             bad = word_id(tok, config.foil, "masked")
             wrapper = MaskedScore(model).eval()
             place = embedding_place(wrapper)
-            bp = Backprop(wrapper, output=lambda y: y, semirings=[Entropy(), PathCount()],
-                          dynamic=True)  # sentences of many lengths: one symbolic trace
+            bp = Backprop(
+                wrapper, output=lambda y: y, semirings=[Entropy(), PathCount()], dynamic=True
+            )  # sentences of many lengths: one symbolic trace
             candidates = _candidates(tok)
         for n, i in tqdm(todo, desc="sentences", disable=not progress, leave=False):
             ids, pos = sentence(tok, candidates, n, i, config.seed)
