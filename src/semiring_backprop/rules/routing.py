@@ -309,20 +309,12 @@ _index_put_copy = _source_rule(data_slots=(0, 2))
 _index_put_copy_forward = _source_forward(data_slots=(0, 2))
 
 
-def _select(sr, g, keep, shape):
-    """D of an input read where ``keep`` holds (the zero elsewhere), ⊕-reduced over the
-    dims the op broadcast it along."""
-    zero = sr.zero((1,), g[0])
-    picked = tuple(torch.where(keep, f, z) for f, z in zip(g, zero))
-    return unbroadcast(sr, picked, shape)
-
-
 def uniform(cond) -> bool | None:
     """True where a mask holds everywhere, False where nowhere, None where it is mixed
     or not on the CPU (reading it on a GPU would make the pass wait for the device).
 
     A mask that depends only on the input's length (the attention mask of an unpadded
-    input, ``_safe_softmax``'s fully masked rows) is usually uniform: its rules then
+    input, ``_safe_softmax``'s fully masked rows) is usually uniform: the rules then
     pass D on, or give the zero, without a ``where`` over every element. The values are
     the same bits either way."""
     if not isinstance(cond, torch.Tensor) or cond.device.type != "cpu":
@@ -349,31 +341,32 @@ def where_value(cond, x, y):
     return aten.where.self(cond, x, y)
 
 
-def _chosen(sr, g, holds, shape):
-    """D of an input read where the mask holds, for a uniform mask (``holds``: whether
-    it holds everywhere): D itself (⊕-reduced to the input's shape), or the zero."""
-    return unbroadcast(sr, g, shape) if holds else sr.zero(shape, g[0])
+def _select(sr, g, keep, shape):
+    """D of an input read where ``keep`` holds (the zero elsewhere), ⊕-reduced over the
+    dims the op broadcast it along."""
+    same = uniform(keep)
+    if same is not None:  # read everywhere or nowhere
+        return unbroadcast(sr, g, shape) if same else sr.zero(shape, g[0])
+    zero = sr.zero((1,), g[0])
+    picked = tuple(torch.where(keep, f, z) for f, z in zip(g, zero))
+    return unbroadcast(sr, picked, shape)
 
 
 @register(aten.where.self, "routing", reads=reads_nothing)
 def _where(sr, g, op, cond, a, b):
     out = [None, None, None]
-    same = uniform(cond)
-    for i, x in ((1, a), (2, b)):
+    for i, x, keep in ((1, a, cond), (2, b, ~cond)):
         if op.needs(i) and isinstance(x, torch.Tensor) and x.is_floating_point():
-            if same is None:
-                out[i] = _select(sr, g, cond if i == 1 else ~cond, x.shape)
-            else:
-                out[i] = _chosen(sr, g, same == (i == 1), x.shape)
+            out[i] = _select(sr, g, keep, x.shape)
     return out
 
 
-def _pick(sr, op, keep, a, b, same=None):
-    """``a`` where ``keep`` holds, ``b`` elsewhere (None: the zero), at the output's shape;
-    ``same``: ``uniform(keep)``, when known."""
+def _pick(sr, op, keep, a, b):
+    """``a`` where ``keep`` holds, ``b`` elsewhere (None: the zero), at the output's shape."""
     if a is None and b is None:
         return None
     shape = op.out.shape
+    same = uniform(keep)
     if same is not None:  # one of them everywhere
         v = a if same else b
         return sr.zero(shape, op.out) if v is None else broadcast(v, shape)
@@ -383,23 +376,17 @@ def _pick(sr, op, keep, a, b, same=None):
 
 @register_forward(aten.where.self)
 def _where_forward(sr, a, op, cond, x, y):
-    return _pick(sr, op, cond, a[1], a[2], uniform(cond))
+    return _pick(sr, op, cond, a[1], a[2])
 
 
 @register(aten.masked_fill.Scalar, "routing", reads=reads_nothing)
 def _masked_fill(sr, g, op, x, mask, value):
-    if not op.needs(0):
-        return [None, None, None]
-    same = uniform(mask)
-    if same is not None:
-        return [_chosen(sr, g, not same, x.shape), None, None]
-    return [_select(sr, g, ~mask, x.shape), None, None]
+    return [_select(sr, g, ~mask, x.shape) if op.needs(0) else None, None, None]
 
 
 @register_forward(aten.masked_fill.Scalar)
 def _masked_fill_forward(sr, a, op, x, mask, value):
-    same = uniform(mask)
-    return _pick(sr, op, ~mask, a[0], None, None if same is None else not same)
+    return _pick(sr, op, ~mask, a[0], None)
 
 
 @register(aten.index_put.default, "routing", reads=reads_nothing)
