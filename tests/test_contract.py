@@ -93,9 +93,9 @@ def test_other_semirings_contract_as_mul_then_sum(sr):
 
 
 def test_max_product_contraction_compiled_equals_eager_and_leaves_the_pass_kernel():
-    """Compiled (its own kernel, whatever shapes it meets: a row, a column, batches),
-    the contraction gives the eager values, and the pass's kernel is not lost to its
-    recompilations."""
+    """Compiled (its own kernel, whatever shapes it meets: a row, a column, batches;
+    with and without entries of no path on either side), the contraction gives the
+    eager values, and the pass's kernels are not lost to its recompilations."""
     from semiring_backprop import kernels
 
     sr = sbp.MaxProduct()
@@ -104,15 +104,15 @@ def test_max_product_contraction_compiled_equals_eager_and_leaves_the_pass_kerne
               (2, 300, 64, 1), (3, 9, 65, 70), (5, 12, 64, 60), (1, 1, 64, 600),
               (6, 20, 31, 30), (2, 40, 64, 16)]  # fmt: skip
     try:
-        for b, n, m, p in shapes:
-            a = _value(sr, *_paths((b, n, m), gen))
-            w = _value(sr, *_paths((b, m, p), gen))
+        for (b, n, m, p), share in itertools.product(shapes, (0.0, 0.3)):
+            a = _value(sr, *_paths((b, n, m), gen, share))
+            w = _value(sr, *_paths((b, m, p), gen, share))
             kernels.set_compile(False)
             want = sr.contract(a, w)
             kernels.set_compile(True)
             got = sr.contract(a, w)
-            assert all(torch.equal(x, y) for x, y in zip(got, want)), (b, n, m, p)
+            assert all(torch.equal(x, y) for x, y in zip(got, want)), (b, n, m, p, share)
     finally:
         kernels.set_compile("auto")
-    assert any(key[0] == "maxtimes_apart" for key in kernels._COMPILED_KEYS)
-    assert not any(key[0] == "maxtimes_values" for key in kernels._state["failed"])
+    assert any(key[0] == "maxtimes_pairs" for key in kernels._COMPILED_KEYS)
+    assert not any(key[0].startswith("maxtimes") for key in kernels._state["failed"])

@@ -611,26 +611,54 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
             values = _backward_edge_values(res, lay, srs, acc, al)
         has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)
         c, p = (t.cpu().numpy() for t in has.nonzero(as_tuple=True))
-        if not len(c):
-            continue
-        ints = {
-            "src_layer": [comps[i].layer for i in c], "src_head_index": [comps[i].head for i in c],
-            "dst_layer": [dst.layer] * len(c), "dst_head_index": [dst.head] * len(c),
-            "position": p.tolist(),
-        }  # fmt: skip
-        cols = {k: pd.array(v, dtype="Int64") for k, v in ints.items()}
-        cols.update({"src_role": [comps[i].role for i in c], "dst_role": dst.role, "input": inp,
-                     "token": [labels[i] for i in p]})  # fmt: skip
-        for sr, v in zip(srs, values):
-            cols[sr.name] = readout(sr, v).detach().cpu().double().numpy()[c, p]
-        rows.append(pd.DataFrame(cols))
+        if len(c):
+            read = [readout(sr, v).detach().cpu().double().numpy()[c, p] for sr, v in zip(srs, values)]
+            rows.append((c, p, dst, inp, read))
+    return _frame(rows, comps, labels, srs)
+
+
+def _frame(rows, comps, labels, srs):
+    """One DataFrame of the edges found per destination (``rows``: per destination, the
+    components' indices, positions, the destination, its input and the values per
+    semiring), built once (a frame per destination cost more than the edges' ⊕)."""
+    import numpy as np
+    import pandas as pd
+
     columns = [*EDGE_COLUMNS, *(sr.name for sr in srs)]
     if not rows:
         frame = pd.DataFrame({c: pd.Series(dtype="object") for c in columns})
         for col in ("src_layer", "src_head_index", "dst_layer", "dst_head_index", "position"):
             frame[col] = frame[col].astype("Int64")
         return frame
-    return pd.concat(rows, ignore_index=True)[columns]
+    c = np.concatenate([r[0] for r in rows])
+    p = np.concatenate([r[1] for r in rows])
+    count = [len(r[0]) for r in rows]
+
+    def per_dst(get):
+        return np.repeat(np.array([get(r[2], r[3]) for r in rows], dtype=object), count)
+
+    def ints(a):
+        return pd.array(a, dtype="Int64")
+
+    src_layer = np.array([x.layer for x in comps], dtype=np.int64)[c]
+    src_head = pd.array([x.head for x in comps], dtype="Int64")[c]
+    cols = {
+        "src_layer": ints(src_layer),
+        "src_role": np.array([x.role for x in comps], dtype=object)[c],
+        "src_head_index": src_head,
+        "dst_layer": ints(np.repeat([r[2].layer for r in rows], count)),
+        "dst_role": per_dst(lambda dst, inp: dst.role),
+        "dst_head_index": pd.array(per_dst(lambda dst, inp: dst.head), dtype="Int64"),
+        "input": per_dst(lambda dst, inp: inp),
+        "position": ints(p),
+        "token": np.array(labels, dtype=object)[p],
+    }
+    for s, sr in enumerate(srs):
+        cols[sr.name] = np.concatenate([r[4][s] for r in rows])
+    frame = pd.DataFrame(cols)
+    for col in ("src_role", "dst_role", "input", "token"):  # as the frames per destination
+        frame[col] = frame[col].astype(str)
+    return frame[columns]
 
 
 def _destinations(res, lay: Layout, srs):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
+from ..kernels.pairs import maxtimes_pairs
 from ..errors import InputError
 from .base import (
     INF,
@@ -293,27 +294,14 @@ class MaxProduct(Semiring):
         return w.transpose(-2, -1).contiguous() if self.neuron else None
 
     def contract(self, a: Value, b: Value) -> Value:
-        """Two max-times kernels, with ``b``'s hi and then its lo as the weights: for one
-        pair, ``max(a.hi * w, a.lo * w)`` is what the kernel takes for a weight ``w`` of
-        either sign, and the best of the four products is the better of the two. A
-        column of ``b`` that is all the zero (no path: not a weight) gives the zero;
-        where a column mixes the zero with paths, the broadcast of the base class."""
+        """One max-times kernel over the four products of ``a``'s and ``b``'s hi and lo
+        (:func:`..kernels.pairs.maxtimes_pairs`): for one pair, the best and the worst
+        of the four are the pair's hi and lo. The zero (no path) on either side never
+        wins; with pointers, the broadcast of the base class."""
         a, b = self._normalize(a), self._normalize(b)
         if not self.neuron or len(a) > 2 or len(b) > 2:
             return super().contract(a, b)
-        live = torch.isfinite(b[1])
-        full, none = live.all(-2, keepdim=True), (~live).all(-2, keepdim=True)
-        if not bool((full | none).all()):
-            return super().contract(a, b)
-        # a kernel apart from the pass's: these shapes (a batch of positions, any count
-        # of rows and columns) recompiling the pass's past torch's limit would lose it
-        one, two = (kernels.maxtimes(a[0], a[1], torch.where(live, w, 0).transpose(-2, -1)
-                                     .contiguous(), argmax=False, apart=True)
-                    for w in b[:2])  # fmt: skip
-        hi, lo = torch.maximum(one[0], two[0]), torch.minimum(one[1], two[1])
-        if bool(none.any()):
-            hi, lo = hi.masked_fill(none, -INF), lo.masked_fill(none, INF)
-        return (hi, lo)
+        return maxtimes_pairs(a[0], a[1], b[0], b[1])
 
     def matmul(self, a: Value, w: torch.Tensor, prep=None) -> Value:
         if not self.neuron:

@@ -1,0 +1,72 @@
+"""Max-times of two signed values: ``out[..., i, k] = max_j`` of the four products of
+``a[..., i, j]``'s and ``b[..., j, k]``'s hi and lo (and ``min_j`` likewise), one loop
+nest over (i, k, j) that reads each pair once (compiled as the other kernels are, see
+:mod:`semiring_backprop.kernels`; eagerly in row chunks otherwise).
+
+This is the contraction of two MaxProduct values (paths that meet at ``j``: a circuit's
+edges, a head's token-to-token edges), where the pass's :func:`..kernels.maxtimes`
+multiplies a value by edge weights. The zero (no path: ``(-inf, inf)``) of either side
+never wins: its products are replaced by 0 and a penalty of -inf is added to them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import INF, _try_compiled, chunk_rows, has_storage
+
+_COMPILED: dict = {}
+
+
+def _pairs(ahs, als, apen, bhs, bls, bpen):
+    """(B, n, m) and (B, p, m) (``b`` transposed) -> the (B, n, p) max and min over m of
+    the four products, each with both sides' penalties (-inf at the zero)."""
+    a1, a2, pa = ahs[:, :, None, :], als[:, :, None, :], apen[:, :, None, :]
+    b1, b2, pb = bhs[:, None, :, :], bls[:, None, :, :], bpen[:, None, :, :]
+    c1, c2, c3, c4 = a1 * b1, a1 * b2, a2 * b1, a2 * b2
+    pen = pa + pb
+    hi = (torch.maximum(torch.maximum(c1, c2), torch.maximum(c3, c4)) + pen).amax(-1)
+    lo = (torch.minimum(torch.minimum(c1, c2), torch.minimum(c3, c4)) - pen).amin(-1)
+    return hi, lo
+
+
+def _compiled():
+    if "pairs" not in _COMPILED:
+        _COMPILED["pairs"] = torch.compile(_pairs, dynamic=True, fullgraph=True)
+    return _COMPILED["pairs"]
+
+
+def _parts(hi, lo):
+    """0 in place of the zero's infinities, and the penalty: 0, or -inf at the zero."""
+    live = hi != -INF
+    return hi.masked_fill(~live, 0), lo.masked_fill(~live, 0), torch.zeros_like(hi).masked_fill_(
+        ~live, -INF
+    )
+
+
+def maxtimes_pairs(a_hi, a_lo, b_hi, b_lo):
+    """``(hi, lo)`` of ``⊕_j a[..., i, j] ⊗ b[..., j, k]`` under signed max-times: ``hi``
+    the largest of the products of ``a``'s hi or lo with ``b``'s hi or lo, ``lo`` the
+    smallest; ``(-inf, inf)`` (no path) where no ``j`` holds a path on both sides."""
+    batch = torch.broadcast_shapes(a_hi.shape[:-2], b_hi.shape[:-2])
+    n, m, p = a_hi.shape[-2], a_hi.shape[-1], b_hi.shape[-1]
+    if m == 0:  # an empty sum: no path
+        hi = a_hi.new_full((*batch, n, p), -INF)
+        return hi, torch.full_like(hi, INF)
+    b = batch.numel()
+
+    def flat(t, rows, cols):
+        return t.expand(*batch, rows, cols).reshape(b, rows, cols)
+
+    a = _parts(flat(a_hi, n, m), flat(a_lo, n, m))
+    bt = _parts(*(flat(t.transpose(-2, -1), p, m) for t in (b_hi, b_lo)))
+    work = b * n * m * p if has_storage(a_hi) and has_storage(b_hi) else 0
+    key = ("maxtimes_pairs", a_hi.dtype, a_hi.device.type)
+    out = _try_compiled(
+        key, work, a_hi.device, lambda: _compiled()(*(t.contiguous() for t in (*a, *bt)))
+    )
+    if out is None:
+        step = chunk_rows(n, 6 * m * p * b)
+        parts = [_pairs(*(t[:, r : r + step] for t in a), *bt) for r in range(0, n, step)]
+        out = tuple(torch.cat(f, 1) for f in zip(*parts))
+    return tuple(o.reshape(*batch, n, p) for o in out)
