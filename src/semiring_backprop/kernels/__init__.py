@@ -244,7 +244,8 @@ def maxplus(m, lwt):
 
 
 #: max-plus top-k: inner sizes are padded to a multiple of this (``PAD``) and cut in
-#: blocks of ``_block(m)``; below ``BLOCKED_MIN`` one eager ``topk`` is faster
+#: blocks of ``_block(m)``; below ``BLOCKED_MIN`` the sums of a (row, column) are ranked
+#: whole
 PAD, BLOCKED_MIN = 64, 256
 
 
@@ -268,19 +269,84 @@ def _block_candidates(m, lwt, blocks, bs: int):
     return m[bi, ri, idx] + lwt[bi, ji, idx], idx
 
 
-_EAGER.update(block_max=_block_max, block_candidates=_block_candidates)
+def _distinct_top(x, k: int, extra: bool):
+    """Along the last dim: the k largest distinct values, descending (and the next one
+    with ``extra``; -inf past the distinct values there are), the first index of each of
+    the k, and whether each of them occurs once and none is NaN: then they are the k
+    largest, each at its one index, however ties further down are broken. ``k`` (or
+    ``k + 1``) max reductions, each below the last, then one loop for the rest; no sort."""
+    ds = [x.amax(-1, keepdim=True)]
+    for _ in range(k - 1 + extra):
+        ds.append(torch.where(x < ds[-1], x, -INF).amax(-1, keepdim=True))
+    once = ((x >= ds[k - 1]).sum(-1) == k) & ~ds[0][..., 0].isnan()
+    idx = torch.stack([_first(x == d) for d in ds[:k]], -1)
+    return torch.cat(ds, -1), idx, once
+
+
+def _topk_rows(m, lwt, k: int):
+    """(B, n, L) x (B, p, L) -> the k largest of m + lw per (row, column), their
+    indices, and where no tie decides them (:func:`_distinct_top`)."""
+    return _distinct_top(m[:, :, None, :] + lwt[:, None, :, :], k, False)
+
+
+def _block_pick(maxima, k: int):
+    """The k blocks of best maxima (their first indices, in range), the best maximum
+    of the blocks left out, and whether no tie decides which k."""
+    ds, blocks, once = _distinct_top(maxima, k, True)
+    return blocks.clamp(max=maxima.shape[-1] - 1), ds[..., k], once
+
+
+def _candidates_top(cand, idx, k: int, rest, picked):
+    """The k best candidates, their indices, and where they are decided: no tie among
+    them and the k-th above every block left out (``rest``)."""
+    ds, j, once = _distinct_top(cand, k, False)
+    return ds, idx.gather(-1, j.clamp(max=idx.shape[-1] - 1)), once & picked & (ds[..., -1] > rest)
+
+
+_EAGER.update(block_max=_block_max, block_candidates=_block_candidates,
+              block_pick=_block_pick, candidates_top=_candidates_top,
+              topk_rows=_topk_rows)  # fmt: skip
 
 
 def _topk_blocked(m, lwt, k: int):
     """The k best of each (row, column) from the k blocks with the best maxima (every
     value above a block's max is in a block whose max is higher: the k best values are
-    in those k blocks, ties included); two compiled loops and two small ``topk``."""
+    in those blocks), and where no tie decides them; four compiled loops, the
+    candidates written out between (ranking them where they are made costs more)."""
     bs = _block(m.shape[-1])
     maxima = _compiled("block_max")(m, lwt, bs)
-    _, blocks = maxima.topk(min(k, maxima.shape[-1]), -1)
+    kb = min(k, maxima.shape[-1])
+    blocks, rest, picked = _compiled("block_pick")(maxima, kb)
     cand, idx = _compiled("block_candidates")(m, lwt, blocks, bs)
-    best, j = cand.topk(k, -1)
+    return _compiled("candidates_top")(cand, idx, k, rest, picked)
+
+
+def _blocked_ranked(x, k: int, bs: int):
+    """What ``_topk_blocked`` gave before its rounds, for sums ``x`` (R, L): the k blocks
+    by ``topk`` of their maxima, then ``topk`` of their elements (ties as topk breaks
+    them, block by block)."""
+    maxima = x.view(x.shape[0], -1, bs).amax(-1)
+    _, blocks = maxima.topk(min(k, maxima.shape[-1]), -1)
+    idx = (blocks[..., None] * bs + torch.arange(bs, device=x.device)).flatten(-2)
+    best, j = x.gather(-1, idx).topk(k, -1)
     return best, idx.gather(-1, j)
+
+
+def _whole_ranked(x, k: int):
+    return x.topk(k, -1)
+
+
+def _undecided_again(best, idx, ok, m, lwt, rank):
+    """Where a tie (or a NaN) decides the k best, ``rank`` them as before, from their sums
+    (the same bits, tie-breaks included: ``topk`` ranks each row by its own values)."""
+    bad = (~ok).nonzero()
+    step = chunk_rows(len(bad), 2 * m.shape[-1])
+    for r in range(0, len(bad), step):
+        b, i, j = bad[r : r + step].unbind(-1)
+        v, ix = rank(m[b, i] + lwt[b, j])
+        best[b, i, j] = v
+        idx[b, i, j] = ix
+    return best, idx
 
 
 def maxplus_topk(m, lwt, k: int):
@@ -290,27 +356,41 @@ def maxplus_topk(m, lwt, k: int):
     than ``k`` sums are finite, the rest are -inf with indices that mean nothing (past
     ``j``'s size, where ``lwt`` is padded with -inf beyond ``m``'s size).
 
-    Compiled (:func:`set_compile`): the best blocks first, then the best of their
-    elements (BERT's (20, 2048) x (2048, 512), k = 3: 8 ms, against 37 ms for one
-    ``topk`` over the broadcast). Eagerly: that ``topk``, in row chunks.
+    Compiled (:func:`set_compile`): ``k + 1`` max reductions per (row, column) instead
+    of a sort (at ``BLOCKED_MIN`` inner elements or more, over the best blocks first,
+    then the best of their elements: BERT's (20, 2048) x (2048, 512), k = 3: 8 ms,
+    against 37 ms for one ``topk`` over the broadcast); where a tie or a NaN decides the
+    k best, those (row, column)s are ranked again by ``topk`` as before, so the
+    indices are the same whatever the ties. Eagerly: that ``topk``, in row chunks.
     """
     pad = lwt.shape[-1] - m.shape[-1]
     if pad:
         m = torch.nn.functional.pad(m, (0, pad), value=-INF)
     batch, (m,), lwt = _flat((m,), lwt)
     b, n, inner, p = m.shape[0], m.shape[-2], m.shape[-1], lwt.shape[-2]
-    key = ("maxplus_topk", m.dtype, m.device.type)
-    if inner >= BLOCKED_MIN and inner % PAD == 0:
-        out = _try_compiled(
-            key,
-            b * n * inner * p if has_storage(m) and has_storage(lwt) else 0,
-            m.device,
-            lambda: _topk_blocked(m.contiguous(), lwt.contiguous(), k),
-        )
-        if out is not None:
-            return tuple(o.reshape(*batch, n, p, k) for o in out)
+    blocked = inner >= BLOCKED_MIN and inner % PAD == 0
+    # two keys: the whole rows' kernel gives the eager bits, ties included, so that its
+    # compiling (or failing to) never changes when the blocked one compiles
+    key = ("maxplus_topk" if blocked else "maxplus_topk_rows", m.dtype, m.device.type)
+    out = _try_compiled(
+        key,
+        b * n * inner * p if has_storage(m) and has_storage(lwt) and k <= _ROUNDS_MAX else 0,
+        m.device,
+        lambda: (_topk_blocked if blocked else _compiled("topk_rows"))(
+            m.contiguous(), lwt.contiguous(), k
+        ),
+    )
+    if out is not None:
+        bs = _block(inner)
+        rank = (lambda x: _blocked_ranked(x, k, bs)) if blocked else (lambda x: _whole_ranked(x, k))
+        out = _undecided_again(*out, m, lwt, rank)
+        return tuple(o.reshape(*batch, n, p, k) for o in out)
     step = chunk_rows(n, 2 * inner * p * b)
     outs = [
         (m[:, r : r + step, None, :] + lwt[:, None, :, :]).topk(k, -1) for r in range(0, n, step)
     ]
     return tuple(torch.cat(parts, 1).reshape(*batch, n, p, k) for parts in zip(*outs))
+
+
+#: above this k, max-plus top-k runs eagerly (the compiled kernels unroll k + 1 rounds)
+_ROUNDS_MAX = 8
