@@ -187,9 +187,16 @@ class TopK(Semiring):
         v = cands(groups[0]) + at_rows(lwt)[..., None]
         v = v.masked_fill((heads == -INF)[..., None], -INF)  # no path: no head
         best, j = v.flatten(-2).topk(k, -1)
-        sign = cands(groups[1]).flatten(-2).gather(-1, j) * _sign(at_rows(wt)).gather(-1, j // k)
-        ptrs = (cands(g).flatten(-2).gather(-1, j) for g in groups[2:])
-        return self._unpack([best, sign, *ptrs])
+        # the kept entries alone, not the heads' k x k: entry j // k of the heads' rows,
+        # rank j % k there, read from each group flat as (..., n, m * k)
+        row = rows.gather(-1, j // k)
+        at = (row * k + j % k).flatten(-2)
+
+        def kept(g):
+            return g.flatten(-2).gather(-1, at).view(row.shape)
+
+        w_at = wt[..., None, :, :].expand(*wt.shape[:-2], n, p, m).gather(-1, row)
+        return self._unpack([best, kept(groups[1]) * _sign(w_at), *map(kept, groups[2:])])
 
     def scalar(self, a) -> torch.Tensor:
         return self.finalize(a).values[..., 0]
