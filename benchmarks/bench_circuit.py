@@ -3,9 +3,11 @@ measured in one run on the same inputs.
 
 Three things are timed on one traced ``sbp.Backprop`` (``Real`` and ``MaxProduct``, the
 circuit's defaults): autograd's forward + backward to the input embeddings; our pass
-alone (forward values + reverse pass); and the circuit (the same pass, then
-``Circuit.from_result``: the forward semiring pass, every site's max-marginal, the edges
-between components and the heads' token-to-token edges). They run in turn, ``--reps``
+alone (forward values + reverse pass, checkpointed as by default); and the circuit as
+``sbp.circuit`` makes it (the same pass, tapped: it hands over every node's value and D,
+which every stage reads, instead of each segment being computed again from the
+checkpoints; then ``Circuit.from_result``: the forward semiring pass, every site's
+max-marginal, the edges between components and the heads' token-to-token edges). They run in turn, ``--reps``
 rounds; ratios are medians of per-round ratios. Peak memory: the bytes held by tensors
 during one call, above what was held before (CPU: from the profiler; CUDA: the
 allocator's peak), for the pass and for the circuit.
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_backprop import _bert, _gpt2, _inputs, _time, peak_bytes  # noqa: E402
 
 import semiring_backprop as sbp  # noqa: E402
+from semiring_backprop.engine import checkpoints  # noqa: E402
 
 CASES = {"bert": ("BERT 6L-512H-8A", _bert), "gpt2": ("GPT-2 small", _gpt2)}
 
@@ -52,7 +55,8 @@ def bench(case, tokens, reps, device, dtype):
         return bp(kwargs=kwargs)
 
     def circuit():
-        res = bp(kwargs=kwargs)
+        with checkpoints.tapped():  # as sbp.circuit
+            res = bp(kwargs=kwargs)
         return sbp.Circuit.from_result(res)
 
     t = time.perf_counter()
@@ -68,7 +72,8 @@ def bench(case, tokens, reps, device, dtype):
     mem = {name: peak_bytes(fn, device) for name, fn in
            (("autograd", ref), ("pass", pass_only), ("circuit", circuit))}  # fmt: skip
     edges = 0 if first.edges is None else len(first.edges)
-    stages = _stages(bp(kwargs=kwargs))
+    with checkpoints.tapped():
+        stages = _stages(bp(kwargs=kwargs))
     print(
         f"{label}, {tokens} tokens ({device}, {str(dtype).removeprefix('torch.')}): "
         f"autograd {med['autograd'] * 1e3:.0f} ms, pass {med['pass'] * 1e3:.0f} ms, "

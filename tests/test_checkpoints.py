@@ -186,3 +186,50 @@ def test_a_finished_checkpointed_pass_is_freed_without_the_cycle_collector():
         assert held() is None
     finally:
         gc.enable()
+
+
+def test_a_tapped_pass_hands_over_the_full_passs_nodes_and_then_keeps_its_checkpoints(
+    monkeypatch,
+):
+    """``checkpoints.tapped()`` (how ``sbp.circuit`` runs its pass): every node's value
+    and D handed over are the full pass's bits; the result is still a checkpointed one
+    (its segments computed again give the same), and ``untap`` lets the taps go."""
+    model = _bert()
+    kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
+    semirings = [sbp.Real(), sbp.MaxProduct(), sbp.TopK(2)]
+    monkeypatch.setattr(checkpoints, "ENABLED", False)
+    full = sbp.backprop(model, kwargs=kw, output=_lm, semirings=semirings, reuse=False)
+    monkeypatch.setattr(checkpoints, "ENABLED", True)
+    with checkpoints.tapped():
+        tap = sbp.backprop(model, kwargs=kw, output=_lm, semirings=semirings, reuse=False)
+    assert not checkpoints.tapping()
+    values, store = checkpoints.taps(tap.values)
+    for mine, node in zip(tap.graph.nodes, full.graph.nodes, strict=True):
+        assert (node in full.values) == (mine in values), node
+        if node in full.values:
+            _same(values[mine], full.values[node])
+        assert (node in full._store) == (mine in store), node
+        if node in full._store:
+            _same(store[mine], full._store[node])
+            _same(tap._store[mine], full._store[node])  # through the checkpoints
+    checkpoints.untap(tap.values)
+    assert checkpoints.taps(tap.values) is None
+    node = next(n for n in reversed(tap.graph.nodes) if n in tap._store and n in values)
+    _same(tap._store[node], full._store[full.graph.nodes[tap.graph.ids[node]]])
+
+
+def test_a_circuit_keeps_its_passs_checkpoints_alone():
+    """``sbp.circuit`` taps its pass; the circuit it returns holds the checkpoints, not
+    every node (the taps are let go), and equals the circuit of an untapped pass."""
+    model = _bert()
+    kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
+    c = sbp.circuit(model, kwargs=kw, output=_lm)
+    assert isinstance(c.result.values, checkpoints._Values)
+    assert checkpoints.taps(c.result.values) is None
+    res = sbp.backprop(model, kwargs=kw, output=_lm, semirings=[sbp.Real(), sbp.MaxProduct()])
+    ref = sbp.Circuit.from_result(res)
+    for a, b in ((c.nodes, ref.nodes), (c.edges, ref.edges),
+                 (c.attention_edges, ref.attention_edges)):  # fmt: skip
+        assert a.drop(columns=["Real"]).equals(b.drop(columns=["Real"]))
+        torch.testing.assert_close(torch.tensor(a.Real.to_numpy()), torch.tensor(b.Real.to_numpy()),
+                                   rtol=1e-12, atol=1e-15)  # fmt: skip

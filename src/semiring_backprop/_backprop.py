@@ -315,7 +315,8 @@ class Backprop:
         if self.keep is None and checkpoints.ENABLED and checkpoints.usable(graph):
             needed = needed_nodes(graph, graph.output_node)
             step = lambda: graphed.checkpointed_pass(graph, self.semirings, needed)  # noqa: E731
-            ckpt = self._replay(graph, None, step, args, kwargs)
+            # (a tapped pass hands over every node: not what a captured graph holds)
+            ckpt = None if checkpoints.tapping() else self._replay(graph, None, step, args, kwargs)
             if ckpt is not None:
                 self._check_examples(args, kwargs, ckpt.held[graph.output_node])
                 return Result(graph, ckpt.values, ckpt.store, self.semirings)

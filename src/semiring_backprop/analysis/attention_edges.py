@@ -52,29 +52,49 @@ def attention_edges(res, semirings=None, seed="structural", baseline=None, token
     al = circuit_alphas(res, srs, seed, baseline, lay)
     labels = site_labels(tokens, lay.positions)
     n = lay.positions
-    parts = []
+    keys, values = [], [[] for _ in srs]
     for layer in range(lay.layers):
         for comp in lay.heads[layer]:
             plan = head_plan(res, lay, srs, layer, comp.head, roles=("value",))
             got = _attention_by_contraction(res, lay, srs, plan, al)
             if got is None:  # the value path is not one A @ V between moves of data
                 got = _attention_by_positions(res, lay, srs, plan, al)
-            cols = {
-                "layer": [layer] * n * n, "head_index": [comp.head] * n * n,
-                "src_position": list(range(n)) * n,
-                "dst_position": [p for p in range(n) for _ in range(n)],
-            }  # fmt: skip
-            for sr, v in zip(srs, got):
-                cols[sr.name] = readout(sr, v).detach().cpu().double().reshape(-1).numpy()
-            parts.append(pd.DataFrame(cols))
-    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
-    frame = frame.reindex(columns=[*ATTENTION_COLUMNS, *(sr.name for sr in srs)])
-    if len(frame):
-        frame["src_token"] = [labels[q] for q in frame.src_position]
-        frame["dst_token"] = [labels[p] for p in frame.dst_position]
-    for col in ("layer", "head_index", "src_position", "dst_position"):
-        frame[col] = frame[col].astype("Int64")
-    return frame
+            keys.append((layer, comp.head))
+            for s, (sr, v) in enumerate(zip(srs, got)):
+                values[s].append(readout(sr, v).detach().cpu().double().reshape(-1).numpy())
+    return _frame(keys, values, n, labels, srs)
+
+
+def _frame(keys, values, n, labels, srs):
+    """One row per head (``keys``: (layer, head) in order) and pair of positions, the
+    destination position major, with the heads' values per semiring (``values``)."""
+    import numpy as np
+    import pandas as pd
+
+    columns = [*ATTENTION_COLUMNS, *(sr.name for sr in srs)]
+    if not keys:
+        frame = pd.DataFrame(columns=columns)
+        for col in ("layer", "head_index", "src_position", "dst_position"):
+            frame[col] = frame[col].astype("Int64")
+        return frame
+    per = n * n
+    src = np.tile(np.arange(n), n * len(keys))
+    dst = np.tile(np.repeat(np.arange(n), n), len(keys))
+    tokens = np.array(labels, dtype=object)
+    cols = {
+        "layer": pd.array(np.repeat([k[0] for k in keys], per), dtype="Int64"),
+        "head_index": pd.array(np.repeat([k[1] for k in keys], per), dtype="Int64"),
+        "src_position": pd.array(src, dtype="Int64"),
+        "dst_position": pd.array(dst, dtype="Int64"),
+        "src_token": tokens[src],
+        "dst_token": tokens[dst],
+    }
+    for sr, v in zip(srs, values):
+        cols[sr.name] = np.concatenate(v)
+    frame = pd.DataFrame(cols)
+    for col in ("src_token", "dst_token"):
+        frame[col] = frame[col].astype(str)
+    return frame[columns]
 
 
 def _attention_by_contraction(res, lay, srs, plan: HeadPlan, al):

@@ -192,8 +192,12 @@ def pinned(res):
     res.__dict__.setdefault("_alphas", {})
     new = type(res).__new__(type(res))
     new.__dict__.update(res.__dict__)
-    new.values = _PinnedValues(ckpt)
-    new._store = _PinnedStore(ckpt)
+    tapped = checkpoints.taps(res.values)
+    if tapped is not None:  # a tapped pass handed every node over: nothing to compute
+        new.values, new._store = tapped
+    else:
+        new.values = _PinnedValues(ckpt)
+        new._store = _PinnedStore(ckpt)
     return new
 
 

@@ -131,6 +131,7 @@ class Circuit:
         (:mod:`.ig`). ``ig_steps=0``: the seed ``x - x'`` at the input alone."""
         from ..analysis.circuit import circuit_nodes
         from ..analysis.circuit_layout import pinned
+        from ..engine.checkpoints import untap
         from .ig import check_steps, integrated
 
         check_steps(ig_steps, ig_method)
@@ -159,6 +160,7 @@ class Circuit:
             d_model = int(shape[-1])
         ids = _token_ids(res)
         labels = list(nodes[nodes.role == "embedding"].token)
+        untap(whole.values)  # (a tapped pass: the circuit keeps its checkpoints alone)
         return cls(nodes, edges, attention_edges, srs, labels, whole, what, ids, mask, d_model,
                    seed=_seed_name(seed, baseline), ig_steps=ig_steps,
                    ig_method=ig_method if ig_steps else "")  # fmt: skip
@@ -481,12 +483,17 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
         'api-circuit.html'
     """
     from .._backprop import backprop
+    from ..engine import checkpoints
     from ..semirings import MaxProduct, Real
     from .ig import check_call
 
     check_call(ig_steps, ig_method, baseline, seed)  # (before the pass)
     srs = list(semirings) if semirings is not None else [Real(), MaxProduct()]
-    res = backprop(model, args, kwargs, output=output, semirings=srs)
+    # every stage reads every segment: the pass hands them all over (tapped) instead
+    # of each being computed again from its checkpoints (the same peak: the stages hold
+    # them all); the circuit keeps the checkpoints alone
+    with checkpoints.tapped():
+        res = backprop(model, args, kwargs, output=output, semirings=srs)
     mask = None
     m = (kwargs or {}).get("attention_mask")
     if m is not None and m.dim() == 2 and m.shape[0] == 1 and not bool((m != 0).all()):

@@ -18,6 +18,7 @@ times) computes each segment about once.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -33,6 +34,41 @@ from .reverse import propagate, reverse
 
 #: False: a pass with ``keep=None`` holds every node instead (the same values)
 ENABLED = True
+
+
+_TAPS = {"on": False}
+
+
+@contextlib.contextmanager
+def tapped():
+    """Within the block, a checkpointed pass also hands over every node's forward value
+    and D (``Checkpoints.taps``: the same values, held until :func:`untap`), for work
+    that reads every segment once and would otherwise compute each again (a circuit).
+    Afterwards the pass holds only its checkpoints again."""
+    before = _TAPS["on"]
+    _TAPS["on"] = True
+    try:
+        yield
+    finally:
+        _TAPS["on"] = before
+
+
+def tapping() -> bool:
+    return _TAPS["on"]
+
+
+def taps(values):
+    """``(values, D)`` of every node, as dicts, where ``values`` (a result's) are a
+    tapped pass's; else None."""
+    return values.ckpt.taps if isinstance(values, _Values) else None
+
+
+def untap(values) -> None:
+    """Let go of what a tapped pass handed over (its checkpoints stay)."""
+    if isinstance(values, _Values):
+        values.ckpt.taps = None
+
+
 #: segments kept computed (a path reads a node's consumers: the next segment too; a
 #: third saved no time on BERT-20's paths and layer table and held 4 MB more)
 CACHED_SEGMENTS = 2
@@ -122,6 +158,7 @@ class Checkpoints:
                  snaps: dict, reached: set):  # fmt: skip
         self.graph, self.needed, self.semirings, self.layout = graph, needed, semirings, lay
         self.held, self.held_store, self.snaps, self.reached = held, store, snaps, reached
+        self.taps = None  #: (values, D) of every node, from a tapped pass (see tapped)
         self._values: OrderedDict = OrderedDict()  # segment -> its forward values
         self._d: OrderedDict = OrderedDict()  # (segment, semiring index) -> its D
 
@@ -271,15 +308,20 @@ def run(graph, forward_run, semirings, needed, inputs: frozenset, *, flags=None,
     refusal of a pass too large (a pass captured as a CUDA graph was checked before)."""
     lay = layout(graph, needed)
     kept = lay.frontier | inputs
-    values = forward_run(liveness.unread_values(graph, needed, kept))
+    tap = tapping()
+    values = forward_run(None if tap else liveness.unread_values(graph, needed, kept))
     held = {n: values[n] for n in (*lay.frontier, *graph.constants, *graph.user_inputs.values())}
     held[graph.output_node] = values[graph.output_node]
     snaps, reached = dict.fromkeys(b - 1 for b in lay.bounds[1:]), set()
     if check_budget:
-        budget.check(graph, values, semirings, needed, kept)  # before a pass too large
-    store = reverse(graph, values, semirings, graph.output_node, kept, snaps, reached, flags=flags)
-    store = {n: d for n, d in store.items() if n in inputs}
-    return Checkpoints(graph, needed, semirings, lay, held, store, snaps, reached)
+        budget.check(graph, values, semirings, needed, None if tap else kept)
+    store = reverse(graph, values, semirings, graph.output_node, None if tap else kept, snaps,
+                    reached, flags=flags)  # fmt: skip
+    ckpt = Checkpoints(graph, needed, semirings, lay, held,
+                       {n: d for n, d in store.items() if n in inputs}, snaps, reached)  # fmt: skip
+    if tap:
+        ckpt.taps = (values, store)
+    return ckpt
 
 
 def copied(ckpt: Checkpoints, copy) -> Checkpoints:

@@ -30,18 +30,24 @@ def _pairs(ahs, als, apen, bhs, bls, bpen):
     return hi, lo
 
 
-def _compiled():
-    if "pairs" not in _COMPILED:
-        _COMPILED["pairs"] = torch.compile(_pairs, dynamic=True, fullgraph=True)
-    return _COMPILED["pairs"]
-
-
 def _parts(hi, lo):
     """0 in place of the zero's infinities, and the penalty: 0, or -inf at the zero."""
-    live = hi != -INF
-    return hi.masked_fill(~live, 0), lo.masked_fill(~live, 0), torch.zeros_like(hi).masked_fill_(
-        ~live, -INF
+    dead = hi == -INF
+    return hi.masked_fill(dead, 0), lo.masked_fill(dead, 0), torch.zeros_like(hi).masked_fill_(
+        dead, -INF
     )
+
+
+def _whole(a_hi, a_lo, bt_hi, bt_lo):
+    """:func:`_parts` of both sides, then :func:`_pairs`: compiled as one program, the
+    parts are loops of their own over the inputs, not over the (n, p, m) products."""
+    return _pairs(*_parts(a_hi, a_lo), *_parts(bt_hi, bt_lo))
+
+
+def _compiled():
+    if "pairs" not in _COMPILED:
+        _COMPILED["pairs"] = torch.compile(_whole, dynamic=True, fullgraph=True)
+    return _COMPILED["pairs"]
 
 
 def maxtimes_pairs(a_hi, a_lo, b_hi, b_lo):
@@ -58,14 +64,15 @@ def maxtimes_pairs(a_hi, a_lo, b_hi, b_lo):
     def flat(t, rows, cols):
         return t.expand(*batch, rows, cols).reshape(b, rows, cols)
 
-    a = _parts(flat(a_hi, n, m), flat(a_lo, n, m))
-    bt = _parts(*(flat(t.transpose(-2, -1), p, m) for t in (b_hi, b_lo)))
+    a = flat(a_hi, n, m), flat(a_lo, n, m)
+    bt = tuple(flat(t.transpose(-2, -1), p, m) for t in (b_hi, b_lo))
     work = b * n * m * p if has_storage(a_hi) and has_storage(b_hi) else 0
     key = ("maxtimes_pairs", a_hi.dtype, a_hi.device.type)
     out = _try_compiled(
         key, work, a_hi.device, lambda: _compiled()(*(t.contiguous() for t in (*a, *bt)))
     )
     if out is None:
+        a, bt = _parts(*a), _parts(*bt)
         step = chunk_rows(n, 6 * m * p * b)
         parts = [_pairs(*(t[:, r : r + step] for t in a), *bt) for r in range(0, n, step)]
         out = tuple(torch.cat(f, 1) for f in zip(*parts))
