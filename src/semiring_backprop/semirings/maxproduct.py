@@ -254,6 +254,11 @@ class MaxProduct(Semiring):
         a, b = self._normalize(a), self._normalize(b)
         ahi, alo, aph, apl = self._split(a)
         zero = self._is_zero(a) | self._is_zero(b)
+        if not aph:  # no pointers: the best and the worst of the four, without indices
+            c = (ahi * b[0], ahi * b[1], alo * b[0], alo * b[1])  # (NaN: skipped by fmax)
+            hi = _nan_to_(torch.fmax(torch.fmax(c[0], c[1]), torch.fmax(c[2], c[3])), -INF)
+            lo = _nan_to_(torch.fmin(torch.fmin(c[0], c[1]), torch.fmin(c[2], c[3])), INF)
+            return (torch.where(zero, -INF, hi), torch.where(zero, INF, lo))
         cands = torch.stack([ahi * b[0], ahi * b[1], alo * b[0], alo * b[1]])
         hi, ih = _nan_to(cands, -INF).max(0)
         lo, il = _nan_to(cands, INF).min(0)
