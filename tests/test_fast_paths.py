@@ -151,7 +151,8 @@ def test_auto_compiles_once_eager_work_would_have_paid_for_it(monkeypatch):
     mode = kernels._state["compile"]
     kernels.set_compile("auto")
     ran = []
-    monkeypatch.setattr(kernels, "_compiled", lambda name: ran.append(name) or kernels._EAGER[name])
+    monkeypatch.setattr(kernels, "_compiled",  # (what it would compile, run eagerly)
+                        lambda name: ran.append(name) or kernels._WHOLE[name])  # fmt: skip
     hi, lo = _fields(5, 7)
     w = _weights(7, 4).transpose(-2, -1)
     per_call = 5 * 7 * 4 * kernels._EAGER_S_PER_TRIPLE["cpu"]

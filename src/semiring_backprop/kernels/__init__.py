@@ -142,21 +142,35 @@ def _maxplus(m, lwt):
     return best[..., 0], _first(c >= best)
 
 
-def _maxtimes_apart(hs, ls, pen, wt):
-    """:func:`_maxtimes_values` as a function of its own: compiled, its recompilations
-    (other shapes than the pass's) are counted apart from the pass's kernel's."""
-    return _maxtimes_values(hs, ls, pen, wt)
+def _prep(hi, lo):
+    """The max-times kernels' fields: 0 in place of the zero's infinities, and the
+    penalty (-inf at the zero, 0 elsewhere)."""
+    dead = hi == -INF
+    pen = torch.zeros_like(hi).masked_fill(dead, -INF)
+    return hi.masked_fill(dead, 0), lo.masked_fill(dead, 0), pen
 
 
-_EAGER = {"maxtimes": _maxtimes, "maxtimes_values": _maxtimes_values, "maxplus": _maxplus,
-          "maxtimes_apart": _maxtimes_apart}  # fmt: skip
+def _masked(kernel):
+    """``kernel`` on raw fields, :func:`_prep` made inside: compiled, it is loops over
+    the fields fused into the program, not three tensors made before it."""
+
+    def run(hi, lo, wt):
+        return kernel(*_prep(hi, lo), wt)
+
+    return run
+
+
+_EAGER = {"maxtimes": _maxtimes, "maxtimes_values": _maxtimes_values, "maxplus": _maxplus}
+#: what is compiled in place of an eager kernel: the max-times ones with their masking
+_WHOLE = {"maxtimes": _masked(_maxtimes), "maxtimes_values": _masked(_maxtimes_values)}
 _COMPILED: dict = {}
 _COMPILED_KEYS: set = set()  # (name, dtype, device type) that ran compiled
 
 
 def _compiled(name):
     if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(_EAGER[name], dynamic=True, fullgraph=True)
+        fn = _WHOLE.get(name, _EAGER.get(name))
+        _COMPILED[name] = torch.compile(fn, dynamic=True, fullgraph=True)
     return _COMPILED[name]
 
 
@@ -179,8 +193,10 @@ def _try_compiled(key, work: int, device, call):
         return None
 
 
-def _run(name, a, wt):
-    """Run kernel ``name`` on batched (B, n, m) fields and (B, p, m) transposed weights."""
+def _run(name, a, wt, prep=None):
+    """Run kernel ``name`` on batched (B, n, m) fields and (B, p, m) transposed weights;
+    ``prep(*a)``: the fields as the eager kernel takes them (the compiled program makes
+    them itself, see :data:`_WHOLE`)."""
     n, m, p = a[0].shape[-2], a[0].shape[-1], wt.shape[-2]
     work = a[0].shape[0] * n * m * p
     key = (name, a[0].dtype, a[0].device.type)
@@ -193,6 +209,8 @@ def _run(name, a, wt):
     )
     if out is not None:
         return out
+    if prep is not None:
+        a = prep(*a)
     step = chunk_rows(n, 4 * m * p * a[0].shape[0])
     outs = [_EAGER[name](*(f[:, r : r + step] for f in a), wt) for r in range(0, n, step)]
     return tuple(torch.cat(parts, 1) for parts in zip(*outs))
@@ -206,24 +224,17 @@ def _flat(fields, wt):
     return batch, fields, wt
 
 
-def maxtimes(hi, lo, wt, argmax: bool = True, apart: bool = False):
+def maxtimes(hi, lo, wt, argmax: bool = True):
     """``out_hi[..., i, k] = max_j hi|lo[..., i, j] * w[..., j, k]`` (hi where w >= 0, lo
     where w < 0), ``out_lo`` likewise with min; with the first argmax / argmin ``j``
     (``(out_hi, j_hi, out_lo, j_lo)``), or without them (``(out_hi, out_lo)``).
-    ``apart=True`` (values only): through a compiled kernel of its own, for shapes
-    other than the pass's (a contraction of two values), whose recompilations past
-    torch's limit must not cost the pass its kernel.
 
     The weights come transposed, ``wt[..., k, j] = w[..., j, k]`` (the reduced dim
     contiguous). ``(hi, lo) = (-inf, +inf)`` is "no path": it never wins, even against a
     zero weight.
     """
     batch, (hi, lo), wt = _flat((hi, lo), wt)
-    live = hi != -INF
-    pen = torch.zeros_like(hi).masked_fill_(~live, -INF)
-    hs, ls = hi.masked_fill(~live, 0), lo.masked_fill(~live, 0)
-    name = "maxtimes" if argmax else "maxtimes_apart" if apart else "maxtimes_values"
-    outs = _run(name, (hs, ls, pen), wt)
+    outs = _run("maxtimes" if argmax else "maxtimes_values", (hi, lo), wt, prep=_prep)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 
