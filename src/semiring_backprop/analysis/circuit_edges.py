@@ -452,19 +452,23 @@ def _backward_edge_values(res, lay: Layout, srs, acc, al):
     return [tuple(torch.stack(f) for f in zip(*(p[s] for p in parts))) for s in range(len(srs))]
 
 
-def _meet(res, lay: Layout, srs, fwd, dests) -> dict:
-    """``{destination: [value per semiring]}`` for ``dests`` (``[(destination, {entry:
-    [D per semiring]})]``), each value of shape (components, positions): as
+def _meet(res, lay: Layout, srs, fwd, dests, total=None) -> list:
+    """Per semiring, the values of ``dests`` (``[(destination, {entry: [D per
+    semiring]})]``) stacked: (destinations, components, positions), ⊕-added into
+    ``total`` (the same, from other groups of components; None: the zero). As
     :func:`_edge_values`, the destinations that share an entry at once, as one
     contraction of values per semiring (``Semiring.contract``: the components' values
-    at the entry against the destinations' D, over the hidden units, per position)."""
+    at the entry against the destinations' D, over the hidden units, per position),
+    ⊕-added into the rows of those destinations and components at once."""
     n, positions = len(lay.components), lay.positions
     like = res.values[lay.target]
+    if total is None:
+        total = [tuple(sr.zero((len(dests), n, positions), like)) for sr in srs]
+    row = {i: r for r, (i, _) in enumerate(dests)}
     by_entry: dict = {}
     for i, acc in dests:
         for x, slot in acc.items():
             by_entry.setdefault(x, []).append((i, slot))
-    out = {i: [None] * len(srs) for i, _ in dests}
     for x, group in by_entry.items():
         if x not in fwd:  # (no component of this group reaches it)
             continue
@@ -476,23 +480,24 @@ def _meet(res, lay: Layout, srs, fwd, dests) -> dict:
         if not idx or not plain:  # (fields with dims of their own: one at a time)
             for i, slot in group:
                 got = _edge_values(res, lay, srs, fwd, {x: slot})
-                out[i] = [v if o is None else sr.plus(o, v) for sr, o, v in zip(srs, out[i], got)]
+                for s, sr in enumerate(srs):
+                    r = row[i]
+                    new = sr.plus(tuple(t[r] for t in total[s]), got[s])
+                    for t, f in zip(total[s], new):
+                        t[r] = f
             continue
-        at = torch.as_tensor(idx, device=like.device)
+        at = (torch.as_tensor([row[i] for i, _ in group], device=like.device)[:, None],
+              torch.as_tensor(idx, device=like.device)[None, :])  # fmt: skip
         for s, sr in enumerate(srs):
             a = tuple(f.reshape(len(idx), positions, -1).transpose(0, 1) for f in rows[s])
             b = tuple(torch.stack(fs).reshape(len(group), positions, -1).permute(1, 2, 0)
                       for fs in zip(*(slot[s] for _, slot in group)))  # fmt: skip
             m = sr.contract(a, b)  # (positions, components, destinations)
-            for e, (i, _) in enumerate(group):
-                per = tuple(f[:, :, e].transpose(0, 1) for f in m)
-                part = tuple(
-                    z.index_put((at,), f) for z, f in zip(sr.zero((n, positions), like), per)
-                )
-                out[i][s] = part if out[i][s] is None else sr.plus(out[i][s], part)
-    for i in out:
-        out[i] = [sr.zero((n, positions), like) if v is None else v for sr, v in zip(srs, out[i])]
-    return out
+            part = tuple(f.permute(2, 1, 0) for f in m)  # (destinations, components, positions)
+            new = sr.plus(tuple(t[at] for t in total[s]), part)
+            for t, f in zip(total[s], new):
+                t[at] = f.to(t.dtype)
+    return total
 
 
 def _edge_values(res, lay: Layout, srs, fwd, acc):
@@ -598,15 +603,14 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     meeting = [(i, d[2]) for i, (d, f) in enumerate(zip(dests, forward)) if f]
     met = None
     for part in _held_groups(_source_passes(res, lay, srs, al, reached, between)):
-        got = _meet(res, lay, srs, part, meeting)  # (zero where not these groups' rows)
-        met = got if met is None else {
-            i: [sr.plus(a, b) for sr, a, b in zip(srs, met[i], got[i])] for i in got}  # fmt: skip
+        met = _meet(res, lay, srs, part, meeting, met)
     if met is None:
         met = _meet(res, lay, srs, {}, meeting)
+    row = {i: r for r, (i, _) in enumerate(meeting)}
     comps = lay.components
     for i, ((dst, inp, acc), f) in enumerate(zip(dests, forward)):
         if f:
-            values = met[i]
+            values = [tuple(t[row[i]] for t in met[s]) for s in range(len(srs))]
         else:  # an entry without positions (the output): a pass back from it
             values = _backward_edge_values(res, lay, srs, acc, al)
         has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)
