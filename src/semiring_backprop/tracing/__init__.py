@@ -2,6 +2,8 @@
 
 - :mod:`.trace`: ``torch.export`` (non-strict), module marks, the ATen-level graph;
 - :mod:`.decompositions`: composite ops into primitives (and paper mode's formulas);
+- :mod:`.decompose`: the table applied to an exported graph, each distinct op traced
+  once (``run_decompositions``'s graph, faster);
 - :mod:`.ops`: the custom ops the tracer puts in graphs (``mark``, ``softmax_shift``);
 - :mod:`.checks`: what a trace cannot see, refused or checked against eager;
 - :mod:`.reuse`: when a kept trace may serve a new call (keys of inputs, output

@@ -1,9 +1,10 @@
 """Model + example inputs + output function -> :class:`Graph` (an ATen-level FX graph).
 
-Tracing uses ``torch.export`` (non-strict), then our decomposition table. Before
-exporting, every submodule gets hooks that wrap its first float input and its output in
-the identity op ``semiring_backprop::mark``, so that ``Result.at("encoder.layer.0")``
-finds exactly that module's output in the graph.
+Tracing uses ``torch.export`` (non-strict), then our decomposition table (applied by
+:func:`.decompose.decompose`: ``run_decompositions``'s graph, each distinct op traced
+once). Before exporting, every submodule gets hooks that wrap its first float input and
+its output in the identity op ``semiring_backprop::mark``, so that
+``Result.at("encoder.layer.0")`` finds exactly that module's output in the graph.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .checks import (
     watch_functions,
     watch_tensor_code,
 )
+from .decompose import decompose
 
 mark_op = torch.ops.semiring_backprop.mark.default
 aten = torch.ops.aten
@@ -248,7 +250,7 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
             _detach_no_grad_blocks(program)
             _views_as_reshapes(program)
             _unwrap_bool_checks(program)
-            program = program.run_decompositions(table)
+            program = decompose(program, table)
             _select_by_indices(program)
             _drop_identity_restrides(program)
     except (TracingError, InputError, TrainingModeError):

@@ -1,0 +1,504 @@
+"""``program.run_decompositions(table)``, with each distinct op traced once.
+
+torch's ``run_decompositions`` traces the whole exported graph again, op by op, through
+functionalization, fake tensors and the decomposition table: most of a first call's
+time on a transformer, where each layer repeats the ops of the one before. For a graph
+of fixed sizes whose ops are all functional, what an op becomes depends only on the op,
+its non-tensor arguments and the layout of its tensor arguments (shape, strides, dtype,
+device). :func:`decompose` traces each distinct such op once, with torch's own machinery
+(``aot_export_module`` with the table, as ``run_decompositions`` does), and copies the
+result wherever the op recurs: the nodes, their order and names, the edges and each
+node's module are those ``run_decompositions`` gives (``tests/test_decompose.py``
+compares the two on models of many families). Any other graph (symbolic sizes, in-place
+ops, higher-order ops, constants made while decomposing) goes to ``run_decompositions``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import operator
+
+import torch
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+
+from . import ops as _ops  # noqa: F401  (defines the mark op)
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_mark = torch.ops.semiring_backprop.mark.default
+_detach_ = torch.ops.aten.detach_.default
+_CONSTANT = 64  # constants of at most this many elements are compared by value
+_ROUNDS = 6  # batches of ops traced before the walk (an op missed then is traced alone)
+#: meta a retraced node takes from the node it came from (torch.fx.proxy's list)
+_COPIED = ("nn_module_stack", "torch_fn", "source_fn_stack", "recompute", "ac_graph_id",
+           "has_backward_hook", "custom", "partitioner_tag", "stack_trace")  # fmt: skip
+
+
+class _Unsupported(Exception):
+    """This graph is decomposed by ``run_decompositions`` itself."""
+
+
+def decompose(program, table: dict):
+    """The program ``program.run_decompositions(table)`` gives (see the module's doc)."""
+    try:
+        return _Decomposer(program, table).run()
+    except _Unsupported as e:
+        log.debug("decomposing the whole graph at once: %s", e)
+    except Exception as e:  # noqa: BLE001  (torch's own way says what fails, if it does)
+        log.debug("decomposing the whole graph at once after %s: %s", type(e).__name__, e)
+    return program.run_decompositions(table)
+
+
+class _Decomposer:
+    def __init__(self, program, table):
+        self.program = program
+        self.graph = program.graph_module.graph
+        _check(program)
+        try:
+            from torch._guards import detect_fake_mode
+            from torch.export.exported_program import (
+                _split_decomp_table_to_cia_and_python_decomp,
+            )
+        except ImportError as e:  # another torch: its own run_decompositions
+            raise _Unsupported(f"torch internals: {e}") from None
+        self.cia, self.py_table = _split_decomp_table_to_cia_and_python_decomp(dict(table))
+        vals = [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
+        self.fake = detect_fake_mode(vals)
+        if self.fake is None:
+            raise _Unsupported("no fake tensors")
+        self.templates: dict = {}
+        self.detached: dict = {}  # placeholder -> its value, detached
+        self.inputs: dict = {}  # placeholder -> its value without a constant's value
+        self.likes: dict = {}  # layout -> a fake tensor of it (marks' values, planning)
+        self.guesses: dict = {}  # key -> what the op gives run on fake tensors (planning)
+
+    def run(self):
+        try:
+            from torch.export.exported_program import _override_composite_implicit_decomp
+        except ImportError as e:
+            raise _Unsupported(f"torch internals: {e}") from None
+        # as run_decompositions: no fake mode of the caller's; the table's own kernels for
+        # the composite ops it names (installed once: installing them takes a while)
+        with _no_fake_mode(), _override_composite_implicit_decomp(self.cia):
+            self._plan()
+            new = torch.fx.Graph()
+            env: dict = {}
+            specs = _input_order(self.program)
+            placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
+            for spec in specs:  # (in the order run_decompositions gives them)
+                node = placeholders[spec.arg.name]
+                env[node] = self._emit(new, node, env)
+            for node in self.graph.nodes:
+                if node.op != "placeholder":
+                    env[node] = self._emit(new, node, env)
+            new.eliminate_dead_code()
+        return self._program(new, env, specs)
+
+    # -- templates ---------------------------------------------------------------------
+
+    def _plan(self) -> None:
+        """Trace the distinct ops in a few batches: first with the layouts of the graph
+        as exported, then with those the decomposed graph gives, until they agree."""
+        for _ in range(_ROUNDS):
+            items = self._distinct()
+            if not items:
+                return
+            self._trace_batch(items)
+
+    def _distinct(self) -> dict:
+        """``{key: (node, {input: value})}`` for one node of each distinct op not traced
+        yet, with the values the decomposed graph gives as far as the ops traced so far
+        tell (their templates' outputs); past an op not traced yet, what it gives run on
+        fake tensors (:meth:`_guess`)."""
+        found, vals = {}, {}
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                vals[node] = self._input_val(node)
+            elif node.op != "call_function":
+                continue
+            elif node.target is operator.getitem:
+                vals[node] = vals[node.args[0]][node.args[1]]
+            elif node.target is _detach_:
+                vals[node] = vals[node.args[0]]
+            elif node.target is _mark:
+                vals[node] = self._like(vals[node.args[0]])
+            else:
+                ins = {a: vals[a] for a in node.all_input_nodes}
+                key = _key(node, ins)
+                if key in self.templates:
+                    vals[node] = self.templates[key][3]
+                    continue
+                if key not in found:
+                    found[key] = (node, ins)
+                    self.guesses.setdefault(key, self._guess(node, ins))
+                vals[node] = self.guesses[key]
+        return found
+
+    def _like(self, val):
+        """``empty_like(val)`` (the value of a mark), one per layout."""
+        key = _layout(val)
+        if key not in self.likes:
+            with self.fake:
+                self.likes[key] = torch.empty_like(val)
+        return self.likes[key]
+
+    def _guess(self, node, ins):
+        """What an op not traced yet gives, for the layouts of the ops after it: its
+        decomposition in the table (else the op) run on fake tensors, or as exported."""
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: ins[a])
+        fn = self.cia.get(node.target) or self.py_table.get(node.target)
+        try:
+            with self.fake, torch.no_grad():
+                out = fn(*args, **kwargs) if fn is not None else NotImplemented
+                return node.target(*args, **kwargs) if out is NotImplemented else out
+        except Exception:  # noqa: BLE001  (a guess: a wrong one costs one more batch)
+            return node.meta.get("val")
+
+    def _trace_batch(self, items: dict) -> None:
+        """Trace ``{key: (node, {input: value})}`` in one graph, the ops one after
+        another, each followed by ``add(sep, i)`` (``sep`` is an input no op reads), and
+        keep each op's part as its template."""
+        mini = torch.fx.Graph()
+        sep = mini.placeholder("sep")
+        with self.fake:
+            sep.meta["val"] = torch.empty(())
+        outs, args, order = [], [sep.meta["val"]], []
+        for i, (key, (node, vals)) in enumerate(items.items()):
+            slots = {}
+            for a in node.all_input_nodes:
+                slots[a] = mini.placeholder(f"x{len(args)}")
+                slots[a].meta["val"] = vals[a]
+                args.append(vals[a])
+            op = mini.call_function(node.target, *_map((node.args, node.kwargs), slots))
+            val = node.meta.get("val")
+            if isinstance(val, tuple | list):
+                results = [mini.call_function(operator.getitem, (op, j)) for j in range(len(val))]
+            else:  # fmt: skip
+                results = [] if val is None else [op]  # (an op returning nothing: a check)
+            outs += results
+            outs.append(mini.call_function(aten.add.Tensor, (sep, i)))
+            order.append((key, len(slots), isinstance(val, tuple | list), len(results)))
+        mini.output(tuple(outs))
+        traced = self._aot(torch.fx.GraphModule(torch.nn.Module(), mini), args)
+        self._split(traced, order)
+
+    def _aot(self, gm, args):
+        """``gm`` traced as ``run_decompositions`` traces a program (torch's
+        ``_export_to_aten_ir``), dead nodes kept: they take names there too."""
+        try:
+            from torch._guards import TracingContext, tracing
+            from torch.export._trace import (
+                _aot_export_joint_with_descriptors,
+                _compiling_state_context,
+                _ignore_backend_decomps,
+            )
+        except ImportError as e:
+            raise _Unsupported(f"torch internals: {e}") from None
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self.fake)
+            stack.enter_context(tracing(TracingContext(self.fake)))
+            stack.enter_context(_ignore_backend_decomps())
+            stack.enter_context(_compiling_state_context())
+            stack.enter_context(torch.no_grad())
+            stack.enter_context(_keep_dead_nodes())
+            traced, sig = _aot_export_joint_with_descriptors(
+                stack, gm, tuple(args), kwargs={}, decompositions=self.py_table,
+                fake_params_buffers={}, _record_nn_module_stack=True,
+            )  # fmt: skip
+        made = any(n.op == "get_attr" for n in traced.graph.nodes)
+        if made or len(sig.user_inputs) != len(args):
+            raise _Unsupported("a decomposition made constants")
+        return traced
+
+    def _split(self, traced, order) -> None:
+        """Each op's template: its inputs, the nodes between the separators before and
+        after it (dead ones too), its outputs and their values."""
+        nodes = list(traced.graph.nodes)
+        phs = [n for n in nodes if n.op == "placeholder"]
+        sep, ins = phs[0], iter(phs[1:])
+        body = [n for n in nodes if n.op == "call_function"]
+        outs = iter(nodes[-1].args[0])
+        start = 0
+        for key, n_in, multi, n_out in order:
+            end = next(i for i in range(start, len(body)) if sep in body[i].all_input_nodes)
+            inputs = [next(ins) for _ in range(n_in)]
+            outputs = [next(outs) for _ in range(n_out)]
+            next(outs)  # the separator
+            if not multi:
+                outputs = outputs[0] if outputs else None
+            vals = torch.fx.node.map_arg(outputs, lambda o: o.meta.get("val"))
+            self.templates[key] = (inputs, body[start:end], outputs, vals)
+            start = end + 1
+
+    # -- the new graph -----------------------------------------------------------------
+
+    def _emit(self, new, node, env):
+        """What ``node`` becomes in ``new``: a node, a list of them (an op of several
+        outputs) or None (one of none)."""
+        if node.op == "placeholder":
+            ph = new.placeholder(node.name)
+            ph.meta = {**node.meta, "val": self._input_val(node)}
+            return ph
+        if node.op == "output":
+            out = new.output(_map(node.args, env)[0])
+            out.meta = dict(node.meta)
+            return out
+        if node.target is operator.getitem:
+            return env[node.args[0]][node.args[1]]
+        if node.target is _detach_:  # traced under no_grad, it leaves no node
+            return env[node.args[0]]
+        if node.target is _mark:  # an identity of ours, kept as it is: no need to trace it
+            return self._copy(new, node, env, node)
+        vals = {a: env[a].meta["val"] for a in node.all_input_nodes}
+        key = _key(node, vals)
+        if key not in self.templates:
+            self._trace_batch({key: (node, vals)})
+        inputs, body, outputs, _ = self.templates[key]
+        local = {ph: env[a] for ph, a in zip(inputs, node.all_input_nodes)}
+        for t in body:
+            local[t] = self._copy(new, t, local, node)
+        if isinstance(outputs, list):
+            return [local[o] for o in outputs]
+        return None if outputs is None else local[outputs]
+
+    def _copy(self, new, t, local, origin):
+        """Node ``t`` of a template into ``new``, named as tracing names it, with the
+        module and source of ``origin`` (the node it decomposes) and its value."""
+        args, kwargs = _map((t.args, t.kwargs), local)
+        target = t.target
+        op = isinstance(target, torch._ops.OpOverload)
+        name = new._target_to_str(target.overloadpacket.__name__ if op else target)
+        n = new.create_node("call_function", target, args, kwargs, name=name)
+        n.meta = (
+            {"original_aten": target, "seq_nr": -1}
+            if target is _mark
+            else {k: v for k, v in t.meta.items() if k in ("original_aten", "seq_nr")}
+        )
+        n.meta.update({k: copy.copy(origin.meta[k]) for k in _COPIED if k in origin.meta})
+        in_vals = torch.fx.node.map_arg((args, kwargs), self._val)
+        with self.fake:
+            if target is _mark:  # its fake kernel, without the custom op's dispatch
+                n.meta["val"] = torch.empty_like(in_vals[0][0])
+            else:
+                n.meta["val"] = target(*in_vals[0], **in_vals[1])
+        return n
+
+    def _input_val(self, node):
+        """An input's value as ``run_decompositions`` traces with it: a fake tensor made
+        from the real one, which carries no value of its own (as a constant's may)."""
+        val = node.meta["val"]
+        if getattr(val, "constant", None) is None:
+            return val
+        if node not in self.inputs:
+            if val.storage_offset():
+                raise _Unsupported("a constant at an offset")
+            with self.fake:
+                self.inputs[node] = torch.empty_strided(
+                    val.shape, val.stride(), dtype=val.dtype, device=val.device,
+                    requires_grad=val.requires_grad,
+                )  # fmt: skip
+        return self.inputs[node]
+
+    def _val(self, node):
+        """``node``'s value for computing those after it: as in the traced graph, nothing
+        computed from a parameter requires grad (traced under no_grad)."""
+        val = node.meta["val"]
+        if not isinstance(val, torch.Tensor) or not val.requires_grad:
+            return val
+        if node not in self.detached:
+            with self.fake:
+                self.detached[node] = val.detach()
+        return self.detached[node]
+
+    def _program(self, new, env, input_specs):
+        """The exported program of graph ``new``, as ``run_decompositions`` makes it."""
+        from torch.export.exported_program import _get_updated_range_constraints
+
+        p = self.program
+        gm = torch.fx.GraphModule(torch.nn.Module(), new)
+        gm.meta.update(p.graph_module.meta)
+        outs = list(new.output_node().args[0])
+        specs = [
+            OutputSpec(kind=s.kind, arg=TensorArgument(name=o.name), target=s.target)
+            for s, o in zip(p.graph_signature.output_specs, outs)
+        ]
+        sig = ExportGraphSignature(input_specs=input_specs, output_specs=specs)
+        renamed = {
+            old.name: env[old].name
+            for old in self.graph.nodes
+            if isinstance(env.get(old), torch.fx.Node)
+        }
+        calls = copy.deepcopy(p.module_call_graph)
+        for entry in calls:
+            if entry.signature is not None:
+                for x in (*entry.signature.inputs, *entry.signature.outputs):
+                    if getattr(x, "name", None) in renamed:
+                        x.name = renamed[x.name]
+        return torch.export.ExportedProgram(
+            root=gm,
+            graph=gm.graph,
+            graph_signature=sig,
+            state_dict=p.state_dict,
+            range_constraints=_get_updated_range_constraints(gm, p.range_constraints),
+            module_call_graph=calls,
+            example_inputs=p.example_inputs,
+            constants=p.constants,
+        )
+
+
+def _check(program) -> None:
+    """Raise :class:`_Unsupported` unless every op is functional and every size fixed."""
+    sig = program.graph_signature
+    if any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs):
+        raise _Unsupported("the graph writes into inputs or buffers")
+    if any(s.kind not in (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER,
+                          InputKind.CONSTANT_TENSOR) for s in sig.input_specs):  # fmt: skip
+        raise _Unsupported("inputs other than tensors")
+    for node in program.graph_module.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            if not isinstance(node.args[0].meta.get("val"), tuple | list):
+                raise _Unsupported("getitem on a non-tuple")
+            continue
+        if node.op == "call_function":
+            if not isinstance(node.target, torch._ops.OpOverload):
+                raise _Unsupported(f"{node.target}")
+            schema = node.target._schema
+            if node.target is _detach_ and node.args[0].op == "call_function":
+                continue  # (an intermediate's requires_grad: no op once traced, see _emit)
+            if schema.is_mutable or any(
+                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
+            ):
+                raise _Unsupported(f"in-place {node.target}")
+        elif node.op != "placeholder":
+            raise _Unsupported(f"a {node.op} node")
+        vals = node.meta.get("val")
+        if vals is None and node.op == "call_function" and not node.target._schema.returns:
+            continue  # an op returning nothing (a check on a tensor's metadata)
+        for v in vals if isinstance(vals, tuple | list) else [vals]:
+            if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in v.shape):
+                raise _Unsupported(f"{node.name}'s value is not a tensor of fixed size")
+
+
+def _input_order(program) -> list:
+    """The inputs in the order ``run_decompositions`` puts them: the parameters, then the
+    buffers and constants, each in the order of the module tree that
+    ``ExportedProgram.module()`` builds (the modules in the order they were called, then
+    any others as their buffers, parameters and constants are assigned; constants are
+    registered as buffers after), then the user's inputs."""
+    sig = program.graph_signature
+    kinds = {InputKind.PARAMETER: 0, InputKind.BUFFER: 1, InputKind.CONSTANT_TENSOR: 1}
+    by_kind = {k: [s for s in sig.input_specs if s.kind == k] for k in kinds}
+    children: dict = {"": []}  # module path -> its submodules, in order of creation
+    own: dict = {}  # module path -> ([parameters], [buffers and constants])
+
+    def create(path):
+        parts = path.split(".") if path else []
+        for i in range(len(parts)):
+            parent, child = ".".join(parts[:i]), ".".join(parts[: i + 1])
+            if child not in children:
+                children[child] = []
+                children[parent].append(child)
+        return path
+
+    def place(spec, group):
+        own.setdefault(create(spec.target.rpartition(".")[0]), ([], []))[group].append(spec)
+
+    for entry in program.module_call_graph:
+        create(entry.fqn)
+    for spec in by_kind[InputKind.BUFFER]:
+        place(spec, 1)
+    for spec in by_kind[InputKind.PARAMETER]:
+        place(spec, 0)
+    for spec in by_kind[InputKind.CONSTANT_TENSOR]:
+        place(spec, 1)
+    params, buffers, stack = [], [], [""]
+    while stack:  # pre-order, children in order of creation
+        path = stack.pop()
+        p, b = own.get(path, ([], []))
+        params += p
+        buffers += b
+        stack.extend(reversed(children[path]))
+    users = [s for s in sig.input_specs if s.kind not in kinds]
+    return params + buffers + users
+
+
+def _layout(v):
+    """What of a tensor input may decide what an op becomes: its layout, and the value
+    of a fake tensor that carries a real one (a constant, which fake kernels may read)."""
+    if not isinstance(v, torch.Tensor):
+        raise _Unsupported(f"an input of type {type(v).__name__}")
+    const = getattr(v, "constant", None)
+    if const is not None:
+        if const.numel() > _CONSTANT:
+            raise _Unsupported("a large constant")
+        const = (const.dtype, tuple(const.flatten().tolist()))
+    return (
+        tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.layout,
+        v.requires_grad, const,
+    )  # fmt: skip
+
+
+def _key(node, vals: dict):
+    """What decides what ``node`` becomes: its op, its non-tensor arguments and the
+    layout of each of its distinct tensor inputs (``vals``)."""
+    slots: dict = {}
+
+    def enc(a):
+        if isinstance(a, torch.fx.Node):
+            if a not in slots:
+                slots[a] = (len(slots), _layout(vals[a]))
+            return ("n", slots[a])
+        if isinstance(a, list | tuple):
+            return (type(a).__name__, tuple(enc(x) for x in a))
+        if isinstance(a, dict):
+            return ("d", tuple((k, enc(v)) for k, v in a.items()))
+        if isinstance(a, float):
+            return ("f", repr(a))
+        if a is None or isinstance(a, bool | int | str | torch.dtype | torch.device
+                                   | torch.layout | torch.memory_format):  # fmt: skip
+            return (type(a).__name__, a)
+        raise _Unsupported(f"an argument of type {type(a).__name__}")
+
+    key = (node.target, enc(node.args), enc(node.kwargs))
+    order = tuple(slots)
+    if order != tuple(node.all_input_nodes):  # inputs numbered as all_input_nodes lists them
+        raise _Unsupported("input order")
+    return key
+
+
+def _map(value, env):
+    return torch.fx.node.map_arg(value, lambda a: env[a])
+
+
+@contextlib.contextmanager
+def _keep_dead_nodes():
+    """No dead-code elimination while a batch is traced: in the whole graph, the nodes a
+    decomposition leaves unused take names before they are removed, and so must they
+    here. (The trace holds the tracing lock; a graph of another thread traced meanwhile
+    keeps its dead nodes too, which never changes what it computes.)"""
+    dce = torch.fx.Graph.eliminate_dead_code
+    torch.fx.Graph.eliminate_dead_code = lambda self, *args, **kwargs: False
+    try:
+        yield
+    finally:
+        torch.fx.Graph.eliminate_dead_code = dce
+
+
+@contextlib.contextmanager
+def _no_fake_mode():
+    """As ``run_decompositions``: a fake mode the caller is in does not apply."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
