@@ -9,6 +9,7 @@ its output in the identity op ``semiring_backprop::mark``, so that
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -240,7 +241,7 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
         with warnings.catch_warnings():
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            with watch_functions(functions), watch_tensor_code(model, refusals):
+            with watch_functions(functions), watch_tensor_code(model, refusals), _no_stack_traces():
                 program = _export(_Explained(model, output), args, kwargs, dynamic)
             if refusals:
                 raise refusals[0]
@@ -318,6 +319,22 @@ def head_attrs(model: torch.nn.Module) -> dict:
 
 def _identity(out):
     return out
+
+
+@contextlib.contextmanager
+def _no_stack_traces():
+    """torch.export records the Python stack that made each node (``stack_trace``, for
+    debugging): a fifth of a transformer's export, and nothing here reads it."""
+    config = torch.fx.config
+    before = getattr(config, "do_not_emit_stack_traces", None)
+    if before is None:  # (torch without the switch)
+        yield
+        return
+    config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        config.do_not_emit_stack_traces = before
 
 
 def _export(wrapper, args, kwargs, dynamic):
