@@ -233,3 +233,16 @@ def test_a_circuit_keeps_its_passs_checkpoints_alone():
         assert a.drop(columns=["Real"]).equals(b.drop(columns=["Real"]))
         torch.testing.assert_close(torch.tensor(a.Real.to_numpy()), torch.tensor(b.Real.to_numpy()),
                                    rtol=1e-12, atol=1e-15)  # fmt: skip
+
+
+def test_a_circuit_too_large_for_the_memory_is_refused_with_what_uses_less(monkeypatch):
+    """The tapped pass of a circuit holds every node: where the budget cannot hold that
+    it is refused before the reverse pass, saying so and what uses less (not keep=,
+    which a circuit cannot use)."""
+    model = _bert()
+    kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
+    monkeypatch.setenv("SEMIRING_BACKPROP_MEMORY", "1000")
+    with pytest.raises(sbp.OutOfMemoryError, match=r"^a circuit reads every node") as got:
+        sbp.circuit(model, kwargs=kw, output=_lm)
+    assert "keep=" not in str(got.value) and "one semiring" in str(got.value)
+    assert not checkpoints.tapping()

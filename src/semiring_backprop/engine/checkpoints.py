@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import map_arg
 
+from ..errors import OutOfMemoryError
 from ..graph import is_random
 from ..tracing.trace import mark_op
 from . import budget, liveness
@@ -314,7 +315,12 @@ def run(graph, forward_run, semirings, needed, inputs: frozenset, *, flags=None,
     held[graph.output_node] = values[graph.output_node]
     snaps, reached = dict.fromkeys(b - 1 for b in lay.bounds[1:]), set()
     if check_budget:
-        budget.check(graph, values, semirings, needed, None if tap else kept)
+        try:
+            budget.check(graph, values, semirings, needed, None if tap else kept)
+        except OutOfMemoryError as e:
+            if not tap or not getattr(e, "budget", None):
+                raise
+            raise _tapped_refusal(*e.budget) from None
     store = reverse(graph, values, semirings, graph.output_node, None if tap else kept, snaps,
                     reached, flags=flags)  # fmt: skip
     ckpt = Checkpoints(graph, needed, semirings, lay, held,
@@ -322,6 +328,17 @@ def run(graph, forward_run, semirings, needed, inputs: frozenset, *, flags=None,
     if tap:
         ckpt.taps = (values, store)
     return ckpt
+
+
+def _tapped_refusal(need, free, device, names) -> OutOfMemoryError:
+    gib = 2**30
+    return OutOfMemoryError(
+        f"a circuit reads every node's value and D of its pass, which needs at least "
+        f"{need / gib:.2f} GiB for the D values alone ({names}), and {free / gib:.2f} GiB "
+        f"is free on {device}. What uses less: one semiring (semirings=[sbp.Real()] or "
+        "[sbp.MaxProduct()]); float32 instead of float64; a shorter input. "
+        "SEMIRING_BACKPROP_MEMORY=BYTES sets the budget."
+    )
 
 
 def copied(ckpt: Checkpoints, copy) -> Checkpoints:
