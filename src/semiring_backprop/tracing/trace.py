@@ -238,10 +238,10 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
     functions: list = []
     refusals: list = []  # what the model's code did that the pass cannot follow
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _no_stack_traces():
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            with watch_functions(functions), watch_tensor_code(model, refusals), _no_stack_traces():
+            with watch_functions(functions), watch_tensor_code(model, refusals):
                 program = _export(_Explained(model, output), args, kwargs, dynamic)
             if refusals:
                 raise refusals[0]
@@ -324,7 +324,8 @@ def _identity(out):
 @contextlib.contextmanager
 def _no_stack_traces():
     """torch.export records the Python stack that made each node (``stack_trace``, for
-    debugging): a fifth of a transformer's export, and nothing here reads it."""
+    debugging): a fifth of a transformer's export, and nothing here reads it. Off for
+    ``run_decompositions`` too, which records a stack for each node that has none."""
     config = torch.fx.config
     before = getattr(config, "do_not_emit_stack_traces", None)
     if before is None:  # (torch without the switch)
