@@ -5,12 +5,13 @@ functionalization, fake tensors and the decomposition table: most of a first cal
 time on a transformer, where each layer repeats the ops of the one before. For a graph
 of fixed sizes whose ops are all functional, what an op becomes depends only on the op,
 its non-tensor arguments and the layout of its tensor arguments (shape, strides, dtype,
-device). :func:`decompose` traces each distinct such op once, with torch's own machinery
-(``aot_export_module`` with the table, as ``run_decompositions`` does), and copies the
-result wherever the op recurs: the nodes, their order and names, the edges and each
-node's module are those ``run_decompositions`` gives (``tests/test_decompose.py``
-compares the two on models of many families). Any other graph (symbolic sizes, in-place
-ops, higher-order ops, constants made while decomposing) goes to ``run_decompositions``.
+device). :func:`decompose` traces each distinct such op once, in one batch, through the
+AOT export ``run_decompositions`` itself uses, and copies the result wherever the op
+recurs: the nodes, their order and names, the edges, each node's module and value layout
+are those ``run_decompositions`` gives (``tests/test_decompose.py`` compares the two on
+every model family the tests build). Any other graph (symbolic sizes, in-place ops,
+higher-order ops, constants made while decomposing), and any failure on the way, goes
+to ``run_decompositions``.
 """
 
 from __future__ import annotations
