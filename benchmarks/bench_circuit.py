@@ -7,10 +7,10 @@ alone (forward values + reverse pass, checkpointed as by default); and the circu
 ``sbp.circuit`` makes it (the same pass, tapped: it hands over every node's value and D,
 which every stage reads, instead of each segment being computed again from the
 checkpoints; then ``Circuit.from_result``: the forward semiring pass, every site's
-max-marginal, the edges between components and the heads' token-to-token edges). They run in turn, ``--reps``
-rounds; ratios are medians of per-round ratios. Peak memory: the bytes held by tensors
-during one call, above what was held before (CPU: from the profiler; CUDA: the
-allocator's peak), for the pass and for the circuit.
+max-marginal, the edges between components and the heads' token-to-token edges). They
+run in turn, ``--reps`` rounds; ratios are medians of per-round ratios. Peak memory: the
+bytes held by tensors during one call, above what was held before (CPU: from the
+profiler; CUDA: the allocator's peak), for the pass and for the circuit.
 
     python benchmarks/bench_circuit.py                        # BERT 6L-512 and GPT-2, 20 tokens
     python benchmarks/bench_circuit.py --tokens 20 512 --reps 3

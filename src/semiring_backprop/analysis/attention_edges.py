@@ -44,7 +44,6 @@ def attention_edges(res, semirings=None, seed="structural", baseline=None, token
     Under Real, the rows of one head summed over both positions equal the sum of
     ``circuit_edges``' edges into that head's ``"v"`` input.
     """
-    import pandas as pd
 
     srs = check_semirings(res, semirings)
     res = pinned(res)

@@ -586,7 +586,6 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     (a Real sum can be 0 where paths exist; MaxProduct, PathCount and TopK see them).
     ``tokens``, ``heads``, ``roles``: as for ``circuit_nodes``.
     """
-    import pandas as pd
 
     srs = check_semirings(res, semirings)
     res = pinned(res)
@@ -616,7 +615,8 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
         has = torch.stack([_has_path_rows(sr, v) for sr, v in zip(srs, values)]).any(0)
         c, p = (t.cpu().numpy() for t in has.nonzero(as_tuple=True))
         if len(c):
-            read = [readout(sr, v).detach().cpu().double().numpy()[c, p] for sr, v in zip(srs, values)]
+            read = [readout(sr, v).detach().cpu().double().numpy()[c, p]
+                    for sr, v in zip(srs, values)]  # fmt: skip
             rows.append((c, p, dst, inp, read))
     return _frame(rows, comps, labels, srs)
 

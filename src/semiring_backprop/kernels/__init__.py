@@ -174,7 +174,7 @@ def _compiled(name):
     return _COMPILED[name]
 
 
-def _try_compiled(key, work: int, device, call):
+def try_compiled(key, work: int, device, call):
     """``call()`` (a compiled kernel) where the policy says to compile; None where it
     says not to, or where compiling fails (the caller runs the same formulas eagerly)."""
     if not _should_compile(key, work, device):
@@ -201,7 +201,7 @@ def _run(name, a, wt, prep=None):
     work = a[0].shape[0] * n * m * p
     key = (name, a[0].dtype, a[0].device.type)
     # contiguous inputs: one compiled graph for every shape (no stride guards)
-    out = _try_compiled(
+    out = try_compiled(
         key,
         work if has_storage(a[0]) and has_storage(wt) else 0,  # (batched: eagerly)
         a[0].device,
@@ -383,7 +383,7 @@ def maxplus_topk(m, lwt, k: int):
     # two keys: the whole rows' kernel gives the eager bits, ties included, so that its
     # compiling (or failing to) never changes when the blocked one compiles
     key = ("maxplus_topk" if blocked else "maxplus_topk_rows", m.dtype, m.device.type)
-    out = _try_compiled(
+    out = try_compiled(
         key,
         b * n * inner * p if has_storage(m) and has_storage(lwt) and k <= _ROUNDS_MAX else 0,
         m.device,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import INF, _try_compiled, chunk_rows, has_storage
+from . import INF, chunk_rows, has_storage, try_compiled
 
 _COMPILED: dict = {}
 
@@ -33,8 +33,10 @@ def _pairs(ahs, als, apen, bhs, bls, bpen):
 def _parts(hi, lo):
     """0 in place of the zero's infinities, and the penalty: 0, or -inf at the zero."""
     dead = hi == -INF
-    return hi.masked_fill(dead, 0), lo.masked_fill(dead, 0), torch.zeros_like(hi).masked_fill_(
-        dead, -INF
+    return (
+        hi.masked_fill(dead, 0),
+        lo.masked_fill(dead, 0),
+        torch.zeros_like(hi).masked_fill_(dead, -INF),
     )
 
 
@@ -68,7 +70,7 @@ def maxtimes_pairs(a_hi, a_lo, b_hi, b_lo):
     bt = tuple(flat(t.transpose(-2, -1), p, m) for t in (b_hi, b_lo))
     work = b * n * m * p if has_storage(a_hi) and has_storage(b_hi) else 0
     key = ("maxtimes_pairs", a_hi.dtype, a_hi.device.type)
-    out = _try_compiled(
+    out = try_compiled(
         key, work, a_hi.device, lambda: _compiled()(*(t.contiguous() for t in (*a, *bt)))
     )
     if out is None:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import kernels
-from ..kernels.pairs import maxtimes_pairs
 from ..errors import InputError
+from ..kernels.pairs import maxtimes_pairs
 from .base import (
     INF,
     Dense,
