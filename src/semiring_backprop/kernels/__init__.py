@@ -142,7 +142,7 @@ def _maxplus(m, lwt):
     return best[..., 0], _first(c >= best)
 
 
-def _prep(hi, lo):
+def zero_masked(hi, lo):
     """The max-times kernels' fields: 0 in place of the zero's infinities, and the
     penalty (-inf at the zero, 0 elsewhere)."""
     dead = hi == -INF
@@ -151,11 +151,11 @@ def _prep(hi, lo):
 
 
 def _masked(kernel):
-    """``kernel`` on raw fields, :func:`_prep` made inside: compiled, it is loops over
+    """``kernel`` on raw fields, :func:`zero_masked` made inside: compiled, it is loops over
     the fields fused into the program, not three tensors made before it."""
 
     def run(hi, lo, wt):
-        return kernel(*_prep(hi, lo), wt)
+        return kernel(*zero_masked(hi, lo), wt)
 
     return run
 
@@ -234,7 +234,7 @@ def maxtimes(hi, lo, wt, argmax: bool = True):
     zero weight.
     """
     batch, (hi, lo), wt = _flat((hi, lo), wt)
-    outs = _run("maxtimes" if argmax else "maxtimes_values", (hi, lo), wt, prep=_prep)
+    outs = _run("maxtimes" if argmax else "maxtimes_values", (hi, lo), wt, prep=zero_masked)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 

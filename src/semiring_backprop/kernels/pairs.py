@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import INF, chunk_rows, has_storage, try_compiled
+from . import INF, chunk_rows, has_storage, try_compiled, zero_masked
 
 _COMPILED: dict = {}
 
@@ -30,20 +30,10 @@ def _pairs(ahs, als, apen, bhs, bls, bpen):
     return hi, lo
 
 
-def _parts(hi, lo):
-    """0 in place of the zero's infinities, and the penalty: 0, or -inf at the zero."""
-    dead = hi == -INF
-    return (
-        hi.masked_fill(dead, 0),
-        lo.masked_fill(dead, 0),
-        torch.zeros_like(hi).masked_fill_(dead, -INF),
-    )
-
-
 def _whole(a_hi, a_lo, bt_hi, bt_lo):
-    """:func:`_parts` of both sides, then :func:`_pairs`: compiled as one program, the
+    """:func:`zero_masked` of both sides, then :func:`_pairs`: compiled as one program, the
     parts are loops of their own over the inputs, not over the (n, p, m) products."""
-    return _pairs(*_parts(a_hi, a_lo), *_parts(bt_hi, bt_lo))
+    return _pairs(*zero_masked(a_hi, a_lo), *zero_masked(bt_hi, bt_lo))
 
 
 def _compiled():
@@ -74,7 +64,7 @@ def maxtimes_pairs(a_hi, a_lo, b_hi, b_lo):
         key, work, a_hi.device, lambda: _compiled()(*(t.contiguous() for t in (*a, *bt)))
     )
     if out is None:
-        a, bt = _parts(*a), _parts(*bt)
+        a, bt = zero_masked(*a), zero_masked(*bt)
         step = chunk_rows(n, 6 * m * p * b)
         parts = [_pairs(*(t[:, r : r + step] for t in a), *bt) for r in range(0, n, step)]
         out = tuple(torch.cat(f, 1) for f in zip(*parts))
