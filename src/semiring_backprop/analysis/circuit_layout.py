@@ -193,8 +193,9 @@ def pinned(res):
     new = type(res).__new__(type(res))
     new.__dict__.update(res.__dict__)
     tapped = checkpoints.taps(res.values)
-    if tapped is not None:  # a tapped pass handed every node over: nothing to compute
-        new.values, new._store = tapped
+    if tapped is not None:  # a tapped pass handed every value over, and D where read
+        new.values = tapped[0]
+        new._store = _TappedStore(ckpt, tapped[1])
     else:
         new.values = _PinnedValues(ckpt)
         new._store = _PinnedStore(ckpt)
@@ -257,6 +258,25 @@ class _PinnedStore(Mapping):
 
     def __len__(self):
         return len(self.ckpt.reached)
+
+
+class _TappedStore(_PinnedStore):
+    """A tapped pass's D: where it handed D over, that; elsewhere computed again from the
+    checkpoints, once per segment. Each node read is recorded
+    (:func:`checkpoints.read_taps`): the next tapped pass hands its D over, and holds no
+    other node's D (every node's the first time)."""
+
+    def __init__(self, ckpt, tapped: dict):
+        super().__init__(ckpt)
+        self.tapped = tapped
+
+    def __getitem__(self, node):
+        if node not in self:
+            raise KeyError(node)
+        c = self.ckpt
+        checkpoints.read_taps(c.graph, c.needed, (node,))
+        got = self.tapped.get(node)
+        return got if got is not None else _PinnedRow(self, node)
 
 
 class _PinnedRow(Sequence):

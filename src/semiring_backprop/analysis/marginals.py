@@ -125,14 +125,50 @@ def _alphas_upto(res, semiring, seed, baseline, key, upto: frozenset) -> dict:
             todo.extend(i for i in n.all_input_nodes if i in res.needed)
     seeds = {n: [v] for n, v in seed_values(res, semiring, seed, baseline).items()
              if n in within}  # fmt: skip
-    with torch.no_grad():
-        store = alpha_pass(res.graph, res.values, [semiring], seeds, frozenset(within))
-    out = {n: v[0] for n, v in store.items() if v[0] is not None}
+    within = frozenset(within)
+
+    def run(keep=None, reached=None):
+        with torch.no_grad():
+            store = alpha_pass(res.graph, res.values, [semiring], seeds, within, keep, reached)
+        return {n: v[0] for n, v in store.items() if v[0] is not None}
+
+    reads = res.graph.__dict__.setdefault("_alpha_reads", {}).setdefault(upto, set())
+    reached: set = set()
+    out = _Kept(run(upto | reads, reached), reached, run, reads)
     if key is not None:
         for old in [k for k in cache if k[0][-1] == semiring and k[0] != key]:
             del cache[old]  # (one seed's kept per semiring)
         cache[key, upto] = ((seed, baseline), out)
     return out
+
+
+class _Kept(dict):
+    """alpha at the nodes that work on this graph read before (``reads``, which records
+    every node read here): the pass lets the others go. A node that the pass reached but
+    let go is computed again when read (``again()``: the whole pass, every node kept),
+    so a read gives what a pass keeping every node gives."""
+
+    def __init__(self, kept: dict, reached: set, again, reads: set):
+        super().__init__(kept)
+        self.gone, self.again, self.reads = reached - kept.keys(), again, reads
+
+    def _read(self, node):
+        self.reads.add(node)
+        if node in self.gone:
+            self.update(self.again())
+            self.gone = frozenset()
+
+    def get(self, node, default=None):
+        self._read(node)
+        return super().get(node, default)
+
+    def __getitem__(self, node):
+        self._read(node)
+        return super().__getitem__(node)
+
+    def __contains__(self, node):
+        self._read(node)
+        return super().__contains__(node)
 
 
 def _named(key) -> bool:

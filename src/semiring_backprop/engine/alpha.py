@@ -27,13 +27,14 @@ def sources(graph, needed) -> list:
     return [n for i, n in enumerate(graph.nodes) if n in needed and not plan[i][0]]
 
 
-def alpha(graph, values, semirings, seeds: dict, needed, keep=None) -> dict:
+def alpha(graph, values, semirings, seeds: dict, needed, keep=None, reached=None) -> dict:
     """alpha(v) for every needed node v that a path from a seed reaches, as
     ``{node: [value per semiring, None where no path]}``.
 
     ``seeds``: ``{node: [value per semiring]}``, each ⊕-ed into the node's value (paths
     of length 0 starting there). With ``keep`` (a set of nodes), only those are kept:
-    the others are let go once their last consumer has run.
+    the others are let go once their last consumer has run. ``reached`` (a set)
+    collects every node that gets a value, kept or not.
     """
     plan = reverse_plan(graph, needed)
     last = _last_use(graph, needed) if keep is not None else {}
@@ -50,6 +51,8 @@ def alpha(graph, values, semirings, seeds: dict, needed, keep=None) -> dict:
                     out[s] = c if out[s] is None else semirings[s].plus(out[s], c)
         if any(v is not None for v in out):
             store[node] = out
+            if reached is not None:
+                reached.add(node)
         if keep is not None:
             for i in inputs:
                 if last.get(i) == node_id and i not in keep:

@@ -45,7 +45,8 @@ def tapped():
     """Within the block, a checkpointed pass also hands over every node's forward value
     and D (``Checkpoints.taps``: the same values, held until :func:`untap`), for work
     that reads every segment once and would otherwise compute each again (a circuit).
-    Afterwards the pass holds only its checkpoints again."""
+    D only where such work on the same graph read it before (:func:`tap_reads`), once
+    there is a record. Afterwards the pass holds only its checkpoints again."""
     before = _TAPS["on"]
     _TAPS["on"] = True
     try:
@@ -59,9 +60,23 @@ def tapping() -> bool:
 
 
 def taps(values):
-    """``(values, D)`` of every node, as dicts, where ``values`` (a result's) are a
-    tapped pass's; else None."""
+    """``(values, D)`` as dicts, where ``values`` (a result's) are a tapped pass's; else
+    None. Every node's value is there; D only at the nodes :func:`tap_reads` named when
+    the pass ran (every node's where it named none): the others are the checkpoints'."""
     return values.ckpt.taps if isinstance(values, _Values) else None
+
+
+def tap_reads(graph, needed):
+    """The nodes whose D a tapped pass over ``graph`` and ``needed`` hands over: those
+    that work on an earlier tapped pass read (:func:`read_taps`); None (every node's)
+    before any was read."""
+    return graph.__dict__.get("_tap_reads", {}).get(needed)
+
+
+def read_taps(graph, needed, nodes) -> None:
+    """Record that ``nodes``' D was read from a tapped pass: later tapped passes over
+    ``graph`` and ``needed`` hand it over (the set only grows)."""
+    graph.__dict__.setdefault("_tap_reads", {}).setdefault(needed, set()).update(nodes)
 
 
 def untap(values) -> None:
@@ -321,8 +336,12 @@ def run(graph, forward_run, semirings, needed, inputs: frozenset, *, flags=None,
             if not tap or not getattr(e, "budget", None):
                 raise
             raise _tapped_refusal(*e.budget) from None
+    at = None
+    if tap:  # D where work on an earlier tapped pass read it (the rest: from checkpoints)
+        at = tap_reads(graph, needed)
+        at = None if at is None else frozenset(at) | inputs
     store = reverse(graph, values, semirings, graph.output_node, None if tap else kept, snaps,
-                    reached, flags=flags)  # fmt: skip
+                    reached, flags=flags, store_at=at)  # fmt: skip
     ckpt = Checkpoints(graph, needed, semirings, lay, held,
                        {n: d for n, d in store.items() if n in inputs}, snaps, reached)  # fmt: skip
     if tap:

@@ -73,7 +73,7 @@ def _is_complex(node) -> bool:
 
 def reverse(
     graph, values: dict, semirings: list, seed_node, keep=None, snapshots=None, reached=None,
-    check: str = "pass", flags: list | None = None,
+    check: str = "pass", flags: list | None = None, store_at=None,
 ) -> dict:  # fmt: skip
     """D(v) for every needed node v, as ``{node: [value per semiring]}``.
 
@@ -89,7 +89,8 @@ def reverse(
     to run the pass again with ``check="every"`` to find that node. With ``flags`` (a
     list), the statistics are appended to it instead, and not read: the caller reads
     them with :func:`check_flags` (a pass captured as a CUDA graph reads them after
-    each replay).
+    each replay). ``store_at`` (a set of nodes): D is stored for those only, while every
+    forward value stays (unlike ``keep``).
     """
     needed = needed_nodes(graph, seed_node)
     if seed_node not in needed:
@@ -100,7 +101,7 @@ def reverse(
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
     return propagate(
         graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached,
-        check=check, flags=flags,
+        check=check, flags=flags, store_at=store_at,
     )  # fmt: skip
 
 
@@ -120,7 +121,7 @@ def _overflow(graph, node, sr, cls=NonFiniteError) -> NonFiniteError:
 
 def propagate(
     graph, values, semirings, acc: dict, needed, within=None, keep=None, *,
-    start=None, stop=0, snapshots=None, reached=None, check=None, flags=None,
+    start=None, stop=0, snapshots=None, reached=None, check=None, flags=None, store_at=None,
 ) -> dict:  # fmt: skip
     """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
 
@@ -133,7 +134,8 @@ def propagate(
     :mod:`checkpoints`); ``reached`` (a set) collects every node that gets a D.
     ``check`` (None, ``"pass"``, ``"every"``): refuse an overflowed D (see
     :func:`reverse`; ``"every"``: every semiring that can overflow, at every node);
-    ``flags``: a list to which the checks' statistics go, unread (see :func:`reverse`).
+    ``flags``: a list to which the checks' statistics go, unread (see :func:`reverse`);
+    ``store_at``: see :func:`reverse`.
     """
     store = {}
     own_flags = flags is None
@@ -160,7 +162,7 @@ def propagate(
                     flags += [(node, sr, t) for t in sr.overflow_stats(d[s])]
         if reached is not None:
             reached.add(node)
-        stored = keep is None or node in keep
+        stored = (keep is None or node in keep) and (store_at is None or node in store_at)
         if stored:
             store[node] = d
         if not inputs:

@@ -1,0 +1,107 @@
+"""A circuit's pass and forward pass hold only what the circuit reads.
+
+The tapped pass of a circuit hands over D only at the nodes the circuits of its trace
+read before (every node's the first time), and the forward semiring pass keeps alpha
+only there; a node read that was not kept is computed again (D from the checkpoints,
+alpha by the whole forward pass). Oracle: the circuit of a pass that holds every node
+(the first of a trace, and one with the records emptied): every table the same bits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import semiring_backprop as sbp
+from semiring_backprop.engine import checkpoints
+
+transformers = pytest.importorskip("transformers")
+
+F64 = torch.float64
+SEMIRINGS = [sbp.Real(), sbp.MaxProduct(), sbp.Entropy(), sbp.TopK(2)]
+
+
+def _bert():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        vocab_size=30, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=16, max_position_embeddings=64,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(cfg).to(F64).eval()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(
+        vocab_size=30, n_embd=8, n_layer=2, n_head=2, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).to(F64).eval()
+
+
+def _lm(out):
+    lp = out.logits[0, 2].log_softmax(-1)
+    return lp[7] - lp[9]
+
+
+def _circuit(bp, kw):
+    with checkpoints.tapped():
+        res = bp(kwargs=kw)
+    taps = checkpoints.taps(res.values)
+    held = {n for n, d in taps[1].items() if d is not None}
+    reached = set(res.values.ckpt.reached)
+    c = sbp.Circuit.from_result(res)
+    return c, held, reached
+
+
+def _equal(a, b):
+    for x, y in ((a.nodes, b.nodes), (a.edges, b.edges),
+                 (a.attention_edges, b.attention_edges)):  # fmt: skip
+        assert x.equals(y)
+
+
+@pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_later_circuits_hold_what_the_first_read_and_give_the_same_bits(build):
+    model = build()
+    bp = sbp.Backprop(model, _lm, SEMIRINGS)
+    kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
+    first, held1, reached = _circuit(bp, kw)
+    assert held1 == reached  # nothing read yet: every node's D
+    second, _, _ = _circuit(bp, kw)
+    third, held3, reached3 = _circuit(bp, kw)
+    assert reached3 == reached
+    assert len(held3) < len(reached) / 3, (len(held3), len(reached))
+    _equal(second, third)
+    # the first circuit of a trace finds the heads' D by another route: the last bits
+    values = [s.name for s in SEMIRINGS]
+    for x, y in ((first.nodes, third.nodes), (first.edges, third.edges)):
+        assert x.drop(columns=values).equals(y.drop(columns=values))
+        torch.testing.assert_close(torch.tensor(x[values].to_numpy()),
+                                   torch.tensor(y[values].to_numpy()), rtol=1e-12, atol=1e-12)
+    graph = third.result.graph
+    # the forward pass kept alpha only where read: far fewer nodes than it reached
+    alphas = [v[1] for v in third.result.__dict__.get("_alphas_upto", {}).values()]
+    assert not alphas  # (a circuit keeps its checkpoints alone, not its stages' alphas)
+    reads = graph.__dict__["_alpha_reads"]
+    assert reads and all(len(r) < len(reached) / 3 for r in reads.values())
+
+
+@pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_a_node_read_that_was_not_kept_is_computed_again(build):
+    """With the records emptied, the pass holds the inputs' D alone and the forward
+    pass alpha at the sites alone: every other read is computed again, and the circuit
+    is the same bits (a read taken as "no path" would zero edges and marginals)."""
+    model = build()
+    bp = sbp.Backprop(model, _lm, SEMIRINGS)
+    kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
+    _circuit(bp, kw)
+    ref, _, _ = _circuit(bp, kw)
+    graph = ref.result.graph
+    for record in (graph.__dict__["_tap_reads"], graph.__dict__["_alpha_reads"]):
+        for v in record.values():
+            v.clear()
+    again, held, reached = _circuit(bp, kw)
+    assert len(held) < len(reached) / 3
+    _equal(ref, again)
+    for record in (graph.__dict__["_tap_reads"], graph.__dict__["_alpha_reads"]):
+        assert all(record.values())  # read again, recorded again
