@@ -105,3 +105,33 @@ def test_a_node_read_that_was_not_kept_is_computed_again(build):
     _equal(ref, again)
     for record in (graph.__dict__["_tap_reads"], graph.__dict__["_alpha_reads"]):
         assert all(record.values())  # read again, recorded again
+
+
+@pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_a_group_of_components_in_pieces_gives_the_groups_edges(build, monkeypatch):
+    """The heads of a block go forward in pieces under a budget of held values
+    (``HELD_BUDGET``); one head per piece gives the edges of all heads at once."""
+    from semiring_backprop.analysis import circuit_edges
+
+    model = build()
+    bp = sbp.Backprop(model, _lm, SEMIRINGS)
+    kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
+    _circuit(bp, kw)
+    whole, _, _ = _circuit(bp, kw)
+    cut = []
+    real = circuit_edges._pieces
+
+    def pieces(*args):
+        out = real(*args)
+        cut.append(len(out))
+        return out
+
+    monkeypatch.setattr(circuit_edges, "_pieces", pieces)
+    monkeypatch.setattr(circuit_edges, "HELD_BUDGET", 1)
+    apart, _, _ = _circuit(bp, kw)
+    assert max(cut) == 2  # two heads per block, one at a time
+    values = [s.name for s in SEMIRINGS]
+    x, y = whole.edges, apart.edges
+    assert x.drop(columns=values).equals(y.drop(columns=values))
+    torch.testing.assert_close(torch.tensor(x[values].to_numpy()),
+                               torch.tensor(y[values].to_numpy()), rtol=1e-12, atol=1e-12)

@@ -320,3 +320,35 @@ def test_a_pass_that_cannot_fit_is_refused_before_it_runs(monkeypatch):
         bp((x,))
     monkeypatch.setenv("SEMIRING_BACKPROP_MEMORY", str(estimate))
     bp((x,))
+
+
+def test_sizes_past_the_recompile_limit_run_eagerly_and_keep_the_compiled_kernel(
+    monkeypatch,
+):
+    """A kernel compiled for too many mixes of sizes (dims of size 1 are specialized)
+    runs those sizes eagerly, the same values, and stays compiled for the sizes it was
+    compiled for: not switched off for the rest of the process."""
+    import semiring_backprop as sbp
+    from semiring_backprop import kernels
+
+    monkeypatch.setattr(kernels, "MIN_WORK", 0)
+    monkeypatch.setitem(kernels._state, "compile", True)
+    monkeypatch.setitem(kernels._state, "failed", set())
+    lin = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    bp = sbp.Backprop(lin.eval(), lambda y: y[0, 1], [sbp.MaxProduct()])
+    x = torch.randn(3, 8)
+    ref = bp((x,)).at(0, sbp.MaxProduct()).hi
+    seen = []
+
+    def limited(name):
+        def run(*args):
+            seen.append(name)
+            raise torch._dynamo.exc.FailOnRecompileLimitHit("Hard failure due to fullgraph=True")
+
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", limited)
+    got = bp((x,)).at(0, sbp.MaxProduct()).hi
+    assert seen  # the compiled kernel was tried, and its sizes ran eagerly
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert not kernels._state["failed"]  # still compiled for other sizes

@@ -270,17 +270,32 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set):
     groups: dict = {}
     for c, comp in enumerate(comps):
         groups.setdefault(comp.nodes, []).append(c)
-    for nodes, cs in groups.items():
-        seeds = {n: _group_seed(res, srs, al, [comps[c] for c in cs], n) for n in nodes}
-        region = _reached(seeds, between, lay.stops)
-        proj = _per_head_projection(res, srs, [comps[c] for c in cs], seeds, region)
-        if proj is not None:
-            seeds = proj
+    for nodes, group in groups.items():
+        for cs in _pieces(res, srs, group, _reached(set(nodes), between, lay.stops), entries):
+            seeds = {n: _group_seed(res, srs, al, [comps[c] for c in cs], n) for n in nodes}
             region = _reached(seeds, between, lay.stops)
-        order = sorted(region - set(seeds), key=ids.__getitem__)
-        wanted = [x for x in entries if x in region]
-        got = _batched_pass(res, srs, seeds, order, wanted, len(cs))
-        yield {x: (cs, rows) for x, rows in got.items()}
+            proj = _per_head_projection(res, srs, [comps[c] for c in cs], seeds, region)
+            if proj is not None:
+                seeds = proj
+                region = _reached(seeds, between, lay.stops)
+            order = sorted(region - set(seeds), key=ids.__getitem__)
+            wanted = [x for x in entries if x in region]
+            got = _batched_pass(res, srs, seeds, order, wanted, len(cs))
+            yield {x: (cs, rows) for x, rows in got.items()}
+
+
+#: elements of one piece of a group's values at the entries it reaches, held until they
+#: meet the entries' D: a group of components (the heads of a block) goes in pieces of
+#: at most this many (at least one component each)
+HELD_BUDGET = 2**23
+
+
+def _pieces(res, srs, group, region, entries) -> list:
+    """``group`` (component indices) cut into pieces whose values at the entries in
+    ``region`` hold at most :data:`HELD_BUDGET` elements (two fields per semiring)."""
+    per = sum(res.values[x].numel() for x in entries if x in region) * 2 * len(srs)
+    k = max(1, HELD_BUDGET // max(per, 1))
+    return [group[i : i + k] for i in range(0, len(group), k)]
 
 
 #: elements of the source passes' values held before they meet the entries' D: 0, one

@@ -174,6 +174,11 @@ def _compiled(name):
     return _COMPILED[name]
 
 
+#: programs one kernel may be compiled into (dims of size 1 are specialized, so each
+#: mix of them is one; beyond this, sizes not compiled for run eagerly)
+RECOMPILES = 32
+
+
 def try_compiled(key, work: int, device, call):
     """``call()`` (a compiled kernel) where the policy says to compile; None where it
     says not to, or where compiling fails (the caller runs the same formulas eagerly)."""
@@ -182,12 +187,16 @@ def try_compiled(key, work: int, device, call):
     try:
         with warnings.catch_warnings():  # torch's own deprecations, raised while compiling
             warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
-            out = call()
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILES):
+                out = call()
         _COMPILED_KEYS.add(key)
         return out
     except Exception as e:  # no compiler, unsupported device: same formulas, eagerly
         if is_out_of_memory(e):  # not the compiler's fault: keep it for the next call
             raise
+        if type(e).__name__ == "FailOnRecompileLimitHit":  # this call's sizes alone
+            log.info("compiled %s kernel: too many size variants; these run eagerly", key[0])
+            return None
         _state["failed"].add(key)
         log.warning("compiled %s kernel unavailable (%s); using the eager one", key[0], e)
         return None
