@@ -4,10 +4,11 @@ measured in one run on the same inputs.
 Three things are timed on one traced ``sbp.Backprop`` (``Real`` and ``MaxProduct``, the
 circuit's defaults): autograd's forward + backward to the input embeddings; our pass
 alone (forward values + reverse pass, checkpointed as by default); and the circuit as
-``sbp.circuit`` makes it (the same pass, tapped: it hands over every node's value and D,
-which every stage reads, instead of each segment being computed again from the
-checkpoints; then ``Circuit.from_result``: the forward semiring pass, every site's
-max-marginal, the edges between components and the heads' token-to-token edges). They
+``sbp.circuit`` makes it (the same pass, tapped: it hands over every node's value, and
+D where the circuits of this trace read it, instead of each segment being computed
+again from the checkpoints; then ``Circuit.from_result``: the forward semiring pass,
+every site's max-marginal, the edges between components and the heads' token-to-token
+edges). The circuit timed is not the trace's first (which finds what is read). They
 run in turn, ``--reps`` rounds; ratios are medians of per-round ratios. Peak memory: the
 bytes held by tensors during one call, above what was held before (CPU: from the
 profiler; CUDA: the allocator's peak), for the pass and for the circuit.

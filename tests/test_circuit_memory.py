@@ -76,8 +76,12 @@ def test_later_circuits_hold_what_the_first_read_and_give_the_same_bits(build):
     values = [s.name for s in SEMIRINGS]
     for x, y in ((first.nodes, third.nodes), (first.edges, third.edges)):
         assert x.drop(columns=values).equals(y.drop(columns=values))
-        torch.testing.assert_close(torch.tensor(x[values].to_numpy()),
-                                   torch.tensor(y[values].to_numpy()), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(
+            torch.tensor(x[values].to_numpy()),
+            torch.tensor(y[values].to_numpy()),
+            rtol=1e-12,
+            atol=1e-12,
+        )
     graph = third.result.graph
     # the forward pass kept alpha only where read: far fewer nodes than it reached
     alphas = [v[1] for v in third.result.__dict__.get("_alphas_upto", {}).values()]
@@ -133,5 +137,9 @@ def test_a_group_of_components_in_pieces_gives_the_groups_edges(build, monkeypat
     values = [s.name for s in SEMIRINGS]
     x, y = whole.edges, apart.edges
     assert x.drop(columns=values).equals(y.drop(columns=values))
-    torch.testing.assert_close(torch.tensor(x[values].to_numpy()),
-                               torch.tensor(y[values].to_numpy()), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        torch.tensor(x[values].to_numpy()),
+        torch.tensor(y[values].to_numpy()),
+        rtol=1e-12,
+        atol=1e-12,
+    )
