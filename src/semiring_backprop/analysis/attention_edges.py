@@ -115,7 +115,8 @@ def _attention_by_contraction(res, lay, srs, plan: HeadPlan, al):
     within = {m for m in plan.region if ids[m] > ids[mm]} | {mm}
     with torch.no_grad():
         store = propagate(graph, values, srs, {plan.site: list(plan.d)}, res.needed,
-                          within=within, start=ids[plan.site] + 1, stop=ids[mm])  # fmt: skip
+                          within=within, start=ids[plan.site] + 1, stop=ids[mm],
+                          store_at=frozenset([mm]))  # fmt: skip
         out = []
         for s, sr in enumerate(srs):
             if mm not in store:
@@ -226,7 +227,8 @@ def _value_entry(res, lay, srs, plan: HeadPlan, keep, al):
     d = [at_positions(sr, v, like, lay.positions, keep) for sr, v in zip(srs, d)]
     graph, values = res.graph, res.values
     store = propagate(graph, values, srs, {site: d}, plan.region, within=plan.region,
-                      start=graph.ids[site] + 1, stop=plan.stop)  # fmt: skip
+                      start=graph.ids[site] + 1, stop=plan.stop,
+                      store_at=frozenset(p.proj for p in plan.projs))  # fmt: skip
     out = [None] * len(srs)
     for p in plan.projs:
         if p.proj not in store:

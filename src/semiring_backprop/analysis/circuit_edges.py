@@ -84,10 +84,12 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
     seeds = [tuple(torch.stack(f) for f in zip(*(tuple(pl.d[s]) for pl in plans)))
              for s in range(len(srs))]  # fmt: skip
 
+    projs = frozenset(p.proj for p in first.projs)
+
     def run(d):
         store = propagate(graph, values, srs, {first.site: list(d)}, needed,
                           within=first.region, start=graph.ids[first.site] + 1,
-                          stop=first.stop)  # fmt: skip
+                          stop=first.stop, store_at=projs)  # fmt: skip
         return {p.proj: [tuple(v) for v in store[p.proj]] for p in first.projs
                 if p.proj in store}  # fmt: skip
 
@@ -247,7 +249,7 @@ def residual_pass(res, lay: Layout, srs, acc: dict) -> dict:
     start = max(graph.ids[n] for n in acc) + 1
     with torch.no_grad():
         store = propagate(graph, res.values, srs, dict(acc), needed, within=region, start=start,
-                          stop=min(graph.ids[n] for n in region))  # fmt: skip
+                          stop=min(graph.ids[n] for n in region), store_at=lay.stops)  # fmt: skip
     return {n: v for n, v in store.items() if n in lay.stops}
 
 
@@ -367,15 +369,23 @@ def _batched_pass(res, srs, seeds, order, wanted, batch) -> dict:
     """The forward rules over ``order`` from ``seeds`` (values with a leading dim of
     ``batch``), read at ``wanted``: ``{node: [stacked value per semiring]}``."""
     graph, values, needed, ids = res.graph, res.values, res.needed, res.graph.ids
+    last = {}  # node -> the last step of ``order`` that reads it
+    for i, n in enumerate(order):
+        for a in n.all_input_nodes:
+            last[a] = i
+    kept = set(wanted)
 
     def run(start):
         store = dict(start)
-        for n in order:
-            if not any(i in store for i in n.all_input_nodes):
+        for i, n in enumerate(order):
+            if not any(a in store for a in n.all_input_nodes):
                 continue
             got = apply_rule(graph, values, srs, ids[n], store, needed)
             if any(g is not None for g in got):
                 store[n] = got
+            for a in (*n.all_input_nodes, n):  # let go of what no later step reads
+                if last.get(a, -1) <= i and a not in kept:
+                    store.pop(a, None)
         return {x: [_or_zero(sr, v, values[x]) for sr, v in zip(srs, store[x])]
                 for x in wanted if x in store}  # fmt: skip
 
