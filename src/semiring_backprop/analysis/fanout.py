@@ -386,8 +386,9 @@ def carry_within(res, v, u, d, region) -> list:
             for s, sr in enumerate(res.semirings):
                 if slot[s] is None:
                     slot[s] = sr.zero(values[inp].shape, values[inp])
-        store = propagate(graph, values, res.semirings, acc, needed, within=region,
-                          store_at=frozenset([v]))
+        store = propagate(
+            graph, values, res.semirings, acc, needed, within=region, store_at=frozenset([v])
+        )
     if v not in store:
         return [sr.zero(values[v].shape, values[v]) for sr in res.semirings]
     return store[v]
