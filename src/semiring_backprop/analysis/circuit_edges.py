@@ -93,13 +93,35 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
         return {p.proj: [tuple(v) for v in store[p.proj]] for p in first.projs
                 if p.proj in store}  # fmt: skip
 
-    per = sum(values[n].numel() for n in first.region) * 2 * len(srs)
-    chunk = max(1, min(len(comps), BATCH_BUDGET // max(per, 1)))
     with torch.no_grad():
-        got = torch.vmap(run, chunk_size=chunk)(seeds)
+        got = _per_head(run, seeds, len(comps)) if _compiles(srs) else None
+        if got is None:
+            per = sum(values[n].numel() for n in first.region) * 2 * len(srs)
+            chunk = max(1, min(len(comps), BATCH_BUDGET // max(per, 1)))
+            got = torch.vmap(run, chunk_size=chunk)(seeds)
     if key not in apart and any(isinstance(sr, MaxProduct) for sr in srs):
         apart[key] = _heads_apart(res, srs, plans, got)
     return _entry_d(res, srs, plans, lambda h, proj, sr, v: tuple(f[h] for f in v), got)
+
+
+def _compiles(srs) -> bool:
+    """Whether a semiring's contractions run compiled kernels (which a value batched by
+    ``torch.vmap`` cannot run: there, one pass per head is faster)."""
+    return any(isinstance(sr, MaxProduct) and sr.neuron for sr in srs)
+
+
+def _per_head(run, seeds, heads: int):
+    """``run`` on each head's seeds (the leading dim of ``seeds``, per semiring) in turn,
+    its outputs stacked as ``torch.vmap(run)`` stacks them; None where the heads' outputs
+    are not alike (then ``vmap`` runs)."""
+    outs = [run([tuple(f[h] for f in s) for s in seeds]) for h in range(heads)]
+    if any(o.keys() != outs[0].keys() for o in outs):
+        return None
+    return {
+        p: [tuple(torch.stack(fs) for fs in zip(*(o[p][s] for o in outs)))
+            for s in range(len(seeds))]
+        for p in outs[0]
+    }  # fmt: skip
 
 
 def _sliced_entry_d(res, srs, plans, masks, got):
