@@ -134,7 +134,8 @@ def _alphas_upto(res, semiring, seed, baseline, key, upto: frozenset) -> dict:
 
     reads = res.graph.__dict__.setdefault("_alpha_reads", {}).setdefault(upto, set())
     reached: set = set()
-    out = _Kept(run(upto | reads, reached), reached, run, reads)
+    # (nothing read on this graph yet: every node kept, not computed again when read)
+    out = _Kept(run(upto | reads if reads else None, reached), reached, run, reads)
     if key is not None:
         for old in [k for k in cache if k[0][-1] == semiring and k[0] != key]:
             del cache[old]  # (one seed's kept per semiring)
