@@ -323,8 +323,13 @@ def head_plan(res, lay: Layout, srs, layer: int, head: int, roles=QKV) -> HeadPl
     mask[comp.cols] = True
     d = [only_columns(sr, res._store[site][k], mask, like) for sr, k in zip(srs, ks)]
     projs = [p for p in lay.projections[layer] if p.role in roles]
-    down = set().union(*(descendants(p.proj) for p in projs))
-    region = frozenset(ancestors(site, down))
+    # (the heads of a block share the site and projections: their region, once per graph)
+    cache = res.graph.__dict__.setdefault("_head_regions", {})
+    key = (site, tuple(p.proj for p in projs))
+    if key not in cache:
+        down = set().union(*(descendants(p.proj) for p in projs))
+        cache[key] = frozenset(ancestors(site, down))
+    region = cache[key]
     ids = res.graph.ids
     cols = {}
     for p in projs:
