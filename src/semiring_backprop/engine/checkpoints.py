@@ -329,17 +329,17 @@ def run(graph, forward_run, semirings, needed, inputs: frozenset, *, flags=None,
     held = {n: values[n] for n in (*lay.frontier, *graph.constants, *graph.user_inputs.values())}
     held[graph.output_node] = values[graph.output_node]
     snaps, reached = dict.fromkeys(b - 1 for b in lay.bounds[1:]), set()
-    if check_budget:
-        try:
-            budget.check(graph, values, semirings, needed, None if tap else kept)
-        except OutOfMemoryError as e:
-            if not tap or not getattr(e, "budget", None):
-                raise
-            raise _tapped_refusal(*e.budget) from None
     at = None
     if tap:  # D where work on an earlier tapped pass read it (the rest: from checkpoints)
         at = tap_reads(graph, needed)
         at = None if at is None else frozenset(at) | inputs
+    if check_budget:
+        try:
+            budget.check(graph, values, semirings, needed, at if tap else kept)
+        except OutOfMemoryError as e:
+            if not tap or not getattr(e, "budget", None):
+                raise
+            raise _tapped_refusal(*e.budget) from None
     store = reverse(graph, values, semirings, graph.output_node, None if tap else kept, snaps,
                     reached, flags=flags, store_at=at)  # fmt: skip
     ckpt = Checkpoints(graph, needed, semirings, lay, held,
@@ -352,8 +352,9 @@ def run(graph, forward_run, semirings, needed, inputs: frozenset, *, flags=None,
 def _tapped_refusal(need, free, device, names) -> OutOfMemoryError:
     gib = 2**30
     return OutOfMemoryError(
-        f"a circuit reads every node's value and D of its pass, which needs at least "
-        f"{need / gib:.2f} GiB for the D values alone ({names}), and {free / gib:.2f} GiB "
+        f"a circuit reads every node's value of its pass and D where it reads it (at "
+        f"every node on a trace's first circuit), which needs at least {need / gib:.2f} "
+        f"GiB for the D values alone ({names}), and {free / gib:.2f} GiB "
         f"is free on {device}. What uses less: one semiring (semirings=[sbp.Real()] or "
         "[sbp.MaxProduct()]); float32 instead of float64; a shorter input. "
         "SEMIRING_BACKPROP_MEMORY=BYTES sets the budget."
