@@ -179,6 +179,16 @@ def _compiled(name):
 RECOMPILES = 32
 
 
+def _recompiles():
+    """torch's recompile limit set to :data:`RECOMPILES` (where this torch has one)."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    if not hasattr(config, "recompile_limit"):
+        return contextlib.nullcontext()
+    return config.patch(recompile_limit=RECOMPILES)
+
+
 def try_compiled(key, work: int, device, call):
     """``call()`` (a compiled kernel) where the policy says to compile; None where it
     says not to, or where compiling fails (the caller runs the same formulas eagerly)."""
@@ -187,7 +197,7 @@ def try_compiled(key, work: int, device, call):
     try:
         with warnings.catch_warnings():  # torch's own deprecations, raised while compiling
             warnings.filterwarnings("ignore", category=DeprecationWarning, module="torch")
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILES):
+            with _recompiles():
                 out = call()
         _COMPILED_KEYS.add(key)
         return out
