@@ -147,3 +147,41 @@ def test_a_group_of_components_in_pieces_gives_the_groups_edges(build, monkeypat
         rtol=1e-12,
         atol=1e-12,
     )
+
+
+@pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
+def test_a_new_length_on_a_symbolic_trace_reuses_which_columns_are_each_heads(
+    build, monkeypatch
+):
+    """Whether the heads of a block are apart (and their columns) depends on the graph,
+    not on the length: on a trace with symbolic sizes, a circuit at a new length reads
+    it instead of passing back from each head again, and equals a circuit that found it
+    anew."""
+    from semiring_backprop.analysis import circuit_edges
+
+    model = build()
+    bp = sbp.Backprop(model, _lm, SEMIRINGS, dynamic=True)
+    _circuit(bp, {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])})
+    found = []
+    real = circuit_edges._heads_apart
+
+    def counted(*args):
+        found.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(circuit_edges, "_heads_apart", counted)
+    kw = {"input_ids": torch.tensor([[3, 1, 5, 4, 8, 2, 6, 7, 9]])}
+    reused, _, _ = _circuit(bp, kw)
+    assert bp.traces == 1 and not found
+    reused.result.graph.__dict__["_heads_apart"].clear()
+    anew, _, _ = _circuit(bp, kw)
+    assert found
+    values = [s.name for s in SEMIRINGS]
+    for x, y in ((reused.edges, anew.edges), (reused.nodes, anew.nodes)):
+        assert x.drop(columns=values).equals(y.drop(columns=values))
+        torch.testing.assert_close(
+            torch.tensor(x[values].to_numpy()),
+            torch.tensor(y[values].to_numpy()),
+            rtol=1e-12,
+            atol=1e-12,
+        )

@@ -69,7 +69,9 @@ def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
     first = plans[0]
     graph, values, needed = res.graph, res.values, res.needed
     apart = graph.__dict__.setdefault("_heads_apart", {})
-    key = (first.site.name, tuple(values[first.site].shape), len(plans))
+    # (which columns a head's paths leave from depends on the graph, not on the length:
+    # a graph with symbolic sizes finds it once for every length)
+    key = (first.site.name, tuple(values[first.site].shape[-1:]), len(plans))
     masks = apart.get(key)
     if masks and _still_apart(res, srs, first, masks):
         ks = [res.semirings.index(sr) for sr in srs]
