@@ -150,9 +150,7 @@ def test_a_group_of_components_in_pieces_gives_the_groups_edges(build, monkeypat
 
 
 @pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
-def test_a_new_length_on_a_symbolic_trace_reuses_which_columns_are_each_heads(
-    build, monkeypatch
-):
+def test_a_new_length_on_a_symbolic_trace_reuses_which_columns_are_each_heads(build, monkeypatch):
     """Whether the heads of a block are apart (and their columns) depends on the graph,
     not on the length: on a trace with symbolic sizes, a circuit at a new length reads
     it instead of passing back from each head again, and equals a circuit that found it
