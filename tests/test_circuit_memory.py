@@ -60,6 +60,19 @@ def _equal(a, b):
         assert x.equals(y)
 
 
+def _close(x, y):
+    """The same rows and labels; each semiring's values to 1e-12 (another route to the
+    same sums: the last bits)."""
+    values = [s.name for s in SEMIRINGS]
+    assert x.drop(columns=values).equals(y.drop(columns=values))
+    torch.testing.assert_close(
+        torch.tensor(x[values].to_numpy()),
+        torch.tensor(y[values].to_numpy()),
+        rtol=1e-12,
+        atol=1e-12,
+    )
+
+
 @pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
 def test_later_circuits_hold_what_the_first_read_and_give_the_same_bits(build):
     model = build()
@@ -73,15 +86,8 @@ def test_later_circuits_hold_what_the_first_read_and_give_the_same_bits(build):
     assert len(held3) < len(reached) / 3, (len(held3), len(reached))
     _equal(second, third)
     # the first circuit of a trace finds the heads' D by another route: the last bits
-    values = [s.name for s in SEMIRINGS]
     for x, y in ((first.nodes, third.nodes), (first.edges, third.edges)):
-        assert x.drop(columns=values).equals(y.drop(columns=values))
-        torch.testing.assert_close(
-            torch.tensor(x[values].to_numpy()),
-            torch.tensor(y[values].to_numpy()),
-            rtol=1e-12,
-            atol=1e-12,
-        )
+        _close(x, y)
     graph = third.result.graph
     # the forward pass kept alpha only where read: far fewer nodes than it reached
     alphas = [v[1] for v in third.result.__dict__.get("_alphas_upto", {}).values()]
@@ -138,15 +144,7 @@ def test_a_group_of_components_in_pieces_gives_the_groups_edges(build, monkeypat
     monkeypatch.setattr(circuit_edges, "HELD_BUDGET", 1)
     apart, _, _ = _circuit(bp, kw)
     assert max(cut) == 2  # two heads per block, one at a time
-    values = [s.name for s in SEMIRINGS]
-    x, y = whole.edges, apart.edges
-    assert x.drop(columns=values).equals(y.drop(columns=values))
-    torch.testing.assert_close(
-        torch.tensor(x[values].to_numpy()),
-        torch.tensor(y[values].to_numpy()),
-        rtol=1e-12,
-        atol=1e-12,
-    )
+    _close(whole.edges, apart.edges)
 
 
 @pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
@@ -174,12 +172,5 @@ def test_a_new_length_on_a_symbolic_trace_reuses_which_columns_are_each_heads(bu
     reused.result.graph.__dict__["_heads_apart"].clear()
     anew, _, _ = _circuit(bp, kw)
     assert found
-    values = [s.name for s in SEMIRINGS]
     for x, y in ((reused.edges, anew.edges), (reused.nodes, anew.nodes)):
-        assert x.drop(columns=values).equals(y.drop(columns=values))
-        torch.testing.assert_close(
-            torch.tensor(x[values].to_numpy()),
-            torch.tensor(y[values].to_numpy()),
-            rtol=1e-12,
-            atol=1e-12,
-        )
+        _close(x, y)
