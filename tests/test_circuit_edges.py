@@ -201,12 +201,13 @@ def test_edges_match_enumeration(name, seed):
 
 
 @pytest.mark.parametrize("name", list(TINY))
-def test_edges_match_enumeration_when_every_group_of_sources_meets_at_once(name, monkeypatch):
-    """The source passes meet the entries' D one group of components at a time
-    (``MEET_BUDGET`` 0, the other tests); with a budget that holds them all, at once."""
+def test_edges_match_enumeration_with_one_component_per_source_pass(name, monkeypatch):
+    """The components go forward together, their rows padded where fewer of them reach
+    a node (the other tests: one pass for all); with a budget of held values that
+    fits one component (``HELD_BUDGET`` 1), one pass per component."""
     from semiring_backprop.analysis import circuit_edges as ce
 
-    monkeypatch.setattr(ce, "MEET_BUDGET", 2**40)
+    monkeypatch.setattr(ce, "HELD_BUDGET", 1)
     edges = circuit_edges(tiny(name), seed="x")
     want, _ = brute(name, "x")
     got = {tuple(_plain(row[c]) for c in KEY): row for _, row in edges.iterrows()}

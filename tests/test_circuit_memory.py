@@ -122,28 +122,30 @@ def test_a_node_read_that_was_not_kept_is_computed_again(build):
 
 
 @pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])
-def test_a_group_of_components_in_pieces_gives_the_groups_edges(build, monkeypatch):
-    """The heads of a block go forward in pieces under a budget of held values
-    (``HELD_BUDGET``); one head per piece gives the edges of all heads at once."""
+def test_components_in_pieces_give_the_edges_of_all_at_once(build, monkeypatch):
+    """The components go forward together in pieces under a budget of held values
+    (``HELD_BUDGET``): one piece for all of them on this small model; one component per
+    piece (a budget of 1) gives the same edges."""
     from semiring_backprop.analysis import circuit_edges
 
     model = build()
     bp = sbp.Backprop(model, _lm, SEMIRINGS)
     kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
     _circuit(bp, kw)
-    whole, _, _ = _circuit(bp, kw)
     cut = []
     real = circuit_edges._pieces
 
     def pieces(*args):
         out = real(*args)
-        cut.append(len(out))
+        cut.append([sum(len(u.comps) for u in p) for p in out])
         return out
 
     monkeypatch.setattr(circuit_edges, "_pieces", pieces)
+    whole, _, _ = _circuit(bp, kw)
+    assert cut == [[7]]  # the embedding, two blocks of two heads and an MLP
     monkeypatch.setattr(circuit_edges, "HELD_BUDGET", 1)
     apart, _, _ = _circuit(bp, kw)
-    assert max(cut) == 2  # two heads per block, one at a time
+    assert cut[1] == [1] * 7
     _close(whole.edges, apart.edges)
 
 

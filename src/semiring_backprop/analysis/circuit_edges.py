@@ -29,6 +29,7 @@ position (norms mix the units of one position), so an edge's position is the pos
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -278,86 +279,179 @@ def residual_pass(res, lay: Layout, srs, acc: dict) -> dict:
 
 
 def _source_passes(res, lay: Layout, srs, al, entries: set, between: set):
-    """Per group of components, ``{entry tensor: (components, [stacked value per
-    semiring])}``: per component (indices in ``lay.components``, stacked along a new
-    first dim) the ⊕ over the paths that pass the component (alpha at its nodes, its
-    columns only) and reach the entry through the residual stream alone. A generator:
-    the caller meets each group with the entries' D and lets it go (all groups at once
-    held more than the pass's values and D together).
+    """``{entry: (components, [stacked value per semiring])}``, one entry at a time as
+    the passes reach it: per component (indices in ``lay.components``, stacked along a
+    new first dim) the ⊕ over the paths that pass the component (alpha at its nodes, its
+    columns only) and reach the entry through the residual stream alone. A generator: the
+    caller meets each with the entry's D and lets it go.
 
-    One forward pass per group of components on the same nodes (the embedding, the heads
-    of one block, one MLP), over the nodes of ``between`` (those on a residual path to an
-    entry) that the group's nodes reach; the heads of a block at once, each value with a
-    leading head dim (the rules under ``torch.vmap``). Their output projection is taken
-    per head on its own columns and rows of the weight (:func:`_per_head_projection`):
-    the other columns hold no path of that head."""
-    ids = res.graph.ids
-    comps = lay.components
+    The components go forward together, in pieces (:func:`_pieces`): one sweep over the
+    nodes of ``between`` (those on a residual path to an entry) that a piece's components
+    reach, in the graph's order. Each value carries a leading dim with a row per
+    component of the piece that reaches the node (a contiguous range of the piece's
+    rows: components are taken in the graph's order); each rule runs once per node for
+    all those rows (under ``torch.vmap``), the inputs that fewer components reach padded
+    with the semiring's zero (no path). A head's output projection is taken per head on
+    its own columns and rows of the weight (:func:`_per_head_projection`): the other
+    columns hold no path of that head. Values are let go once no later step reads
+    them."""
+    for piece in _pieces(res, srs, _units(res, lay, between)):
+        yield from _sweep(res, lay, srs, al, piece, entries)
+
+
+@dataclass
+class _Unit:
+    """Components on the same nodes (the heads of a block, or some of them), given rows
+    ``rows`` of their piece, and the nodes of ``between`` they reach."""
+
+    comps: list  #: indices in ``lay.components``
+    nodes: tuple
+    region: set
+    rows: int = 0
+
+
+def _units(res, lay: Layout, between: set) -> list:
+    """The components grouped by their nodes, in the order the graph computes them."""
     groups: dict = {}
-    for c, comp in enumerate(comps):
+    for c, comp in enumerate(lay.components):
         groups.setdefault(comp.nodes, []).append(c)
-    for nodes, group in groups.items():
-        for cs in _pieces(res, srs, group, _reached(set(nodes), between, lay.stops), entries):
-            seeds = {n: _group_seed(res, srs, al, [comps[c] for c in cs], n) for n in nodes}
-            region = _reached(seeds, between, lay.stops)
-            proj = _per_head_projection(res, srs, [comps[c] for c in cs], seeds, region)
-            if proj is not None:
-                seeds = proj
-                region = _reached(seeds, between, lay.stops)
-            order = sorted(region - set(seeds), key=ids.__getitem__)
-            wanted = [x for x in entries if x in region]
-            got = _batched_pass(res, srs, seeds, order, wanted, len(cs))
-            yield {x: (cs, rows) for x, rows in got.items()}
+    ids = res.graph.ids
+    out = [_Unit(cs, nodes, _reached(set(nodes), between, lay.stops))
+           for nodes, cs in groups.items()]  # fmt: skip
+    return sorted(out, key=lambda u: min(ids[n] for n in u.nodes))
 
 
-#: elements of one piece of a group's values at the entries it reaches, held until they
-#: meet the entries' D: a group of components (the heads of a block) goes in pieces of
-#: at most this many (at least one component each)
-HELD_BUDGET = 2**23
+#: elements of one node's value in a source pass (a row per component that reaches it,
+#: two fields per semiring): the components go forward in pieces (in the graph's order)
+#: whose largest value holds at most this many (at least one component each)
+HELD_BUDGET = 2**21
 
 
-def _pieces(res, srs, group, region, entries) -> list:
-    """``group`` (component indices) cut into pieces whose values at the entries in
-    ``region`` hold at most :data:`HELD_BUDGET` elements (two fields per semiring)."""
-    per = sum(res.values[x].numel() for x in entries if x in region) * 2 * len(srs)
+def _pieces(res, srs, units) -> list:
+    """``units`` cut into pieces (lists of units, a group cut where one alone is over
+    :data:`HELD_BUDGET`), each unit given its first row in the piece."""
+    per = max((res.values[n].numel() for u in units for n in u.region), default=1) * 2 * len(srs)
     k = max(1, HELD_BUDGET // max(per, 1))
-    return [group[i : i + k] for i in range(0, len(group), k)]
+    pieces, piece, rows = [], [], 0
+    for u in units:
+        for i in range(0, len(u.comps), k):
+            part = _Unit(u.comps[i : i + k], u.nodes, u.region)
+            if piece and rows + len(part.comps) > k:
+                pieces.append(piece)
+                piece, rows = [], 0
+            part.rows = rows
+            piece.append(part)
+            rows += len(part.comps)
+    if piece:
+        pieces.append(piece)
+    return pieces
 
 
-#: elements of the source passes' values held before they meet the entries' D: 0, one
-#: group of components at a time (least memory: at 128 tokens on BERT 6L-512 the edges
-#: held 417 MiB against 1,065 with every group at once, for 2.66 s against 2.28 s)
-MEET_BUDGET = 0
+def _sweep(res, lay: Layout, srs, al, piece, entries):
+    """One forward pass of a piece's components over the nodes they reach, yielding
+    ``{entry: (components, [stacked value per semiring])}`` at each entry it computes."""
+    values, ids = res.values, res.graph.ids
+    comps = [c for u in piece for c in u.comps]
+    region = set().union(*(u.region for u in piece))
+    order = sorted(region, key=ids.__getitem__)
+    last = {}  # node -> the last step of ``order`` that reads it
+    for i, n in enumerate(order):
+        for a in n.all_input_nodes:
+            last[a] = i
+    first = {}  # the step at which each unit's seeds are made
+    for u in piece:
+        first.setdefault(min(order.index(n) for n in u.nodes), []).append(u)
+    seeds: dict = {}  # node -> [(first row, rows, [stacked value per semiring])]
+    store: dict = {}  # node -> (first row, end row, [stacked value per semiring or None])
+    with torch.no_grad():
+        for i, n in enumerate(order):
+            for u in first.get(i, ()):
+                for node, vs in _unit_seeds(res, lay, srs, al, u).items():
+                    seeds.setdefault(node, []).append((u.rows, len(u.comps), vs))
+            got = _step(res, srs, n, store, seeds.pop(n, ()))
+            if got is not None:
+                store[n] = got
+            for a in (*n.all_input_nodes, n):  # let go of what no later step reads
+                if last.get(a, -1) <= i:
+                    store.pop(a, None)
+            if n in entries and got is not None:
+                lo, hi, vs = got
+                like = values[n]
+                yield {n: (comps[lo:hi], [_or_zero_rows(sr, v, like, hi - lo)
+                                          for sr, v in zip(srs, vs)])}  # fmt: skip
+            del got
 
 
-def _held_groups(parts):
-    """The groups of :func:`_source_passes` joined as ``{entry: (components, [value per
-    semiring])}``, as many at a time as :data:`MEET_BUDGET` allows."""
-    held, size = [], 0
-    for part in parts:
-        held.append(part)
-        size += sum(f.numel() for _, rows in part.values() for r in rows for f in r)
-        if size >= MEET_BUDGET:
-            yield _joined(held)
-            held, size = [], 0
-    if held:
-        yield _joined(held)
+def _unit_seeds(res, lay, srs, al, unit) -> dict:
+    """``{node: [stacked value per semiring]}``: a unit's alpha at its nodes (each
+    component's columns only), or after the heads' output projection."""
+    comps = [lay.components[c] for c in unit.comps]
+    seeds = {n: _group_seed(res, srs, al, comps, n) for n in unit.nodes}
+    proj = _per_head_projection(res, srs, comps, seeds, unit.region)
+    return seeds if proj is None else proj
 
 
-def _joined(parts) -> dict:
-    if len(parts) == 1:  # (one group, as by default: its rows as they are, not copied)
-        return {x: (list(cs), rows) for x, (cs, rows) in parts[0].items()}
-    found: dict = {}
-    for part in parts:
-        for x, got in part.items():
-            found.setdefault(x, []).append(got)
-    out = {}
-    for x, got in found.items():
-        idx = [c for cs, _ in got for c in cs]
-        rows = [tuple(torch.cat(f) for f in zip(*(r[s] for _, r in got)))
-                for s in range(len(got[0][1]))]  # fmt: skip
-        out[x] = (idx, rows)
-    return out
+def _step(res, srs, n, store, seeds):
+    """``(first row, end row, [value per semiring or None])`` at node ``n``: the forward
+    rule over the rows of every component that reaches an input, each row of a unit
+    seeded here its seed instead; None where nothing reaches ``n``."""
+    graph, values, needed = res.graph, res.values, res.needed
+    ins = {a: store[a] for a in n.all_input_nodes if a in store}
+    spans = [(lo, hi) for lo, hi, _ in ins.values()] + [(r, r + k) for r, k, _ in seeds]
+    if not spans:
+        return None
+    lo, hi = min(s[0] for s in spans), max(s[1] for s in spans)
+    out = [None] * len(srs)
+    if ins:
+        padded = {a: [None if v is None else _pad(sr, v, a_lo - lo, hi - a_hi, values[a])
+                      for sr, v in zip(srs, vs)]
+                  for a, (a_lo, a_hi, vs) in ins.items()}  # fmt: skip
+        nid = graph.ids[n]
+        if hi - lo == 1:  # one row: the rules on the values themselves (compiled kernels run)
+            one = {a: [None if v is None else tuple(f[0] for f in v) for v in vs]
+                   for a, vs in padded.items()}  # fmt: skip
+            got = apply_rule(graph, values, srs, nid, one, needed)
+            out = [None if v is None else tuple(f[None] for f in v) for v in got]
+        else:
+
+            def rule(sub):
+                got = apply_rule(graph, values, srs, nid, sub, needed)
+                return {s: v for s, v in enumerate(got) if v is not None}
+
+            dims = ({a: [None if v is None else 0 for v in vs] for a, vs in padded.items()},)
+            got = torch.vmap(rule, in_dims=dims)(padded)
+            out = [got.get(s) for s in range(len(srs))]
+    like = values[n]
+    for r, k, vs in seeds:  # (a unit never reaches its own seeds: they replace its rows)
+        for s, sr in enumerate(srs):
+            seed = _pad(sr, vs[s], r - lo, hi - r - k, like)
+            if out[s] is None:
+                out[s] = seed
+                continue
+            keep = torch.ones(hi - lo, dtype=torch.bool, device=like.device)
+            keep[r - lo : r - lo + k] = False
+            out[s] = tuple(torch.where(keep.view(-1, *[1] * (f.dim() - 1)), f, g)
+                           for f, g in zip(out[s], seed))  # fmt: skip
+    return lo, hi, out
+
+
+def _pad(sr, value, before: int, after: int, like) -> tuple:
+    """A stacked value with ``before`` and ``after`` rows of the semiring's zero added."""
+    value = tuple(value)
+    if not before and not after:
+        return value
+    zero = sr.zero(like.shape, like)
+    out = []
+    for f, z in zip(value, zero):
+        z = z.to(f.dtype).expand(1, *f.shape[1:])
+        out.append(torch.cat([z.expand(before, *f.shape[1:]), f, z.expand(after, *f.shape[1:])]))
+    return tuple(out)
+
+
+def _or_zero_rows(sr, value, like, rows: int) -> tuple:
+    if value is None:
+        return tuple(f.expand(rows, *f.shape) for f in sr.zero(like.shape, like))
+    return tuple(value)
 
 
 def _group_seed(res, srs, al, comps, node) -> list:
@@ -387,39 +481,6 @@ def _reached(seeds, between, stops) -> set:
         region.add(n)
         todo.extend(u for u in n.users if u in between and u not in stops)
     return region
-
-
-def _batched_pass(res, srs, seeds, order, wanted, batch) -> dict:
-    """The forward rules over ``order`` from ``seeds`` (values with a leading dim of
-    ``batch``), read at ``wanted``: ``{node: [stacked value per semiring]}``."""
-    graph, values, needed, ids = res.graph, res.values, res.needed, res.graph.ids
-    last = {}  # node -> the last step of ``order`` that reads it
-    for i, n in enumerate(order):
-        for a in n.all_input_nodes:
-            last[a] = i
-    kept = set(wanted)
-
-    def run(start):
-        store = dict(start)
-        for i, n in enumerate(order):
-            if not any(a in store for a in n.all_input_nodes):
-                continue
-            got = apply_rule(graph, values, srs, ids[n], store, needed)
-            if any(g is not None for g in got):
-                store[n] = got
-            for a in (*n.all_input_nodes, n):  # let go of what no later step reads
-                if last.get(a, -1) <= i and a not in kept:
-                    store.pop(a, None)
-        return {x: [_or_zero(sr, v, values[x]) for sr, v in zip(srs, store[x])]
-                for x in wanted if x in store}  # fmt: skip
-
-    with torch.no_grad():
-        if batch == 1:  # no batch to carry: the rules on the values themselves
-            got = run({n: [tuple(f[0] for f in v) for v in vs] for n, vs in seeds.items()})
-            return {x: [tuple(f[None] for f in v) for v in vs] for x, vs in got.items()}
-        per = sum(values[x].numel() for x in order) * 2 * len(srs)
-        chunk = max(1, min(batch, BATCH_BUDGET // max(per, 1)))
-        return torch.vmap(run, chunk_size=chunk)(seeds)
 
 
 _PROJECTIONS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
@@ -465,12 +526,6 @@ def _per_head_projection(res, srs, comps, seeds, region):
     return None
 
 
-def _or_zero(sr, value, like):
-    if value is None:
-        return tuple(sr.zero(like.shape, like))
-    return tuple(value)
-
-
 def _by_position(res, lay: Layout, x) -> bool:
     """Whether ``x`` is laid out (…, positions, hidden) as the components are (a residual
     path keeps its position: its edge's position can be read at the entry)."""
@@ -482,8 +537,9 @@ def _by_position(res, lay: Layout, x) -> bool:
 
 
 def _backward_edge_values(res, lay: Layout, srs, acc, al):
-    """:func:`_edge_values` by one residual pass back from the entries, read at each
-    component's nodes (zero where the pass does not reach them)."""
+    """Per semiring, (components, positions): the edges into the entries ``acc`` by one
+    residual pass back from them, read at each component's nodes (zero where the pass
+    does not reach them)."""
     store = residual_pass(res, lay, srs, acc)
     groups: dict = {}
     for c, comp in enumerate(lay.components):
@@ -501,79 +557,80 @@ def _backward_edge_values(res, lay: Layout, srs, acc, al):
     return [tuple(torch.stack(f) for f in zip(*(p[s] for p in parts))) for s in range(len(srs))]
 
 
-def _meet(res, lay: Layout, srs, fwd, dests, total=None) -> list:
-    """Per semiring, the values of ``dests`` (``[(destination, {entry: [D per
-    semiring]})]``) stacked: (destinations, components, positions), ⊕-added into
-    ``total`` (the same, from other groups of components; None: the zero). As
-    :func:`_edge_values`, the destinations that share an entry at once, as one
-    contraction of values per semiring (``Semiring.contract``: the components' values
-    at the entry against the destinations' D, over the hidden units, per position),
-    ⊕-added into the rows of those destinations and components at once."""
-    n, positions = len(lay.components), lay.positions
-    like = res.values[lay.target]
-    if total is None:
-        total = [tuple(sr.zero((len(dests), n, positions), like)) for sr in srs]
-    row = {i: r for r, (i, _) in enumerate(dests)}
+def _meeting(res, lay: Layout, srs, meeting) -> dict:
+    """``{entry: (rows, [per semiring: the D of the destinations there])}`` from
+    ``meeting`` (``[(row, {entry: [D per semiring]})]``): the destinations that share an
+    entry stacked once as (positions, destinations, hidden), where a D has no dims of its
+    own (else a list, one D per destination, met one at a time). Each destination's own D
+    is let go as its entry is stacked."""
     by_entry: dict = {}
-    for i, acc in dests:
+    for r, acc in meeting:
         for x, slot in acc.items():
-            by_entry.setdefault(x, []).append((i, slot))
-    for x, group in by_entry.items():
-        if x not in fwd:  # (no component of this group reaches it)
+            by_entry.setdefault(x, []).append((r, slot))
+        acc.clear()
+    out = {}
+    for x in list(by_entry):
+        group = by_entry.pop(x)
+        dim = res.values[x].dim()
+        per = []
+        for s in range(len(srs)):
+            ds = [slot[s] for _, slot in group]
+            if all(f.dim() == dim for d in ds for f in d):
+                ds = tuple(torch.stack(fs).reshape(len(group), lay.positions, -1)
+                           .transpose(0, 1).contiguous() for fs in zip(*ds))  # fmt: skip
+            per.append(ds)
+        out[x] = ([r for r, _ in group], per)
+    return out
+
+
+def _meet(res, lay: Layout, srs, fwd, dests, total) -> list:
+    """``total`` (per semiring, (destinations, components, positions)) with the values
+    of the components ``fwd`` (``{entry: (components, [stacked value per semiring])}``)
+    met with the destinations' D at each entry (``dests``, from :func:`_meeting`)
+    ⊕-added in. The destinations that share an entry at once, as one contraction of
+    values per semiring (``Semiring.contract``: the components' values at the entry
+    against the destinations' D, over the hidden units, per position), ⊕-added into the
+    rows of those destinations and components at once."""
+    positions = lay.positions
+    like = res.values[lay.target]
+    for x, (idx, rows) in fwd.items():
+        if x not in dests or not idx:
             continue
-        idx, rows = fwd[x]
-        shape = res.values[x].shape
-        plain = all(f.dim() == 1 + len(shape) for r in rows for f in r) and all(
-            f.dim() == len(shape) for _, slot in group for v in slot for f in v
-        )
-        if not idx or not plain:  # (fields with dims of their own: one at a time)
-            for i, slot in group:
-                got = _edge_values(res, lay, srs, fwd, {x: slot})
-                for s, sr in enumerate(srs):
-                    r = row[i]
-                    new = sr.plus(tuple(t[r] for t in total[s]), got[s])
-                    for t, f in zip(total[s], new):
-                        t[r] = f
-            continue
-        at = (torch.as_tensor([row[i] for i, _ in group], device=like.device)[:, None],
+        rws, ds = dests[x]
+        at = (torch.as_tensor(rws, device=like.device)[:, None],
               torch.as_tensor(idx, device=like.device)[None, :])  # fmt: skip
+        dim = res.values[x].dim()
         for s, sr in enumerate(srs):
-            a = tuple(f.reshape(len(idx), positions, -1).transpose(0, 1) for f in rows[s])
-            b = tuple(torch.stack(fs).reshape(len(group), positions, -1).permute(1, 2, 0)
-                      for fs in zip(*(slot[s] for _, slot in group)))  # fmt: skip
-            m = sr.contract(a, b)  # (positions, components, destinations)
-            part = tuple(f.permute(2, 1, 0) for f in m)  # (destinations, components, positions)
+            if isinstance(ds[s], tuple) and all(f.dim() == 1 + dim for f in rows[s]):
+                a = tuple(f.reshape(len(idx), positions, -1).transpose(0, 1) for f in rows[s])
+                b = tuple(f.transpose(-2, -1) for f in ds[s])  # (positions, hidden, dests)
+                m = sr.contract(a, b)  # (positions, components, destinations)
+                part = tuple(f.permute(2, 1, 0) for f in m)  # (dests, components, positions)
+            else:  # (fields with dims of their own: one destination at a time)
+                each = [_edge_value(res, lay, sr, rows[s], x, d) for d in _each(ds[s], x, res)]
+                part = tuple(torch.stack(fs) for fs in zip(*each))
             new = sr.plus(tuple(t[at] for t in total[s]), part)
             for t, f in zip(total[s], new):
                 t[at] = f.to(t.dtype)
     return total
 
 
-def _edge_values(res, lay: Layout, srs, fwd, acc):
-    """Per semiring, (components, positions): ⊕ over the entries ``acc`` and their
-    elements at each position of the component's forward value ⊗ the entry's D."""
-    out = []
-    n = len(lay.components)
-    like = res.values[lay.target]
-    for s, sr in enumerate(srs):
-        total = sr.zero((n, lay.positions), like)
-        for x, slot in acc.items():
-            idx, rows = fwd[x]
-            if not idx:
-                continue
-            shape = res.values[x].shape
-            d = tuple(f.expand(len(idx), *f.shape) for f in slot[s])
-            m = sr.mul(rows[s], d)
-            flat = tuple(f.reshape(len(idx), lay.positions, -1, *f.shape[1 + len(shape) :])
-                         for f in m)  # fmt: skip
-            per = sr.sum(flat, (2,))
-            at = torch.as_tensor(idx, device=per[0].device)
-            part = tuple(
-                z.index_put((at,), f) for z, f in zip(sr.zero((n, lay.positions), like), per)
-            )
-            total = sr.plus(total, part)
-        out.append(total)
-    return out
+def _each(ds, x, res) -> list:
+    """The D of each destination at ``x``: ``ds`` itself (a list) or unstacked."""
+    if isinstance(ds, list):
+        return ds
+    shape = res.values[x].shape
+    return [tuple(f[:, i].reshape(shape) for f in ds) for i in range(ds[0].shape[1])]
+
+
+def _edge_value(res, lay: Layout, sr, rows, x, d):
+    """(components, positions): ⊕ over the elements at each position of the components'
+    values ``rows`` at ``x`` ⊗ the destination's D there."""
+    shape = res.values[x].shape
+    n = rows[0].shape[0]
+    m = sr.mul(rows, tuple(f.expand(n, *f.shape) for f in d))
+    flat = tuple(f.reshape(n, lay.positions, -1, *f.shape[1 + len(shape) :]) for f in m)
+    return sr.sum(flat, (2,))
 
 
 def _per_group(res, lay: Layout, comps, srs, store, al):
@@ -648,13 +705,12 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
     forward = [all(_by_position(res, lay, x) for x in acc) for _, _, acc in dests]
     reached = {x for (_, _, acc), f in zip(dests, forward) if f for x in acc}
     between = set().union(*(r for r, f in zip(regions, forward) if f))
-    meeting = [(i, d[2]) for i, (d, f) in enumerate(zip(dests, forward)) if f]
-    met = None
-    for part in _held_groups(_source_passes(res, lay, srs, al, reached, between)):
+    row = {i: r for r, i in enumerate(i for i, f in enumerate(forward) if f)}
+    like = res.values[lay.target]
+    met = [tuple(sr.zero((len(row), len(lay.components), lay.positions), like)) for sr in srs]
+    meeting = _meeting(res, lay, srs, [(row[i], d[2]) for i, d in enumerate(dests) if forward[i]])
+    for part in _source_passes(res, lay, srs, al, reached, between):
         met = _meet(res, lay, srs, part, meeting, met)
-    if met is None:
-        met = _meet(res, lay, srs, {}, meeting)
-    row = {i: r for r, (i, _) in enumerate(meeting)}
     comps = lay.components
     for i, ((dst, inp, acc), f) in enumerate(zip(dests, forward)):
         if f:
