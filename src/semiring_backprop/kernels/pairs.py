@@ -16,6 +16,9 @@ import torch
 from . import INF, chunk_rows, has_storage, try_compiled, zero_masked
 
 _COMPILED: dict = {}
+#: elements of the eager kernel's products held at once (a chunk of rows: four products
+#: and two of their max / min, per row ``6 * m * p`` times the batch)
+PAIRS_BUDGET = 2**22
 
 
 def _pairs(ahs, als, apen, bhs, bls, bpen):
@@ -65,7 +68,7 @@ def maxtimes_pairs(a_hi, a_lo, b_hi, b_lo):
     )
     if out is None:
         a, bt = zero_masked(*a), zero_masked(*bt)
-        step = chunk_rows(n, 6 * m * p * b)
+        step = chunk_rows(n, 6 * m * p * b, PAIRS_BUDGET)
         parts = [_pairs(*(t[:, r : r + step] for t in a), *bt) for r in range(0, n, step)]
         out = tuple(torch.cat(f, 1) for f in zip(*parts))
     return tuple(o.reshape(*batch, n, p) for o in out)
