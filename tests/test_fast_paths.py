@@ -603,3 +603,40 @@ def _held(v):
     from semiring_backprop.engine import liveness
 
     return isinstance(v, torch.Tensor) and not _same_storage(v, liveness.stand_in(v))
+
+
+def test_one_compiled_program_for_every_mix_of_sizes(compiled, monkeypatch):
+    """A compiled kernel reads its inputs as :func:`kernels.plain` makes them: sizes of 1,
+    views at an offset into a larger storage and weights that require grad run the
+    program compiled for the first call (no program per mix, each a second or more to
+    compile), with the eager formulas' values and argmax."""
+    monkeypatch.setattr(kernels, "_COMPILED", {})  # a kernel compiled in this test
+    programs = []
+    real = kernels._compiled
+
+    def counted(name):
+        fn = real(name)
+
+        def run(*args):
+            before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            out = fn(*args)
+            programs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] - before)
+            return out
+
+        return run
+
+    monkeypatch.setattr(kernels, "_compiled", counted)
+    for batch, n, m, p in [((), 5, 7, 4), ((3,), 5, 7, 4), ((), 1, 7, 4), ((2,), 1, 7, 1),
+                           ((), 6, 1, 3), ((4,), 0, 7, 4)]:  # fmt: skip
+        big_hi, big_lo = _fields(n + 2, m, batch)
+        hi, lo = big_hi[..., 2:, :], big_lo[..., 2:, :]  # (views at an offset)
+        w = _weights(m, p, batch).requires_grad_()
+        fast = kernels.maxtimes(hi, lo, w.transpose(-2, -1))
+        kernels.set_compile(False)
+        slow = kernels.maxtimes(hi, lo, w.detach().transpose(-2, -1))
+        kernels.set_compile(True)
+        for a, b in zip(fast, slow, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # (the first call: a program, or the one an earlier test compiled; the empty mix
+    # runs eagerly: nothing to do)
+    assert len(programs) == 5 and programs[0] <= 1 and not any(programs[1:]), programs

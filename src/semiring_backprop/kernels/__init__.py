@@ -86,7 +86,7 @@ def no_new_compiles():
 
 def _should_compile(key, work: int, device) -> bool:
     mode = _state["compile"]
-    if not mode or work < MIN_WORK or key in _state["failed"]:
+    if not mode or not work or work < MIN_WORK or key in _state["failed"]:
         return False
     if key in _COMPILED_KEYS:
         return True
@@ -140,6 +140,41 @@ def _maxplus(m, lwt):
     c = m[:, :, None, :] + lwt[:, None, :, :]
     best = c.amax(-1, keepdim=True)
     return best[..., 0], _first(c >= best)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a compiled kernel reads it with one program for every size: contiguous,
+    from the start of a storage of its own (a view's offset and base are guarded on:
+    each offset of 0, 1 or more, and each base's layout, was a program of its own),
+    without autograd's flag (guarded on too), every dim's size unbacked (a size of 1 is
+    otherwise a program of its own: a first circuit compiled five)."""
+    t = t.detach()
+    if (
+        not t.is_contiguous()
+        or t.storage_offset()
+        or t.untyped_storage().nbytes() != (t.numel() * t.element_size())
+    ):
+        t = t.clone(memory_format=torch.contiguous_format)
+    strides = [1] * t.dim()
+    for d in range(t.dim() - 2, -1, -1):
+        strides[d] = strides[d + 1] * t.shape[d + 1]
+    if list(t.stride()) != strides:  # (a dim of size 1 may have any stride: guarded on)
+        t = t.as_strided(t.shape, strides).detach()
+    if _mark_unbacked is not None:
+        for d in range(t.dim()):
+            _mark_unbacked(t, d)
+    return t
+
+
+def _unbacked_marker():
+    try:
+        from torch._dynamo.decorators import mark_unbacked
+    except ImportError:  # (a torch without it: a program per mix of sizes of 1)
+        return None
+    return mark_unbacked
+
+
+_mark_unbacked = _unbacked_marker()
 
 
 def zero_masked(hi, lo):
@@ -224,7 +259,7 @@ def _run(name, a, wt, prep=None):
         key,
         work if has_storage(a[0]) and has_storage(wt) else 0,  # (batched: eagerly)
         a[0].device,
-        lambda: _compiled(name)(*(f.contiguous() for f in a), wt.contiguous()),
+        lambda: _compiled(name)(*(plain(f) for f in a), plain(wt)),
     )
     if out is not None:
         return out

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from . import INF, chunk_rows, has_storage, try_compiled, zero_masked
+from . import INF, chunk_rows, has_storage, plain, try_compiled, zero_masked
 
 _COMPILED: dict = {}
 #: elements of the eager kernel's products held at once (a chunk of rows: four products
@@ -63,9 +63,7 @@ def maxtimes_pairs(a_hi, a_lo, b_hi, b_lo):
     bt = tuple(flat(t.transpose(-2, -1), p, m) for t in (b_hi, b_lo))
     work = b * n * m * p if has_storage(a_hi) and has_storage(b_hi) else 0
     key = ("maxtimes_pairs", a_hi.dtype, a_hi.device.type)
-    out = try_compiled(
-        key, work, a_hi.device, lambda: _compiled()(*(t.contiguous() for t in (*a, *bt)))
-    )
+    out = try_compiled(key, work, a_hi.device, lambda: _compiled()(*(plain(t) for t in (*a, *bt))))
     if out is None:
         a, bt = zero_masked(*a), zero_masked(*bt)
         step = chunk_rows(n, 6 * m * p * b, PAIRS_BUDGET)
