@@ -188,8 +188,23 @@ class Block:
     points: dict  #: sublayer ("attention" / "mlp") -> fan-out node
 
 
+def on_result(res, key: tuple, make):
+    """``make()``, once per result and ``key`` (kept on ``res``): what is read off one
+    pass's graph, values and D (the blocks, the sites, the circuit's layout) is the same
+    for each stage of a circuit that reads it. (``key`` holds the arguments' reprs:
+    ``roles`` may be a dict.)"""
+    memo = res.__dict__.setdefault("_found", {})
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
+
+
 def blocks(res, roles=None) -> list[Block]:
     """The attention blocks of the model, in order, with their fan-out points."""
+    return on_result(res, ("blocks", repr(roles)), lambda: _blocks(res, roles))
+
+
+def _blocks(res, roles) -> list[Block]:
     r = Roles(res, roles)
     types = r.types
     qkv = {"query", "key", "value"}

@@ -19,7 +19,7 @@ import torch
 from ..engine.alpha import sources
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxProduct
-from .branches import blocks
+from .branches import blocks, on_result
 from .fanout import CONTRACTIONS, Roles, entries
 from .heads import head_counts
 from .marginals import marginal_value, seed_values
@@ -100,6 +100,11 @@ def circuit_nodes(res, semirings=None, seed="structural", baseline=None, tokens=
 def find_sites(res, heads=None, roles=None) -> tuple[list[Site], int]:
     """The sites of every kind, in the order of ``SITE_ROLES`` per layer, and the number
     of positions. Raises InputError naming the kind it cannot find."""
+    return on_result(res, ("sites", repr(heads), repr(roles)),
+                     lambda: _find_sites(res, heads, roles))  # fmt: skip
+
+
+def _find_sites(res, heads, roles) -> tuple[list[Site], int]:
     found = blocks(res, roles)
     if not found:
         raise InputError(

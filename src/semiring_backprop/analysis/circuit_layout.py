@@ -14,7 +14,7 @@ import torch
 
 from ..engine import checkpoints
 from ..errors import InputError, NotFoundError
-from .branches import blocks
+from .branches import blocks, on_result
 from .circuit import alpha_upto, find_sites
 from .fanout import Roles, ancestors, descendants, entries, first_contraction
 from .heads import QKV, only_columns
@@ -74,6 +74,11 @@ class Layout:
 def layout(res, heads=None, roles=None) -> Layout:
     """The components of ``res``'s model and the entries of each (InputError where the
     model's blocks are not laid out as this analysis needs)."""
+    return on_result(res, ("layout", repr(heads), repr(roles)),
+                     lambda: _layout(res, heads, roles))  # fmt: skip
+
+
+def _layout(res, heads, roles) -> Layout:
     sites, positions = find_sites(res, heads, roles)
     found = blocks(res, roles)
     r = Roles(res, roles)
