@@ -176,3 +176,34 @@ def test_a_new_length_on_a_symbolic_trace_reuses_which_columns_are_each_heads(bu
     assert found
     for x, y in ((reused.edges, anew.edges), (reused.nodes, anew.nodes)):
         _close(x, y)
+
+
+def test_a_circuit_finds_its_blocks_sites_and_layout_once(monkeypatch):
+    """The stages of a circuit (sites, edges, attention edges) read the blocks, sites and
+    layout of one pass: each is found once per pass and options, and found anew for
+    other options (``heads``) or another pass."""
+    from semiring_backprop.analysis import branches, circuit, circuit_layout
+
+    model = _bert()
+    bp = sbp.Backprop(model, _lm, SEMIRINGS[:2])
+    kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
+    calls = []
+    for mod, name in ((branches, "_blocks"), (circuit, "_find_sites"),
+                      (circuit_layout, "_layout")):  # fmt: skip
+        real = getattr(mod, name)
+
+        def counted(*args, real=real, name=name):
+            calls.append(name)
+            return real(*args)
+
+        monkeypatch.setattr(mod, name, counted)
+    c, _, _ = _circuit(bp, kw)
+    assert sorted(calls) == ["_blocks", "_find_sites", "_layout"]
+    res = c.result  # (the pass itself: the stages read a copy of it, found on the copy)
+    calls.clear()
+    first = circuit.find_sites(res)
+    assert circuit.find_sites(res) is first and calls == ["_find_sites", "_blocks"]
+    assert circuit.find_sites(res, heads=2) is not first  # (other options: found anew)
+    assert calls.count("_find_sites") == 2
+    _circuit(bp, kw)  # another pass: found again
+    assert calls.count("_layout") == 1
