@@ -125,7 +125,7 @@ def test_a_node_read_that_was_not_kept_is_computed_again(build):
 def test_components_in_pieces_give_the_edges_of_all_at_once(build, monkeypatch):
     """The components go forward together in pieces under a budget of held values
     (``HELD_BUDGET``): one piece for all of them on this small model; one component per
-    piece (a budget of 1) gives the same edges."""
+    piece (a budget of 1), or two (a group cut between pieces), gives the same edges."""
     from semiring_backprop.analysis import circuit_edges
 
     model = build()
@@ -147,6 +147,16 @@ def test_components_in_pieces_give_the_edges_of_all_at_once(build, monkeypatch):
     apart, _, _ = _circuit(bp, kw)
     assert cut[1] == [1] * 7
     _close(whole.edges, apart.edges)
+
+    def two_rows(res, srs, units):  # (pieces of two rows: the heads of a block cut)
+        per = max(res.values[n].numel() for u in units for n in u.region) * 2 * len(srs)
+        monkeypatch.setattr(circuit_edges, "HELD_BUDGET", 2 * per)
+        return pieces(res, srs, units)
+
+    monkeypatch.setattr(circuit_edges, "_pieces", two_rows)
+    paired, _, _ = _circuit(bp, kw)
+    assert cut[2] == [2, 2, 2, 1]  # (embedding + head; head + MLP; two heads; MLP)
+    _close(whole.edges, paired.edges)
 
 
 @pytest.mark.parametrize("build", [_bert, _gpt2], ids=["bert", "gpt2"])

@@ -328,20 +328,22 @@ HELD_BUDGET = 2**21
 
 
 def _pieces(res, srs, units) -> list:
-    """``units`` cut into pieces (lists of units, a group cut where one alone is over
-    :data:`HELD_BUDGET`), each unit given its first row in the piece."""
+    """``units`` cut into pieces (lists of units) of at most :data:`HELD_BUDGET`
+    elements per node, each filled before the next (a group of components cut where a
+    piece is full), each unit given its first row in the piece."""
     per = max((res.values[n].numel() for u in units for n in u.region), default=1) * 2 * len(srs)
     k = max(1, HELD_BUDGET // max(per, 1))
     pieces, piece, rows = [], [], 0
     for u in units:
-        for i in range(0, len(u.comps), k):
-            part = _Unit(u.comps[i : i + k], u.nodes, u.region)
-            if piece and rows + len(part.comps) > k:
+        i = 0
+        while i < len(u.comps):  # (a group cut where the piece is full)
+            if rows == k:
                 pieces.append(piece)
                 piece, rows = [], 0
-            part.rows = rows
+            part = _Unit(u.comps[i : i + k - rows], u.nodes, u.region, rows)
             piece.append(part)
             rows += len(part.comps)
+            i += len(part.comps)
     if piece:
         pieces.append(piece)
     return pieces
