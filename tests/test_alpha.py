@@ -305,6 +305,102 @@ def _law_direct(op, case):
         _check_law(node, values, needed, g=rules.Op(node, a0, k0, out, needed))
 
 
+ROW_SEMIRINGS = [sbp.Real(), sbp.MaxProduct(), sbp.MaxProduct("tensor")]
+
+
+def _rows_params():
+    return [p for p in _law_params() if rules.takes_rows(p.values[0])]
+
+
+def _random_value(sr, shape, gen, dtype):
+    """A random value of ``sr``: MaxProduct's hi >= lo, with some elements its zero."""
+    x = torch.randn(shape, generator=gen, dtype=F64).to(dtype)
+    if not isinstance(sr, sbp.MaxProduct):
+        return (x,)
+    y = torch.randn(shape, generator=gen, dtype=F64).to(dtype)
+    hi, lo = torch.maximum(x, y), torch.minimum(x, y)
+    none = torch.rand(shape, generator=gen) < 0.2
+    hi, lo = hi.masked_fill(none, -np.inf), lo.masked_fill(none, np.inf)
+    return sr.leave((hi, lo), 0)
+
+
+def _check_rows(node, values, needed, graph=None, g=None, n_rows=3):
+    """A forward rule given ``n_rows`` rows at once (``Op.rows``) gives each row what it
+    gives that row alone, under every semiring whose values take rows."""
+    gen = torch.Generator().manual_seed(len(node.name))
+    fwd = rules.lookup_forward(node.target)
+    ins = [n for n in node.all_input_nodes if n in needed]
+    for sr in ROW_SEMIRINGS:
+        assert sr.rows
+        a = {n: _random_value(sr, (n_rows, *values[n].shape), gen, values[n].dtype) for n in ins}
+
+        def run(pick, rows):
+            op = make_op(node, values, needed, graph) if graph is not None else g
+            op.rows = rows
+            alphas = [map_arg(x, lambda n: pick(a[n]) if n in a else None) if _has_node(x)
+                      else None for x in node.args]  # fmt: skip
+            got = fwd(sr.inner, alphas, op, *op.args, **op.kwargs)
+            return None if got is None else sr.leave(got, 0)
+
+        together = run(lambda v: v, n_rows)
+        alone = [run(lambda v, r=r: tuple(f[r] for f in v), 0) for r in range(n_rows)]
+        if together is None:
+            assert all(x is None for x in alone), node.target
+            continue
+        assert tuple(together[0].shape) == (n_rows, *values[node].shape), node.target
+        for r in range(n_rows):
+            for f, h in zip(together, alone[r]):
+                torch.testing.assert_close(f[r], h, rtol=1e-6, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize(("op", "case"), _rows_params())
+def test_forward_rules_that_take_rows_give_each_row_its_own(op, case):
+    """Oracle: the same rule on each row alone (what ``torch.vmap`` would give)."""
+    if isinstance(case, test_rules.Direct):
+        args = case.args()
+        leaves, spec = pytree.tree_flatten((args, case.kwargs))
+        fx = torch.fx.Graph()
+        nodes = [fx.placeholder(f"a{i}") if isinstance(x, torch.Tensor) else x
+                 for i, x in enumerate(leaves)]  # fmt: skip
+        node_args, node_kwargs = pytree.tree_unflatten(nodes, spec)
+        node = fx.call_function(op, tuple(node_args), node_kwargs)
+        needed = frozenset(n for n, x in zip(nodes, leaves)
+                           if isinstance(x, torch.Tensor) and x.is_floating_point())  # fmt: skip
+        a0, k0 = pytree.tree_unflatten(leaves, spec)
+        with torch.no_grad():
+            out = op(*a0, **k0)
+        if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+            return
+        values = {n: x for n, x in zip(nodes, leaves) if isinstance(n, torch.fx.Node)}
+        values[node] = out
+        with torch.no_grad():
+            _check_rows(node, values, needed, g=rules.Op(node, a0, k0, out, needed))
+        return
+    res = sbp.backprop(case.fn, args=case.inputs(), output=lambda y: y.sum() if y.dim() else y,
+                       semirings=[sbp.Real()], whole=case.whole)  # fmt: skip
+    nodes = [n for n in res.graph.nodes if n.op == "call_function" and n in res.needed
+             and rules.takes_rows(n.target)
+             and any(i in res.needed for i in n.all_input_nodes)]  # fmt: skip
+    with torch.no_grad():
+        for node in nodes:
+            _check_rows(node, res.values, res.needed, res.graph)
+
+
+@pytest.mark.parametrize("rows", [3, 4])
+def test_rows_as_many_as_a_broadcast_dim_are_not_taken_for_it(rows):
+    """A (4,) input broadcast against a (3, 4) one, with 3 rows: a value of shape (3, 4)
+    is the input's rows, not the output's shape (and with 4 rows likewise)."""
+    x, y = torch.randn(4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    res = sbp.backprop(lambda x, y: x * y + x, args=(x, y), output=lambda t: t.sum(),
+                       semirings=[sbp.Real()])  # fmt: skip
+    nodes = [n for n in res.graph.nodes if n.op == "call_function" and n in res.needed
+             and any(i in res.needed for i in n.all_input_nodes)]  # fmt: skip
+    assert {str(n.target) for n in nodes} >= {"aten.mul.Tensor", "aten.add.Tensor"}
+    with torch.no_grad():
+        for node in nodes:
+            _check_rows(node, res.values, res.needed, res.graph, n_rows=rows)
+
+
 def test_forward_through_attention_with_mask_and_embedding():
     """A one-layer attention over looked-up embeddings with a padding mask: sources are
     the embeddings and the float mask; alpha and marginals are finite everywhere."""

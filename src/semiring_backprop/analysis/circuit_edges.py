@@ -35,6 +35,7 @@ import torch
 
 from ..engine.alpha import apply_rule
 from ..engine.reverse import contributions, propagate
+from ..rules import takes_rows
 from ..semirings import MaxProduct
 from .circuit import readout, site_labels
 from .circuit_layout import (
@@ -414,6 +415,8 @@ def _step(res, srs, n, store, seeds):
                    for a, vs in padded.items()}  # fmt: skip
             got = apply_rule(graph, values, srs, nid, one, needed)
             out = [None if v is None else tuple(f[None] for f in v) for v in got]
+        elif takes_rows(n.target) and all(sr.rows for sr in srs):  # (no vmap: its own work
+            out = apply_rule(graph, values, srs, nid, padded, needed, rows=hi - lo)  # is more)
         else:
 
             def rule(sub):

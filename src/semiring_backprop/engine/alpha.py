@@ -71,15 +71,20 @@ def _last_use(graph, needed) -> dict:
     }
 
 
-def apply_rule(graph, values, semirings, node_id, store, needed) -> list:
+def apply_rule(graph, values, semirings, node_id, store, needed, rows: int = 0) -> list:
     """The forward rule of node ``node_id`` under every semiring: a value (or None)
-    per semiring."""
+    per semiring. ``rows``: the values in ``store`` have that many rows first, and so
+    do the results (the rule must take rows: :func:`rules.takes_rows`)."""
     node = graph.nodes[node_id]
     fn = rules.lookup_forward(node.target)
     if fn is None:
         raise _no_forward_rule(graph, node)
+    if rows and not (getattr(fn, "takes_rows", False) and all(sr.rows for sr in semirings)):
+        raise RuntimeError(f"internal error: the forward rule of {node.target} takes no rows")
     op = make_op(node, values, needed, graph)
+    op.rows = rows
     out_value = values[node]
+    shape = (rows, *out_value.shape) if rows else tuple(out_value.shape)
     results = []
     for s, sr in enumerate(semirings):
 
@@ -90,11 +95,11 @@ def apply_rule(graph, values, semirings, node_id, store, needed) -> list:
         alphas = [_mirror(a, at) for a in node.args]
         c = fn(sr.inner, alphas, op, *op.args, **op.kwargs)
         if c is not None:
-            if tuple(c[0].shape) != tuple(out_value.shape):
+            if tuple(c[0].shape) != shape:
                 raise RuntimeError(
                     f"internal error: the forward rule of {node.target} at "
                     f"{where(node, graph.module_of(node))} returned shape "
-                    f"{tuple(c[0].shape)} for an output of shape {tuple(out_value.shape)}"
+                    f"{tuple(c[0].shape)} for an output of shape {shape}"
                 )
             c = sr.leave(_as_dtype(c, out_value), node_id)
         results.append(c)

@@ -19,6 +19,7 @@ from .registry import (
     register_forward,
     registered,
     supported_ops,
+    takes_rows,
     without_forward,
 )
 
@@ -32,5 +33,6 @@ __all__ = [
     "register_forward",
     "registered",
     "supported_ops",
+    "takes_rows",
     "without_forward",
 ]

@@ -18,6 +18,7 @@ from .registry import (
     reads_nothing,
     register,
     register_forward,
+    rows,
 )
 from .shapes import broadcast, oplus, unbroadcast
 
@@ -87,10 +88,10 @@ def _pointwise_forward(derivs):
             if d_fn is None or alpha is None or not _float_tensor(a):
                 continue
             d = _slot_derivative(op, d_fn, i, args, kwargs)
-            parts.append(_times(sr, broadcast(alpha, op.out.shape), d))
+            parts.append(_times(sr, broadcast(alpha, op.out.shape, op.rows), d))
         return oplus(sr, parts)
 
-    return forward
+    return rows(forward)
 
 
 def _derivative(d, like):
@@ -107,6 +108,7 @@ def generic_pointwise(sr, g, op, *args, **kwargs):
 
 
 @fallback_forward
+@rows
 def generic_pointwise_forward(sr, a, op, *args, **kwargs):
     """The forward rule of :func:`generic_pointwise`."""
     return _pointwise_forward(_jvp_slots(op.node.target))(sr, a, op, *args, **kwargs)

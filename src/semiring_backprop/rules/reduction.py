@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..semirings.base import fmap, normal_dims
-from .registry import reads_nothing, register, register_forward
+from .registry import reads_nothing, register, register_forward, rows
 
 aten = torch.ops.aten
 
@@ -38,8 +38,14 @@ def _sum(sr, g, op, x, dims=None, keepdim=False, **kwargs):
 
 
 @register_forward([aten.sum.dim_IntList, aten.sum.default])
+@rows
 def _sum_forward(sr, a, op, x, dims=None, keepdim=False, **kwargs):
-    return _reduce(sr, a[0], x, _reduced_dims(x, dims), keepdim)
+    return _reduce(sr, a[0], x, _past_rows(op, _reduced_dims(x, dims)), keepdim)
+
+
+def _past_rows(op, dims):
+    """``dims`` of the op's input, in a value with ``op.rows`` rows first."""
+    return tuple(d + 1 for d in dims) if op.rows else dims
 
 
 def _reduce(sr, value, x, dims, keepdim):
@@ -57,12 +63,13 @@ def _mean(sr, g, op, x, dims=None, keepdim=False, **kwargs):
 
 
 @register_forward([aten.mean.dim, aten.mean.default])
+@rows
 def _mean_forward(sr, a, op, x, dims=None, keepdim=False, **kwargs):
     dims = _reduced_dims(x, dims)
     if a[0] is None:
         return None
     n = math.prod(x.shape[d] for d in dims)
-    return sr.scale(_reduce(sr, a[0], x, dims, keepdim), 1.0 / n)
+    return sr.scale(_reduce(sr, a[0], x, _past_rows(op, dims), keepdim), 1.0 / n)
 
 
 def _extreme_edges(op, x, dims, keepdim):

@@ -195,6 +195,20 @@ def lookup_forward(target) -> Callable | None:
     return fn
 
 
+def rows(fn):
+    """Mark the forward rule ``fn`` as one that takes rows: given values with a leading
+    dim of ``op.rows`` rows (the same node's values for several sets of sources, under
+    a semiring whose ``rows`` is True), it returns each row's result, as ``torch.vmap``
+    over that dim would."""
+    fn.takes_rows = True
+    return fn
+
+
+def takes_rows(target) -> bool:
+    """Whether the forward rule of ``target`` takes rows (:func:`rows`)."""
+    return getattr(lookup_forward(target), "takes_rows", False)
+
+
 def without_forward() -> list[str]:
     """Registered overloads that have a reverse rule but no forward rule yet."""
     return sorted(str(op) for op in _RULES if op not in _FORWARD)
@@ -264,6 +278,9 @@ class Op:
     #: cross-call store of prepared weights, and the nodes constant across calls
     prepared: Prepared | None = None
     static: frozenset = frozenset()
+    #: a leading dim of this many rows on every semiring value a forward rule is given
+    #: (0: none); only rules marked by :func:`rows` are run so
+    rows: int = 0
 
     def needs(self, i: int) -> bool:
         a = self.node.args[i] if i < len(self.node.args) else None

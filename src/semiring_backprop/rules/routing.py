@@ -16,7 +16,7 @@ import torch
 
 from ..semirings.base import fmap, fmap2, has_storage
 from ..tracing import ops as _ops  # noqa: F401  (defines the mark op)
-from .registry import reads_nothing, register, register_forward
+from .registry import reads_nothing, register, register_forward, rows
 from .shapes import broadcast, unbroadcast
 
 aten = torch.ops.aten
@@ -45,8 +45,9 @@ register(RESHAPES, "routing", reads=reads_nothing)(reshape_back)
 
 
 @register_forward(RESHAPES)
+@rows
 def reshape_forward(sr, a, op, x, *args, **kwargs):
-    return _moved(a[0], lambda f: f.reshape(op.out.shape))
+    return _moved(a[0], lambda f: f.reshape(*f.shape[: 1 if op.rows else 0], *op.out.shape))
 
 
 def _moved(value, fn):

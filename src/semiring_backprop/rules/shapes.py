@@ -18,12 +18,23 @@ def unbroadcast(sr, value, shape):
     return fmap(lambda f: f.reshape(shape), value)
 
 
-def broadcast(value, shape):
+def broadcast(value, shape, rows: int = 0):
     """Copy a value along the dims an op broadcasts it over (the forward direction of
-    :func:`unbroadcast`)."""
-    if tuple(value[0].shape) == tuple(shape):
+    :func:`unbroadcast`); ``rows``: the value has that many rows first (``Op.rows``),
+    each broadcast alike."""
+    if not rows:
+        if tuple(value[0].shape) == tuple(shape):
+            return value
+        return fmap(lambda f: f.expand(shape), value)
+    if tuple(value[0].shape[1:]) == tuple(shape):
         return value
-    return fmap(lambda f: f.expand(shape), value)
+
+    def each(f):
+        lead, own = f.shape[:1], f.shape[1:]
+        ones = (1,) * (len(shape) - len(own))
+        return f.reshape(*lead, *ones, *own).expand(*lead, *shape)
+
+    return fmap(each, value)
 
 
 def oplus(sr, parts):

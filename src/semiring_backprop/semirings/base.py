@@ -156,6 +156,10 @@ class Semiring:
     fields = ("g",)
     #: True where ⊕ selects one argument (max, top-k): such semirings keep back-pointers
     selective = False
+    #: True where every field is shaped as the node's value and ``times``, ``scale``,
+    #: ``plus`` and ``sum`` broadcast as torch's elementwise ops do: then a forward rule
+    #: that takes rows (:func:`rules.takes_rows`) runs on values with a leading dim
+    rows = False
 
     def zero(self, shape, like: torch.Tensor) -> Value:
         raise NotImplementedError

@@ -111,6 +111,7 @@ class MaxProduct(Semiring):
     granularity: str = "neuron"
     selective = True
     fields = ("hi", "lo")
+    rows = True
 
     def __post_init__(self):
         if self.granularity not in ("neuron", "tensor"):
@@ -394,6 +395,7 @@ class _Pointed(MaxProduct):
     carries every pointer (the plain implementation the tests compare against)."""
 
     fields = ("hi", "lo", "hi_ptr", "lo_ptr")
+    rows = False  # (pointers number the elements of one value)
 
     @property
     def prepares_as(self) -> MaxProduct:

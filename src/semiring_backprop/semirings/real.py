@@ -24,6 +24,7 @@ class Real(Semiring):
     """
 
     fields = ("g",)
+    rows = True
 
     def zero(self, shape, like):
         return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)
