@@ -334,16 +334,17 @@ def _check_rows(node, values, needed, graph=None, g=None, n_rows=3):
         assert sr.rows
         a = {n: _random_value(sr, (n_rows, *values[n].shape), gen, values[n].dtype) for n in ins}
 
-        def run(pick, rows):
+        def run(given, rows, sr=sr):
             op = make_op(node, values, needed, graph) if graph is not None else g
             op.rows = rows
-            alphas = [map_arg(x, lambda n: pick(a[n]) if n in a else None) if _has_node(x)
-                      else None for x in node.args]  # fmt: skip
+            alphas = [map_arg(x, given.get) if _has_node(x) else None
+                      for x in node.args]  # fmt: skip
             got = fwd(sr.inner, alphas, op, *op.args, **op.kwargs)
             return None if got is None else sr.leave(got, 0)
 
-        together = run(lambda v: v, n_rows)
-        alone = [run(lambda v, r=r: tuple(f[r] for f in v), 0) for r in range(n_rows)]
+        together = run(a, n_rows)
+        alone = [run({n: tuple(f[r] for f in v) for n, v in a.items()}, 0)
+                 for r in range(n_rows)]  # fmt: skip
         if together is None:
             assert all(x is None for x in alone), node.target
             continue
