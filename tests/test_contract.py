@@ -27,7 +27,16 @@ def _value(sr, ws, gone):
 
 
 @pytest.mark.parametrize("zero_share", [0.0, 0.3])
-def test_max_product_contraction_is_the_best_of_every_pair_of_paths(zero_share):
+@pytest.mark.parametrize("budget", [None, 120, 240, 720])
+def test_max_product_contraction_is_the_best_of_every_pair_of_paths(
+    zero_share, budget, monkeypatch
+):
+    """``budget``: the eager kernel in chunks (120 elements of products: one row of one
+    batch element at a time; 240: two rows, then one; 720: all rows of two elements)."""
+    from semiring_backprop.kernels import pairs
+
+    if budget is not None:
+        monkeypatch.setattr(pairs, "PAIRS_BUDGET", budget)
     gen = torch.Generator().manual_seed(0)
     (wa, ga), (wb, gb) = _paths((2, 3, 4), gen, zero_share), _paths((2, 4, 5), gen, zero_share)
     sr = sbp.MaxProduct()

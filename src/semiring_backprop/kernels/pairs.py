@@ -16,9 +16,11 @@ import torch
 from . import INF, chunk_rows, has_storage, plain, try_compiled, zero_masked
 
 _COMPILED: dict = {}
-#: elements of the eager kernel's products held at once (a chunk of rows: four products
-#: and two of their max / min, per row ``6 * m * p`` times the batch)
-PAIRS_BUDGET = 2**22
+#: elements of the eager kernel's products held at once (a chunk of rows and of the
+#: batch: four products and two of their max / min, ``6 * m * p`` per row). Chunks of
+#: 2^19-2^20 ran fastest on CPU (chunks of 2^21 and more were 2-7x slower: each large
+#: temporary is new memory to fault in)
+PAIRS_BUDGET = 2**20
 
 
 def _pairs(ahs, als, apen, bhs, bls, bpen):
@@ -65,8 +67,22 @@ def maxtimes_pairs(a_hi, a_lo, b_hi, b_lo):
     key = ("maxtimes_pairs", a_hi.dtype, a_hi.device.type)
     out = try_compiled(key, work, a_hi.device, lambda: _compiled()(*(plain(t) for t in (*a, *bt))))
     if out is None:
-        a, bt = zero_masked(*a), zero_masked(*bt)
-        step = chunk_rows(n, 6 * m * p * b, PAIRS_BUDGET)
-        parts = [_pairs(*(t[:, r : r + step] for t in a), *bt) for r in range(0, n, step)]
-        out = tuple(torch.cat(f, 1) for f in zip(*parts))
+        out = _eager(zero_masked(*a), zero_masked(*bt), b, n, m, p)
     return tuple(o.reshape(*batch, n, p) for o in out)
+
+
+def _eager(a, bt, b: int, n: int, m: int, p: int):
+    """:func:`_pairs` in chunks of rows and of the batch, each holding at most
+    :data:`PAIRS_BUDGET` elements of products."""
+    per = 6 * m * p
+    rows = chunk_rows(n, per, PAIRS_BUDGET)
+    span = max(1, PAIRS_BUDGET // (per * rows))  # batch elements at once
+    hi = a[0].new_empty(b, n, p)
+    lo = torch.empty_like(hi)
+    for i in range(0, b, span):
+        for r in range(0, n, rows):
+            h, low = _pairs(*(t[i : i + span, r : r + rows] for t in a),
+                            *(t[i : i + span] for t in bt))  # fmt: skip
+            hi[i : i + span, r : r + rows] = h
+            lo[i : i + span, r : r + rows] = low
+    return hi, lo
