@@ -152,11 +152,22 @@ def _mlp_entries(res, block, roles) -> list:
     return out
 
 
-def residual_region(res, lay: Layout, entries) -> set:
+def residual_region(res, lay: Layout, entries) -> frozenset:
     """The nodes the residual stream passes on its way to ``entries`` (tensors a
     destination reads), back to the components' nodes (``lay.stops``), which it
     includes. InputError where the stream reads inside a component (its first op, or an
-    input of its node): the paths there cannot be given to one component."""
+    input of its node): the paths there cannot be given to one component.
+
+    Found once per graph, needed nodes, components and entries (a circuit asks for
+    every destination's: a walk over the graph each, on every call)."""
+    key = (tuple(entries), lay.stops, lay.blocked, res.needed)
+    found = res.graph.__dict__.setdefault("_residual_regions", {})
+    if key not in found:
+        found[key] = frozenset(_residual_region(res, lay, key[0]))
+    return found[key]
+
+
+def _residual_region(res, lay: Layout, entries) -> set:
     needed = res.needed
     entries = list(entries)
     region, todo = set(), list(entries)
