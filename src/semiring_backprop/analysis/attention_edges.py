@@ -79,21 +79,19 @@ def _frame(keys, values, n, labels, srs):
     per = n * n
     src = np.tile(np.arange(n), n * len(keys))
     dst = np.tile(np.repeat(np.arange(n), n), len(keys))
-    tokens = np.array(labels, dtype=object)
+    # (as ``astype(str)`` makes them, taken by position: not a string made per row)
+    tokens = pd.Series(list(labels), dtype=object).astype(str).array
     cols = {
         "layer": pd.array(np.repeat([k[0] for k in keys], per), dtype="Int64"),
         "head_index": pd.array(np.repeat([k[1] for k in keys], per), dtype="Int64"),
         "src_position": pd.array(src, dtype="Int64"),
         "dst_position": pd.array(dst, dtype="Int64"),
-        "src_token": tokens[src],
-        "dst_token": tokens[dst],
+        "src_token": tokens.take(src),
+        "dst_token": tokens.take(dst),
     }
     for sr, v in zip(srs, values):
         cols[sr.name] = np.concatenate(v)
-    frame = pd.DataFrame(cols)
-    for col in ("src_token", "dst_token"):
-        frame[col] = frame[col].astype(str)
-    return frame[columns]
+    return pd.DataFrame(cols, copy=False)[columns]  # (its own arrays: not copied)
 
 
 def _attention_by_contraction(res, lay, srs, plan: HeadPlan, al):

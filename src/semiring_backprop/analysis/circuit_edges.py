@@ -748,8 +748,10 @@ def _frame(rows, comps, labels, srs):
     p = np.concatenate([r[1] for r in rows])
     count = [len(r[0]) for r in rows]
 
-    def per_dst(get):
-        return np.repeat(np.array([get(r[2], r[3]) for r in rows], dtype=object), count)
+    at_dst = np.repeat(np.arange(len(rows)), count)
+
+    def text(values, at):  # (as ``astype(str)`` makes them, taken by index: faster)
+        return pd.Series(list(values), dtype=object).astype(str).array.take(at)
 
     def ints(a):
         return pd.array(a, dtype="Int64")
@@ -758,21 +760,18 @@ def _frame(rows, comps, labels, srs):
     src_head = pd.array([x.head for x in comps], dtype="Int64")[c]
     cols = {
         "src_layer": ints(src_layer),
-        "src_role": np.array([x.role for x in comps], dtype=object)[c],
+        "src_role": text((x.role for x in comps), c),
         "src_head_index": src_head,
         "dst_layer": ints(np.repeat([r[2].layer for r in rows], count)),
-        "dst_role": per_dst(lambda dst, inp: dst.role),
-        "dst_head_index": pd.array(per_dst(lambda dst, inp: dst.head), dtype="Int64"),
-        "input": per_dst(lambda dst, inp: inp),
+        "dst_role": text((r[2].role for r in rows), at_dst),
+        "dst_head_index": pd.array([r[2].head for r in rows], dtype="Int64").take(at_dst),
+        "input": text((r[3] for r in rows), at_dst),
         "position": ints(p),
-        "token": np.array(labels, dtype=object)[p],
+        "token": text(labels, p),
     }
     for s, sr in enumerate(srs):
         cols[sr.name] = np.concatenate([r[4][s] for r in rows])
-    frame = pd.DataFrame(cols)
-    for col in ("src_role", "dst_role", "input", "token"):  # as the frames per destination
-        frame[col] = frame[col].astype(str)
-    return frame[columns]
+    return pd.DataFrame(cols, copy=False)[columns]  # (its own arrays: not copied)
 
 
 def _destinations(res, lay: Layout, srs):
