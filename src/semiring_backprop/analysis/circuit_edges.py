@@ -291,8 +291,10 @@ def _source_passes(res, lay: Layout, srs, al, entries: set, between: set):
     reach, in the graph's order. Each value carries a leading dim with a row per
     component of the piece that reaches the node (a contiguous range of the piece's
     rows: components are taken in the graph's order); each rule runs once per node for
-    all those rows (under ``torch.vmap``), the inputs that fewer components reach padded
-    with the semiring's zero (no path). A head's output projection is taken per head on
+    all those rows (given the rows directly where the rule takes them,
+    :func:`..rules.takes_rows`, else under ``torch.vmap``, whose own work is more than
+    a pointwise rule's), the inputs that fewer components reach padded with the
+    semiring's zero (no path). A head's output projection is taken per head on
     its own columns and rows of the weight (:func:`_per_head_projection`): the other
     columns hold no path of that head. Values are let go once no later step reads
     them."""
@@ -415,8 +417,8 @@ def _step(res, srs, n, store, seeds):
                    for a, vs in padded.items()}  # fmt: skip
             got = apply_rule(graph, values, srs, nid, one, needed)
             out = [None if v is None else tuple(f[None] for f in v) for v in got]
-        elif takes_rows(n.target) and all(sr.rows for sr in srs):  # (no vmap: its own work
-            out = apply_rule(graph, values, srs, nid, padded, needed, rows=hi - lo)  # is more)
+        elif takes_rows(n.target) and all(sr.rows for sr in srs):
+            out = apply_rule(graph, values, srs, nid, padded, needed, rows=hi - lo)
         else:
 
             def rule(sub):
