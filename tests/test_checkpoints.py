@@ -218,6 +218,30 @@ def test_a_tapped_pass_hands_over_the_full_passs_nodes_and_then_keeps_its_checkp
     _same(tap._store[node], full._store[full.graph.nodes[tap.graph.ids[node]]])
 
 
+def test_only_the_passes_of_the_tapping_thread_are_tapped():
+    """A pass another thread runs while one thread is inside ``tapped()`` is not tapped
+    (it holds its checkpoints alone, not every node's value); the tapping thread's is."""
+    import threading
+
+    model = _bert()
+    kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
+    got = {}
+
+    def other():
+        got["tapping"] = checkpoints.tapping()
+        res = sbp.backprop(model, kwargs=kw, output=_lm, semirings=[sbp.Real()], reuse=False)
+        got["taps"] = checkpoints.taps(res.values)
+
+    with checkpoints.tapped():
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join()
+        mine = sbp.backprop(model, kwargs=kw, output=_lm, semirings=[sbp.Real()], reuse=False)
+    assert got["tapping"] is False and got["taps"] is None
+    assert checkpoints.taps(mine.values) is not None  # (a checkpointed pass: it could be)
+    checkpoints.untap(mine.values)
+
+
 def test_a_circuit_keeps_its_passs_checkpoints_alone():
     """``sbp.circuit`` taps its pass; the circuit it returns holds the checkpoints, not
     every node (the taps are let go), and equals the circuit of an untapped pass."""

@@ -19,6 +19,7 @@ times) computes each segment about once.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,8 @@ from .reverse import propagate, reverse
 ENABLED = True
 
 
-_TAPS = {"on": False}
+#: whether passes started here are tapped (per thread and task: a pass elsewhere is not)
+_TAPPING = contextvars.ContextVar("semiring_backprop_tapping", default=False)
 
 
 @contextlib.contextmanager
@@ -46,17 +48,17 @@ def tapped():
     and D (``Checkpoints.taps``: the same values, held until :func:`untap`), for work
     that reads every segment once and would otherwise compute each again (a circuit).
     D only where such work on the same graph read it before (:func:`tap_reads`), once
-    there is a record. Afterwards the pass holds only its checkpoints again."""
-    before = _TAPS["on"]
-    _TAPS["on"] = True
+    there is a record. Afterwards the pass holds only its checkpoints again. Only the
+    passes of this thread (and asyncio task) are tapped."""
+    token = _TAPPING.set(True)
     try:
         yield
     finally:
-        _TAPS["on"] = before
+        _TAPPING.reset(token)
 
 
 def tapping() -> bool:
-    return _TAPS["on"]
+    return _TAPPING.get()
 
 
 def taps(values):

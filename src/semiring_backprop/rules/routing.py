@@ -342,7 +342,7 @@ def where_value(cond, x, y):
     return aten.where.self(cond, x, y)
 
 
-def _select(sr, g, keep, shape):
+def _read_where(sr, g, keep, shape):
     """D of an input read where ``keep`` holds (the zero elsewhere), ⊕-reduced over the
     dims the op broadcast it along."""
     same = uniform(keep)
@@ -358,7 +358,7 @@ def _where(sr, g, op, cond, a, b):
     out = [None, None, None]
     for i, x, keep in ((1, a, cond), (2, b, ~cond)):
         if op.needs(i) and isinstance(x, torch.Tensor) and x.is_floating_point():
-            out[i] = _select(sr, g, keep, x.shape)
+            out[i] = _read_where(sr, g, keep, x.shape)
     return out
 
 
@@ -382,7 +382,7 @@ def _where_forward(sr, a, op, cond, x, y):
 
 @register(aten.masked_fill.Scalar, "routing", reads=reads_nothing)
 def _masked_fill(sr, g, op, x, mask, value):
-    return [_select(sr, g, ~mask, x.shape) if op.needs(0) else None, None, None]
+    return [_read_where(sr, g, ~mask, x.shape) if op.needs(0) else None, None, None]
 
 
 @register_forward(aten.masked_fill.Scalar)
