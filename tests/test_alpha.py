@@ -285,6 +285,17 @@ def test_forward_rule_is_transpose(op, case):
 
 
 def _law_direct(op, case):
+    direct = _direct_node(op, case)
+    if direct is not None:
+        node, values, needed, g = direct
+        with torch.no_grad():
+            _check_law(node, values, needed, g=g)
+
+
+def _direct_node(op, case):
+    """``(node, values, needed, op)`` for a :class:`test_rules.Direct` case: ``op`` called
+    on its arguments as one node of a graph of its own; None where its output is not a
+    float tensor."""
     args = case.args()
     leaves, spec = pytree.tree_flatten((args, case.kwargs))
     fx = torch.fx.Graph()
@@ -298,11 +309,10 @@ def _law_direct(op, case):
     with torch.no_grad():
         out = op(*a0, **k0)
     if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
-        return
+        return None
     values = {n: x for n, x in zip(nodes, leaves) if isinstance(n, torch.fx.Node)}
     values[node] = out
-    with torch.no_grad():
-        _check_law(node, values, needed, g=rules.Op(node, a0, k0, out, needed))
+    return node, values, needed, rules.Op(node, a0, k0, out, needed)
 
 
 ROW_SEMIRINGS = [sbp.Real(), sbp.MaxProduct(), sbp.MaxProduct("tensor")]
@@ -358,24 +368,11 @@ def _check_rows(node, values, needed, graph=None, g=None, n_rows=3):
 def test_forward_rules_that_take_rows_give_each_row_its_own(op, case):
     """Oracle: the same rule on each row alone (what ``torch.vmap`` would give)."""
     if isinstance(case, test_rules.Direct):
-        args = case.args()
-        leaves, spec = pytree.tree_flatten((args, case.kwargs))
-        fx = torch.fx.Graph()
-        nodes = [fx.placeholder(f"a{i}") if isinstance(x, torch.Tensor) else x
-                 for i, x in enumerate(leaves)]  # fmt: skip
-        node_args, node_kwargs = pytree.tree_unflatten(nodes, spec)
-        node = fx.call_function(op, tuple(node_args), node_kwargs)
-        needed = frozenset(n for n, x in zip(nodes, leaves)
-                           if isinstance(x, torch.Tensor) and x.is_floating_point())  # fmt: skip
-        a0, k0 = pytree.tree_unflatten(leaves, spec)
-        with torch.no_grad():
-            out = op(*a0, **k0)
-        if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
-            return
-        values = {n: x for n, x in zip(nodes, leaves) if isinstance(n, torch.fx.Node)}
-        values[node] = out
-        with torch.no_grad():
-            _check_rows(node, values, needed, g=rules.Op(node, a0, k0, out, needed))
+        direct = _direct_node(op, case)
+        if direct is not None:
+            node, values, needed, g = direct
+            with torch.no_grad():
+                _check_rows(node, values, needed, g=g)
         return
     res = sbp.backprop(case.fn, args=case.inputs(), output=lambda y: y.sum() if y.dim() else y,
                        semirings=[sbp.Real()], whole=case.whole)  # fmt: skip
