@@ -118,6 +118,32 @@ def test_plus_associative(sr, a, b, c):
     assert_same(sr, sr.plus(sr.plus(a, b), c), sr.plus(a, sr.plus(b, c)))
 
 
+_PLUS_IS_SUM = [sr for sr in [*SEMIRINGS, sbp.MaxProduct("tensor")] if sr.plus_is_sum]
+
+
+@pytest.mark.parametrize("sr", _PLUS_IS_SUM, ids=[sr.name for sr in _PLUS_IS_SUM])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@laws
+@given(a=expressions, b=expressions)
+def test_plus_is_the_sum_of_the_two_stacked_where_said(sr, dtype, a, b):
+    """Where a semiring says so (``plus_is_sum``: an op's two parts are then ⊕-ed by
+    ``plus``, not stacked and summed), the two are the same, bit for bit."""
+    a, b = (fmap(lambda f: f.to(dtype), build(sr, e)) for e in (a, b))
+    summed = sr.sum(tuple(torch.stack(fs) for fs in zip(a, b)), 0)
+    for x, y in zip(sr.plus(a, b), summed, strict=True):
+        assert (
+            torch.equal(x, y)
+            or (x.isnan() == y.isnan()).all()
+            and torch.equal(x.nan_to_num(), y.nan_to_num())
+        )
+
+
+def test_the_semirings_that_say_plus_is_the_sum_of_the_two():
+    """Not MaxProduct at tensor granularity (it sums an op's parts as reals, hi and lo
+    apart), nor those whose ⊕ rounds otherwise (log space)."""
+    assert [sr.name for sr in _PLUS_IS_SUM] == ["Real", "MaxProduct(neuron)"]
+
+
 @semirings
 @laws
 @given(a=expressions, b=expressions)

@@ -38,10 +38,14 @@ def broadcast(value, shape, rows: int = 0):
 
 
 def oplus(sr, parts):
-    """⊕ of the values of several argument slots inside one op (``None``: no part)."""
+    """⊕ of the values of several argument slots inside one op (``None``: no part): the
+    ⊕ over a stacked dim, or for two parts ``sr.plus`` where that is the same, bit for bit
+    (``Semiring.plus_is_sum``: no stacked copy)."""
     parts = [p for p in parts if p is not None]
     if not parts:
         return None
     if len(parts) == 1:
         return parts[0]
+    if len(parts) == 2 and sr.plus_is_sum:
+        return sr.plus(*parts)
     return sr.sum(stack(parts), 0)

@@ -156,6 +156,9 @@ class Semiring:
     fields = ("g",)
     #: True where ⊕ selects one argument (max, top-k): such semirings keep back-pointers
     selective = False
+    #: True where ``plus(a, b)`` equals ``sum`` over a dim of the two stacked, bit for bit
+    #: (inside one op, :func:`rules.shapes.oplus` then adds two parts without stacking)
+    plus_is_sum = False
     #: True where every field is shaped as the node's value and ``times``, ``scale``,
     #: ``plus`` and ``sum`` broadcast as torch's elementwise ops do: then a forward rule
     #: that takes rows (:func:`rules.takes_rows`) runs on values with a leading dim

@@ -124,6 +124,11 @@ class MaxProduct(Semiring):
         return self.granularity == "neuron"
 
     @property
+    def plus_is_sum(self) -> bool:
+        # (at tensor granularity an op's parts are summed as reals, hi and lo apart)
+        return self.neuron
+
+    @property
     def name(self) -> str:
         return f"MaxProduct({self.granularity})"
 
@@ -396,6 +401,7 @@ class _Pointed(MaxProduct):
 
     fields = ("hi", "lo", "hi_ptr", "lo_ptr")
     rows = False  # (pointers number the elements of one value)
+    plus_is_sum = False  # (ties: the sum over a dim keeps the first, plus keeps a)
 
     @property
     def prepares_as(self) -> MaxProduct:

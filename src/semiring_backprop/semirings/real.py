@@ -25,6 +25,7 @@ class Real(Semiring):
 
     fields = ("g",)
     rows = True
+    plus_is_sum = True
 
     def zero(self, shape, like):
         return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)
