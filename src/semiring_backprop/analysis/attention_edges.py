@@ -25,6 +25,7 @@ from .circuit_layout import (
     head_plan,
     layout,
     pinned,
+    text_column,
 )
 from .fanout import ancestors
 from .heads import only_columns
@@ -79,15 +80,13 @@ def _frame(keys, values, n, labels, srs):
     per = n * n
     src = np.tile(np.arange(n), n * len(keys))
     dst = np.tile(np.repeat(np.arange(n), n), len(keys))
-    # (as ``astype(str)`` makes them, taken by position: not a string made per row)
-    tokens = pd.Series(list(labels), dtype=object).astype(str).array
     cols = {
         "layer": pd.array(np.repeat([k[0] for k in keys], per), dtype="Int64"),
         "head_index": pd.array(np.repeat([k[1] for k in keys], per), dtype="Int64"),
         "src_position": pd.array(src, dtype="Int64"),
         "dst_position": pd.array(dst, dtype="Int64"),
-        "src_token": tokens.take(src),
-        "dst_token": tokens.take(dst),
+        "src_token": text_column(labels, src),
+        "dst_token": text_column(labels, dst),
     }
     for sr, v in zip(srs, values):
         cols[sr.name] = np.concatenate(v)

@@ -51,6 +51,7 @@ from .circuit_layout import (
     layout,
     pinned,
     residual_region,
+    text_column,
 )
 from .heads import QKV, only_columns
 
@@ -417,7 +418,7 @@ def _step(res, srs, n, store, seeds):
                    for a, vs in padded.items()}  # fmt: skip
             got = apply_rule(graph, values, srs, nid, one, needed)
             out = [None if v is None else tuple(f[None] for f in v) for v in got]
-        elif takes_rows(n.target) and all(sr.rows for sr in srs):
+        elif takes_rows(n.target, srs):
             out = apply_rule(graph, values, srs, nid, padded, needed, rows=hi - lo)
         else:
 
@@ -752,9 +753,6 @@ def _frame(rows, comps, labels, srs):
 
     at_dst = np.repeat(np.arange(len(rows)), count)
 
-    def text(values, at):  # (as ``astype(str)`` makes them, taken by index: faster)
-        return pd.Series(list(values), dtype=object).astype(str).array.take(at)
-
     def ints(a):
         return pd.array(a, dtype="Int64")
 
@@ -762,14 +760,14 @@ def _frame(rows, comps, labels, srs):
     src_head = pd.array([x.head for x in comps], dtype="Int64")[c]
     cols = {
         "src_layer": ints(src_layer),
-        "src_role": text((x.role for x in comps), c),
+        "src_role": text_column((x.role for x in comps), c),
         "src_head_index": src_head,
         "dst_layer": ints(np.repeat([r[2].layer for r in rows], count)),
-        "dst_role": text((r[2].role for r in rows), at_dst),
+        "dst_role": text_column((r[2].role for r in rows), at_dst),
         "dst_head_index": pd.array([r[2].head for r in rows], dtype="Int64").take(at_dst),
-        "input": text((r[3] for r in rows), at_dst),
+        "input": text_column((r[3] for r in rows), at_dst),
         "position": ints(p),
-        "token": text(labels, p),
+        "token": text_column(labels, p),
     }
     for s, sr in enumerate(srs):
         cols[sr.name] = np.concatenate([r[4][s] for r in rows])

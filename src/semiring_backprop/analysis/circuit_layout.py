@@ -32,6 +32,15 @@ ATTENTION_COLUMNS = ("layer", "head_index", "src_position", "dst_position", "src
                      "dst_token")  # fmt: skip
 
 
+def text_column(values, at):
+    """A text column of the edge tables: ``values`` (a few strings: roles, inputs,
+    tokens) as ``astype(str)`` makes them, taken at the indices ``at`` (one per row)
+    rather than made as a string per row."""
+    import pandas as pd
+
+    return pd.Series(list(values), dtype=object).astype(str).array.take(at)
+
+
 @dataclass(frozen=True)
 class Component:
     """A site of :func:`.circuit.find_sites` that a path passes between two residual

@@ -79,7 +79,7 @@ def apply_rule(graph, values, semirings, node_id, store, needed, rows: int = 0) 
     fn = rules.lookup_forward(node.target)
     if fn is None:
         raise _no_forward_rule(graph, node)
-    if rows and not (getattr(fn, "takes_rows", False) and all(sr.rows for sr in semirings)):
+    if rows and not rules.takes_rows(node.target, semirings):
         raise RuntimeError(f"internal error: the forward rule of {node.target} takes no rows")
     op = make_op(node, values, needed, graph)
     op.rows = rows

@@ -204,9 +204,11 @@ def rows(fn):
     return fn
 
 
-def takes_rows(target) -> bool:
-    """Whether the forward rule of ``target`` takes rows (:func:`rows`)."""
-    return getattr(lookup_forward(target), "takes_rows", False)
+def takes_rows(target, semirings=()) -> bool:
+    """Whether the forward rule of ``target`` takes rows (:func:`rows`), under every one
+    of ``semirings`` (those whose values are shaped as the node's: ``Semiring.rows``)."""
+    marked = getattr(lookup_forward(target), "takes_rows", False)
+    return marked and all(sr.rows for sr in semirings)
 
 
 def without_forward() -> list[str]:
