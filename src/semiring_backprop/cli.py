@@ -97,7 +97,6 @@ def _explain_parser(sub):
         help="split the query, key and value branches by attention head (a head_index column)",
     )
     e.add_argument("--kind", choices=["masked", "causal"], help="default: from the config")
-    e.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     e.add_argument("--device", default="cpu")
     e.add_argument("--out", type=_directory, help="directory for JSON, CSV and figure files")
     e.add_argument(
@@ -139,6 +138,7 @@ def _explain(args) -> int:
             device=args.device,
             per_head=args.per_head,
             paper=args.paper,
+            gguf_file=args.gguf_file,
         )
         print(ex.report())
         if args.out:
@@ -160,12 +160,35 @@ def _explain(args) -> int:
     return 0
 
 
+#: what a model argument may be
+_MODEL_HELP = (
+    "a Hugging Face hub id, a local directory, a GGUF file (model.gguf; or a directory with "
+    "--gguf-file NAME), or smol (SmolLM2-135M-Instruct, where installed)"
+)
+
+
+def _model_arguments(p) -> None:
+    """The model and how it is loaded: the same for explain, circuit and run."""
+    p.add_argument("model", help=_MODEL_HELP)
+    p.add_argument(
+        "--gguf-file",
+        metavar="NAME",
+        help="the GGUF file to load from the directory MODEL (or pass the file's path as MODEL)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        default="float32",
+        help="the weights' dtype (a GGUF file's quantized weights are dequantized to it)",
+    )
+
+
 def _task_arguments(p, pair: str, target: str) -> None:
     """The model, the text and what is explained (--task and its options): the same for
     ``explain`` and ``circuit``, with help of their own for --text-pair and --target."""
     from .targets import POOLING, TASKS
 
-    p.add_argument("model", help="Hugging Face hub id or local directory")
+    _model_arguments(p)
     p.add_argument("--task", choices=TASKS, default="lm", help="what is explained (default: lm)")
     p.add_argument("--text", required=True, help="the input; a masked LM needs one mask token")
     p.add_argument("--text-pair", help=pair)
@@ -248,7 +271,6 @@ def _circuit_parser(sub):
         "--cumulative", type=float, help="keep the strongest sites that carry this share of |Real|"
     )
     c.add_argument("--kind", choices=["masked", "causal"], help="lm: default from the config")
-    c.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     c.add_argument("--device", default="cpu")
     c.add_argument("--json", metavar="FILE", help="write EAP-IG / MIB graph JSON (Real scores)")
     c.add_argument(
@@ -272,6 +294,7 @@ def _circuit(args) -> int:
             score=args.score, dim=args.dim, baseline_text=args.baseline_text,
             kind=args.kind, dtype=getattr(torch, args.dtype), device=args.device,
             seed=args.seed, ig_steps=args.ig_steps, ig_method=args.ig_method,
+            gguf_file=args.gguf_file,
         )  # fmt: skip
         if args.top_n is not None or args.threshold is not None or args.cumulative is not None:
             c = c.prune(top_n=args.top_n, threshold=args.threshold, cumulative=args.cumulative)
@@ -450,7 +473,7 @@ def _run_parser(sub):
         "shards, summary.json and figures. Results are written as they are computed; a "
         "rerun into the same --out resumes.",
     )
-    r.add_argument("model", help="Hugging Face hub id or local directory (masked or causal LM)")
+    _model_arguments(r)
     r.add_argument("--data", required=True, help="data file or directory, or a data set name")
     r.add_argument("--format", choices=list(FORMATS), default="auto")
     r.add_argument(
@@ -470,7 +493,6 @@ def _run_parser(sub):
         help="neuron (default) or tensor (--paper: tensor, the only one it takes)",
     )  # fmt: skip
     r.add_argument("--kind", choices=["masked", "causal"], help="default: from the config")
-    r.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     r.add_argument("--device", default="cpu")
     r.add_argument("--top-path", action="store_true", help="also the top gradient path")
     r.add_argument(
@@ -509,7 +531,7 @@ def _run(args) -> int:
             kind=args.kind, dtype=args.dtype, device=args.device, top_path=args.top_path,
             aggregation=args.aggregation, paper=args.paper, batch_size=args.batch_size,
             limit=args.limit, workers=args.workers, address=args.address, threads=args.threads,
-            figures=not args.no_figures,
+            figures=not args.no_figures, gguf_file=args.gguf_file,
         )  # fmt: skip
     except SemiringBackpropError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -10,6 +10,8 @@ the seed is ``x`` or ``structural``."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import InputError
@@ -24,7 +26,7 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
                     dim: int | None = None, baseline_text: str | None = None,
                     semirings=None, kind: str | None = None, dtype=torch.float32,
                     device="cpu", seed: str = "x", ig_steps: int = 0,
-                    ig_method: str = "gausslegendre"):  # fmt: skip
+                    ig_method: str = "gausslegendre", gguf_file: str | None = None):  # fmt: skip
     """The :class:`~semiring_backprop.circuits.Circuit` of ``task``'s scalar for
     ``text`` (the arguments as for ``explain``: ``target`` is the word of ``lm`` or the
     label of ``classification`` and ``token``; ``text_pair``, ``position``,
@@ -45,6 +47,7 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
         circuit_of_text(DIR, "a fine film", "positive", task="classification")
         circuit_of_text(DIR, "a cat sat", task="similarity", dim=3, pooling="mean")
     """
+    from ..hf.gguf import checkpoint
     from ..hf.loading import check_device, lm_kind, load
     from ..hf.tasks import load_task, prepare
     from ..targets import TASKS
@@ -59,8 +62,8 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
             "model on both (a batch of two): give --dim N (dim=N) to explain one "
             "dimension of the text's pooled embedding instead of --text-pair"
         )
-    if isinstance(model, str):
-        model_id = model
+    if isinstance(model, str | os.PathLike):
+        model_id = checkpoint(model, gguf_file)
         if task == "lm":
             model, tokenizer, kind = load(model_id, kind, dtype, check_device(device))
         else:

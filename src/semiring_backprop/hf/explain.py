@@ -29,6 +29,7 @@ from .._backprop import backprop
 from .._files import json_safe
 from ..errors import InputError
 from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
+from . import gguf
 from .loading import Kept, check_device, lm_kind, load
 
 SEMIRINGS = {
@@ -390,6 +391,7 @@ def explain(
     dim: int | None = None,
     per_head: bool = False,
     paper: bool = False,
+    gguf_file: str | None = None,
 ) -> Explanation:
     """Explain one scalar of a Hugging Face model; ``model`` is a hub id, a local
     directory, or a loaded model (then pass ``tokenizer`` too). ``task`` picks the
@@ -442,7 +444,7 @@ def explain(
     if task not in targets.TASKS:
         raise InputError(f"task {task!r}: choose one of {', '.join(targets.TASKS)}")
     if isinstance(model, str | FilePath):
-        model_id = str(model)
+        model_id = gguf.checkpoint(model, gguf_file)
         model, tokenizer, kind = _load_kept(model_id, task, kind, dtype, check_device(device))
     elif tokenizer is None:
         raise InputError("pass tokenizer= with a loaded model (or give a hub id / directory)")

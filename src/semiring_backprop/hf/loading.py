@@ -26,6 +26,7 @@ import torch
 
 from ..errors import InputError, LoadError
 from ..tracing.checks import max_positions
+from . import gguf
 
 #: files that hold a tokenizer's vocabulary (any one of them is enough)
 _VOCAB_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
@@ -166,6 +167,9 @@ def _stamp(model_id: str) -> tuple:
     """(relative path, size, mtime) of each file of a local checkpoint, two levels deep
     (a sentence-transformers folder keeps its pooling in a subfolder); () otherwise."""
     root = os.path.expanduser(model_id)
+    if os.path.isfile(root):  # a GGUF file
+        st = os.stat(root)
+        return ((os.path.basename(root), st.st_size, st.st_mtime_ns),)
     if not os.path.isdir(root):
         return ()
     out = []
@@ -186,31 +190,18 @@ def _stamp(model_id: str) -> tuple:
 # -- loading --------------------------------------------------------------------------
 
 
-def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cpu"):
-    """``(model, tokenizer, kind)`` for a hub id or a local directory; kind is
-    ``"masked"`` or ``"causal"`` (from the config's architecture unless given). Every
-    model the package loads by name comes through here: a checkpoint that lacks weights
-    of the LM (a ``BertModel`` without the masked-LM head) is a :class:`LoadError`."""
-    try:
-        import transformers
-    except ImportError:
-        raise InputError(
-            'explain needs transformers: pip install "semiring-backprop[hf]"'
-        ) from None
-    if model_id.startswith(("/", "./", "../", "~")) and not os.path.isdir(
-        os.path.expanduser(model_id)
-    ):
-        raise LoadError(
-            f"could not load {model_id!r}: no such directory. Pass a local directory written by "
-            "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), or a hub id."
-        )
-    check_config_file(model_id)
-    try:  # never code from the model's directory (and so never a prompt asking)
-        config = transformers.AutoConfig.from_pretrained(model_id, trust_remote_code=False)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise LoadError(load_hint(model_id, e)) from None
-    check_tokenizer(model_id, tokenizer)
+def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cpu",
+         gguf_file: str | None = None):  # fmt: skip
+    """``(model, tokenizer, kind)`` for a hub id, a local directory or a GGUF file (its
+    path, or a directory and ``gguf_file``; ``"smol"``: SmolLM2-135M, :func:`.gguf.smollm2`);
+    kind is ``"masked"`` or ``"causal"`` (from the config's architecture unless given).
+    Every model the package loads by name comes through here: a checkpoint that lacks
+    weights of the LM (a ``BertModel`` without the masked-LM head) is a
+    :class:`LoadError`. A GGUF file's weights are dequantized to ``dtype``."""
+    transformers = need_transformers()
+    model_id = gguf.checkpoint(model_id, gguf_file)
+    check_local(model_id)
+    config, tokenizer = config_and_tokenizer(model_id)
     archs = " ".join(config.architectures or [])
     if kind == "causal" and "MaskedLM" in archs and not getattr(config, "is_decoder", False):
         raise InputError(
@@ -230,15 +221,66 @@ def load(model_id: str, kind: str | None = None, dtype=torch.float32, device="cp
     return model.to(device).eval(), tokenizer, kind
 
 
-def from_pretrained(cls, where: str, model_id: str, dtype):
-    """``cls.from_pretrained(where)`` with its loading info; a file that cannot be read is a
-    :class:`LoadError` naming ``model_id`` (never code from the directory: no prompt)."""
+def need_transformers():
     try:
-        return cls.from_pretrained(
-            where, dtype=dtype, output_loading_info=True, trust_remote_code=False
+        import transformers
+    except ImportError:
+        raise InputError(
+            'explain needs transformers: pip install "semiring-backprop[hf]"'
+        ) from None
+    return transformers
+
+
+def check_local(model_id: str, where: str | None = None) -> None:
+    """Refuse a local path that is not there (a GGUF file, or a directory) before
+    transformers takes it for a hub id, and a local ``config.json`` it cannot read."""
+    if gguf.is_gguf(model_id):
+        gguf.check(model_id)
+        return
+    if model_id.startswith(("/", "./", "../", "~")) and not os.path.isdir(
+        os.path.expanduser(model_id)
+    ):
+        raise LoadError(
+            f"could not load {model_id!r}: no such directory. Pass a local directory written by "
+            "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), a GGUF file, or a "
+            "hub id."
+        )
+    check_config_file(model_id, where)
+
+
+def config_and_tokenizer(model_id: str, where: str | None = None):
+    """``(config, tokenizer)`` of a checkpoint (``where``: the folder inside ``model_id``
+    that holds them), a :class:`LoadError` where they cannot be read; the tokenizer is
+    refused where it knows no word (:func:`check_tokenizer`)."""
+    transformers = need_transformers()
+    where, how = gguf.parts(model_id if where is None else where)
+    try:  # never code from the model's directory (and so never a prompt asking)
+        config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=False, **how)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            where, trust_remote_code=False, **how
         )
     except Exception as e:
-        said = weights_error(model_id, where, e)
+        said = gguf.error(model_id, e)
+        if said is not None:
+            raise said from None
+        if not isinstance(e, OSError | ValueError):
+            raise
+        raise LoadError(load_hint(model_id, e)) from None
+    check_tokenizer(model_id, tokenizer)
+    return config, tokenizer
+
+
+def from_pretrained(cls, where: str, model_id: str, dtype):
+    """``cls.from_pretrained(where)`` with its loading info; a file that cannot be read is a
+    :class:`LoadError` naming ``model_id`` (never code from the directory: no prompt). A
+    GGUF file (``where`` its path) is dequantized to ``dtype``."""
+    where, how = gguf.parts(where)
+    try:
+        return cls.from_pretrained(
+            where, dtype=dtype, output_loading_info=True, trust_remote_code=False, **how
+        )
+    except Exception as e:
+        said = gguf.error(model_id, e) or weights_error(model_id, where, e)
         if said is not None:
             raise said from None
         if isinstance(e, OSError | ValueError):

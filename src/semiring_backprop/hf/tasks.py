@@ -27,7 +27,6 @@ from ..targets import (
     check_score,
     output_field,
 )
-from .loading import check_config_file, check_tokenizer
 
 # -- labels ---------------------------------------------------------------------------
 
@@ -166,30 +165,27 @@ def pooling_for(model_id: str | None, pooling=None) -> Pooling:
 _HEADS = {"classification": "sequence-classification", "token": "token-classification"}
 
 
-def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu"):
+def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu",
+              gguf_file: str | None = None):  # fmt: skip
     """``(model, tokenizer)`` for ``task`` (``classification``, ``token`` or
     ``similarity``) from a hub id or a local directory. A checkpoint without the task's
     head (a bare encoder asked to classify) is a :class:`LoadError`: transformers would
     initialize the head at random."""
-    from .loading import from_pretrained, load_hint, refuse_fresh_weights
+    from . import gguf
+    from .loading import (
+        check_local,
+        config_and_tokenizer,
+        from_pretrained,
+        need_transformers,
+        refuse_fresh_weights,
+    )
 
-    try:
-        import transformers
-    except ImportError:
-        raise InputError(
-            'explain needs transformers: pip install "semiring-backprop[hf]"'
-        ) from None
+    transformers = need_transformers()
     if task not in ("classification", "token", "similarity"):
         raise InputError(f"task {task!r}: load_task loads classification, token or similarity")
-    if model_id.startswith(("/", "./", "../", "~")) and not os.path.isdir(
-        os.path.expanduser(model_id)
-    ):
-        raise LoadError(
-            f"could not load {model_id!r}: no such directory. Pass a local directory written by "
-            "model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), or a hub id."
-        )
+    model_id = gguf.checkpoint(model_id, gguf_file)
     where = model_id
-    if task == "similarity":
+    if task == "similarity" and not gguf.is_gguf(model_id):
         found = read_pooling(model_id)
         if found is not None and found.transformer and os.path.isdir(model_id):
             where = os.path.join(model_id, found.transformer)
@@ -198,13 +194,8 @@ def load_task(model_id: str, task: str, dtype=torch.float32, device="cpu"):
         "token": transformers.AutoModelForTokenClassification,
         "similarity": transformers.AutoModel,
     }[task]
-    check_config_file(model_id, where)
-    try:
-        config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=False)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise LoadError(load_hint(model_id, e)) from None
-    check_tokenizer(model_id, tokenizer)
+    check_local(model_id, where)
+    config, tokenizer = config_and_tokenizer(model_id, where)
     model, info = from_pretrained(cls, where, model_id, dtype)
     if task == "similarity":  # the pooler's output is not what a sentence embedding pools
         info = {**info, "missing_keys": [k for k in info.get("missing_keys") or ()

@@ -130,7 +130,7 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         columns: dict | None = None, split: str | None = None, top_path: bool = False,
         aggregation=None, paper: bool = False, batch_size: int = 8, limit: int | None = None,
         workers: int = 0, address: str | None = None, threads: int = 0, figures: bool = True,
-        progress: bool = True, prepare=prepare) -> dict:  # fmt: skip
+        progress: bool = True, prepare=prepare, gguf_file: str | None = None) -> dict:  # fmt: skip
     """Explain ``log p(target) - log p(foil)`` for every example of ``data`` (a file, a
     saved Hugging Face data set, a data set name) or of ``examples`` (an iterable of
     ``semiring_backprop.runner.Example`` objects or dicts with ``text``, ``target``,
@@ -162,6 +162,10 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
     "runs/blimp", semirings=("max", "entropy"))``, then
     ``load_results("runs/blimp")["branches"]``.
     """
+    if isinstance(model, str | Path):
+        from ..hf.gguf import checkpoint
+
+        model = checkpoint(model, gguf_file)
     model_id = model if isinstance(model, str | Path) else getattr(
         getattr(model, "config", None), "_name_or_path", "") or type(model).__name__  # fmt: skip
     if examples is not None and data is not None:
@@ -287,18 +291,11 @@ class _Source:
 
 def load_tokenizer(model_id: str, kind=None):
     """``(tokenizer, config, kind)`` without the weights."""
-    import transformers
 
-    from ..hf.loading import check_config_file, lm_kind, load_hint
+    from ..hf.loading import check_local, config_and_tokenizer, lm_kind
 
-    check_config_file(model_id)
-    try:
-        config = transformers.AutoConfig.from_pretrained(model_id, trust_remote_code=False)
-        tok = transformers.AutoTokenizer.from_pretrained(model_id, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        from ..errors import LoadError
-
-        raise LoadError(load_hint(model_id, e)) from None
+    check_local(model_id)
+    config, tok = config_and_tokenizer(model_id)
     return tok, config, kind or lm_kind(config, tok)
 
 
