@@ -244,3 +244,91 @@ def edge_marginal(res, u, v, semiring, seed="structural", baseline=None):
         like = res.values[u]
         return semiring.zero(like.shape, like)
     return semiring.mul(alpha_at(res, u, semiring, seed, baseline), got)
+
+
+def at_sources(res, baseline):
+    """``baseline`` as ``{place: tensor}`` where the paths start. Given as the model's
+    own inputs (``{"input_ids": corrupted_ids}``, or any other input of the traced call:
+    those not given stay the clean ones), the traced graph runs on them, and the
+    baseline is its value at every source the change reaches (the token embeddings of
+    the corrupted text): the same ``x'`` the user would compute at those places. A
+    dict of places (module paths, nodes) is returned as it is; anything else is left
+    to the callers' checks. The same dict gives the same result (kept on ``res``), so
+    the alphas it seeds are cached once."""
+    if not isinstance(baseline, dict) or not baseline:
+        return baseline
+    inputs = res.graph.user_inputs
+    named = [k for k in baseline if not isinstance(k, torch.fx.Node) and _hashable_in(k, inputs)]
+    if not named:
+        return baseline
+    if len(named) != len(baseline):
+        others = [k for k in baseline if k not in named]
+        raise InputError(
+            f"baseline mixes the model's inputs {named} with places {others}: give the "
+            "corrupted input alone ({'input_ids': ids}: its values at the sources are "
+            "computed), or tensors at places alone"
+        )
+    kept = res.__dict__.setdefault("_input_baselines", {})
+    if id(baseline) in kept and kept[id(baseline)][0] is baseline:
+        return kept[id(baseline)][1]
+    out = _run_from_inputs(res, baseline)
+    kept[id(baseline)] = (baseline, out)
+    return out
+
+
+def _hashable_in(key, d) -> bool:
+    try:
+        return key in d
+    except TypeError:
+        return False
+
+
+def _run_from_inputs(res, given: dict) -> dict:
+    from ..engine import forward
+
+    graph = res.graph
+    if res.kept is not None:
+        raise InputError(
+            "a baseline given as the model's inputs runs the graph again on them, from "
+            "values this pass did not keep (Backprop(keep=...)): make the pass with "
+            "keep=None, or give the baseline's tensors at places"
+        )
+    call = {k: res.values[n] for k, n in graph.user_inputs.items()}
+    for key, t in given.items():
+        clean = call[key]
+        if not isinstance(t, torch.Tensor):
+            raise InputError(
+                f"baseline[{key!r}] is a {type(t).__name__}: give the corrupted input as a "
+                f"tensor like the clean one (shape {tuple(clean.shape)}, {clean.dtype})"
+            )
+        if t.shape != clean.shape or t.dtype != clean.dtype:
+            raise InputError(
+                f"baseline[{key!r}] has shape {tuple(t.shape)} and dtype {t.dtype}, the input "
+                f"{tuple(clean.shape)} and {clean.dtype}: x - x' is taken position by "
+                "position, so give a corrupted input of the same shape (as many tokens)"
+            )
+        call[key] = t.to(clean.device)
+    if any(not isinstance(k, int | str) for k in call):
+        raise InputError(
+            f"baseline as the model's inputs: this call has nested inputs "
+            f"({[k for k in call if not isinstance(k, int | str)]}); give the baseline's "
+            "tensors at the places where paths start (e.g. the token embeddings)"
+        )
+    args = [None] * (1 + max((k for k in call if isinstance(k, int)), default=-1))
+    for k, t in call.items():
+        if isinstance(k, int):
+            args[k] = t
+    values = forward.run(graph, tuple(args), {k: t for k, t in call.items() if isinstance(k, str)})
+    out = {
+        node: values[node]
+        for node in sources(graph, res.needed)
+        if isinstance(values[node], torch.Tensor)
+        and not torch.equal(values[node], res.values[node])
+    }
+    if not out:
+        raise InputError(
+            f"the baseline inputs {list(given)} give the same values as the input at every "
+            "place where paths start: x - x' is 0 everywhere and no path is seeded. Give a "
+            "corrupted input that differs (another name, another token)"
+        )
+    return out

@@ -131,12 +131,14 @@ class Circuit:
         (:mod:`.ig`). ``ig_steps=0``: the seed ``x - x'`` at the input alone."""
         from ..analysis.circuit import circuit_nodes
         from ..analysis.circuit_layout import pinned
+        from ..analysis.marginals import at_sources
         from ..engine.checkpoints import untap
         from .ig import check_steps, integrated
 
         check_steps(ig_steps, ig_method)
         srs = list(semirings) if semirings is not None else list(res.semirings)
         whole, res = res, pinned(res)  # every stage reads the pass's segments, once
+        baseline = at_sources(res, baseline)  # the model's inputs: x' where paths start
         kw = {"seed": seed, "baseline": baseline, "tokens": tokens, "heads": heads,
               "roles": roles}  # fmt: skip
         if ig_steps:
@@ -468,8 +470,11 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
             ig_steps: int = 0, ig_method: str = "gausslegendre") -> Circuit:  # fmt: skip
     """Run ``sbp.backprop`` (``semirings``: default Real and MaxProduct) and build the
     :class:`Circuit` of one example (a batch of one). ``seed``: ``"x"`` (default; each
-    source's own value), ``"structural"``, or with ``baseline`` (``{place: tensor}``,
-    e.g. the embeddings of a corrupted input) the difference ``x - baseline``.
+    source's own value), ``"structural"``, or with ``baseline`` the difference
+    ``x - x'``: ``baseline`` is the corrupted input as the model takes it
+    (``{"input_ids": corrupted_ids}``; inputs not given stay the clean ones), whose
+    values where the paths start (the token embeddings) are computed, or
+    ``{place: tensor}``, the values at places (e.g. ``{"model.embed_tokens": emb}``).
     ``tokens``: the token strings; ``heads``, ``roles``: as for ``layer_table``.
     ``ig_steps``, ``ig_method``: integrated-gradients steps for the seed (Real becomes
     each site's conductance; the other semirings stay at the input), as for

@@ -93,8 +93,6 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
             f"a circuit is read from one text: {target!r} or {foil!r} is several tokens, "
             "which takes a batch; give words of one token each"
         )
-    emb = model.get_input_embeddings()
-    place = next(n for n, m in model.named_modules() if m is emb)
     baseline = None
     if baseline_text is not None:
         other = prepared(baseline_text)
@@ -104,8 +102,7 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
                 f"the baseline text has {base_ids.shape[-1]} tokens and the text "
                 f"{ids.shape[-1]}: give a baseline of as many tokens (a corrupted copy)"
             )
-        with torch.no_grad():
-            baseline = {place: emb(base_ids).detach()}
+        baseline = {"input_ids": base_ids}  # x' where the paths start: computed
     c = circuit(model, kwargs=prep.inputs, output=prep.target, semirings=semirings,
                 baseline=baseline, seed=seed, tokens=prep.examples[0], what=prep.what,
                 ig_steps=ig_steps, ig_method=ig_method)  # fmt: skip
