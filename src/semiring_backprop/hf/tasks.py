@@ -27,6 +27,13 @@ from ..targets import (
     check_score,
     output_field,
 )
+from ..tokens import readable_tokens, token_line
+
+
+def _shown(ids, tokenizer) -> list[str]:
+    """The tokens of ``ids`` as people read them (`` Mary``, not ``ĠMary``)."""
+    return readable_tokens(tokenizer.convert_ids_to_tokens(ids), tokenizer)
+
 
 # -- labels ---------------------------------------------------------------------------
 
@@ -231,7 +238,7 @@ def check_ids(tokenizer, model, ids, what: str = "the text") -> None:
     if rows is not None and ids.numel() and int(ids.max()) >= rows:
         bad = int(ids.max())
         raise InputError(
-            f"the tokenizer gives {what} the id {bad} ({tokenizer.convert_ids_to_tokens(bad)!r}"
+            f"the tokenizer gives {what} the id {bad} ({_shown([bad], tokenizer)[0]!r}"
             f"), but the model's vocabulary has {rows} entries (ids 0..{rows - 1}): the "
             "tokenizer is not this model's own. Save the model and its tokenizer from one "
             "checkpoint"
@@ -240,7 +247,7 @@ def check_ids(tokenizer, model, ids, what: str = "the text") -> None:
     special = set(tokenizer.all_special_ids) - {unk}
     words = [i for i in ids.flatten().tolist() if i not in special]
     if unk is not None and words and all(i == unk for i in words):
-        shown = " ".join(tokenizer.convert_ids_to_tokens(ids.flatten().tolist()))
+        shown = token_line(_shown(ids.flatten().tolist(), tokenizer))
         raise InputError(
             f"no word of {what} is in the tokenizer's vocabulary: each reads as "
             f"{tokenizer.unk_token!r} ({shown}). The tokenizer is not this model's own, or "
@@ -291,7 +298,7 @@ def _prepare_labels(task, model, tokenizer, text, pair, label, foil, position, s
     enc = tokenizer(text, *([pair] if pair else []), return_tensors="pt")
     what = "the text and its pair" if pair else "the text"
     check_ids(tokenizer, model, enc["input_ids"], what)
-    tokens = tokenizer.convert_ids_to_tokens(enc["input_ids"][0].tolist())
+    tokens = _shown(enc["input_ids"][0].tolist(), tokenizer)
     inputs = {k: v.to(model.device) for k, v in enc.items()}
     names = {int(i): str(n) for i, n in (model.config.id2label or {}).items()}
     if task == "token":
@@ -347,7 +354,7 @@ def _prepare_similarity(model, tokenizer, text, pair, pooling, dim, model_id):
     for e in range(len(texts)):
         check_ids(tokenizer, model, enc["input_ids"][e][enc["attention_mask"][e].bool()],
                   "the text" if e == 0 else "the text pair")  # fmt: skip
-    examples = [tokenizer.convert_ids_to_tokens(row.tolist()) for row in enc["input_ids"]]
+    examples = [_shown(row.tolist(), tokenizer) for row in enc["input_ids"]]
     inputs = {k: v.to(model.device) for k, v in enc.items()}
     mode = "+".join(how.modes) + (" pooling, normalized" if how.normalize else " pooling")
     if dim is None:
@@ -393,10 +400,10 @@ def _prepare_lm(model, tokenizer, text, target, foil, kind):
         one = "token" if len(tp) == 1 else "tokens"
         raise InputError(f"target {target!r} and foil {foil!r} are the same {one}")
     ids = inputs["input_ids"][0].tolist()
-    at = f"at position {pos} ({tokenizer.convert_ids_to_tokens(ids[pos])!r})"
+    at = f"at position {pos} ({_shown([ids[pos]], tokenizer)[0]!r})"
     if len(tp) == 1 and (fp is None or len(fp) == 1):  # today's case: the text as it is
         terms = [(0, pos, tp[0], 1)] + ([] if fp is None else [(0, pos, fp[0], -1)])
-        tokens = tokenizer.convert_ids_to_tokens(ids)
+        tokens = _shown(ids, tokenizer)
         what = f"log p({target})" + ("" if fp is None else f" - log p({foil})") + " " + at
         return Prepared(inputs, WordChoice(tuple(terms)), [tokens], pos, what, target, foil)
     seqs, terms = [], []
@@ -418,12 +425,12 @@ def _prepare_lm(model, tokenizer, text, target, foil, kind):
     batch = torch.tensor([s + [pad] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     inputs = {"input_ids": batch.to(model.device), "attention_mask": mask.to(model.device)}
-    examples = [tokenizer.convert_ids_to_tokens(s) for s in batch.tolist()]
+    examples = [_shown(s, tokenizer) for s in batch.tolist()]
 
     def say(word, pieces):
         if len(pieces) == 1:
             return f"log p({word})"
-        shown = " + ".join(repr(t) for t in tokenizer.convert_ids_to_tokens(pieces))
+        shown = " + ".join(repr(t) for t in _shown(pieces, tokenizer))
         return f"log p({word} = {shown})"
 
     what = say(target, tp) + ("" if fp is None else f" - {say(foil, fp)}")
