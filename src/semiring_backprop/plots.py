@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from .errors import InputError
+from .tokens import readable_tokens
 from .views.colors import NORM_COLOR, ROLE_COLORS, ROLES
 
 if TYPE_CHECKING:
@@ -187,7 +188,8 @@ def token_heatmap(
         image = ax.imshow(data, aspect="auto", cmap="RdBu_r", vmin=-m, vmax=m)
     else:
         image = ax.imshow(data, aspect="auto", cmap="viridis")
-    ax.set_xticks(range(grid.shape[1]), [str(texts[t]) for t in grid.columns], rotation=90)
+    shown = readable_tokens([str(texts[t]) for t in grid.columns])  # ' Mary', not 'ĠMary'
+    ax.set_xticks(range(grid.shape[1]), shown, rotation=90)
     ax.set_yticks(range(len(grid)), [str(i) for i in grid.index])
     ax.set_xlabel("token")
     ax.set_ylabel("layer")
@@ -229,7 +231,8 @@ def token_bars(
     xs = range(len(frame))
     heights = frame[value].tolist()
     ax.bar(xs, heights, color=COLORS["query"])
-    ax.set_xticks(xs, [str(t) for t in frame[label]], rotation=90 if len(frame) > 8 else 0)
+    shown = readable_tokens([str(t) for t in frame[label]])  # ' Mary', not 'ĠMary'
+    ax.set_xticks(xs, shown, rotation=90 if len(frame) > 8 else 0)
     ax.set_ylabel(value)
     finite = [h for h in heights if math.isfinite(h)]
     lo, hi = (min(finite), max(finite)) if finite else (0.0, 0.0)

@@ -35,15 +35,14 @@ Examples:
 
 from __future__ import annotations
 
-import codecs
 import functools
 import json
 import re
 
 from .errors import InputError
 
-__all__ = ["SCHEMES", "guess", "readable", "readable_rows", "readable_tokens", "scheme",
-           "text_of", "token_line"]  # fmt: skip
+__all__ = ["SCHEMES", "guess", "readable", "readable_column", "readable_rows", "readable_tokens",
+           "scheme", "text_of", "token_line"]  # fmt: skip
 
 BYTE_LEVEL, SENTENCEPIECE, PLAIN = "byte-level", "sentencepiece", "plain"
 #: the ways a tokenizer writes text into its tokens
@@ -157,8 +156,8 @@ def guess(tokens) -> str:
     if not any(256 <= ord(c) < 256 + 68 for c in chars) or not chars <= table.keys():
         return PLAIN
     data = b"".join(bytes(table[c] for c in t) for t in toks)
-    try:  # (a character cut at the end of the list is no reason to doubt)
-        codecs.getincrementaldecoder("utf-8")().decode(data, final=False)
+    try:
+        data.decode("utf-8")
     except UnicodeDecodeError:
         return PLAIN
     return BYTE_LEVEL
@@ -200,6 +199,22 @@ def readable_rows(rows, how=None) -> list[list[str]]:
     rows = [[str(t) for t in row] for row in rows]
     kind = _scheme_of(how, [t for row in rows for t in row])
     return [readable_tokens(row, kind) for row in rows]
+
+
+def readable_column(table, column: str = "token_text") -> list[str]:
+    """``table[column]`` (a token per row; ``token``: its position, ``example``: its
+    example, where there are several) as people read the tokens (`` Mary`` for
+    ``ĠMary``: :func:`readable_rows`, on each example's tokens
+    in the order of their positions, all examples at once)."""
+    examples = table["example"].tolist() if "example" in table.columns else [0] * len(table)
+    at = dict(zip(zip(examples, table["token"].tolist()), map(str, table[column])))
+    keys = sorted(at, key=lambda k: (str(k[0]), k[1]))
+    rows: dict = {}
+    for k in keys:
+        rows.setdefault(k[0], []).append(k)
+    shown = readable_rows([[at[k] for k in ks] for ks in rows.values()])
+    new = {k: t for ks, ts in zip(rows.values(), shown) for k, t in zip(ks, ts)}
+    return [new[k] for k in zip(examples, table["token"].tolist())]
 
 
 def text_of(tokens) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import InputError
 from ..semirings import Entropy, MaxAbs, MaxProduct, PathCount, Real
+from ..tokens import readable_column, readable_rows
 from .branches import layer_of
 from .fanout import FUSED_QKV, ROLE_NAMES
 from .tokens import per_example
@@ -189,8 +190,8 @@ def token_values(res, quantity: str, source=None, tokens=None, mask=None) -> Tok
     n, t = len(values), len(values[0])
     if tokens is None:
         labels = [[str(j) for j in range(t)] for _ in range(n)]
-    else:
-        labels = per_example(tokens, n, t)
+    else:  # as people read them: ' Mary' for 'ĠMary'
+        labels = readable_rows(per_example(tokens, n, t))
     desc, signed = QUANTITIES[quantity]
     if quantity == "top_path" and not isinstance(sr, MaxProduct):
         desc, signed = "the largest |path product| from the token (MaxAbs, unsigned)", False
@@ -489,6 +490,8 @@ def shares(table, semiring=None, mask=None):
     rows = table[table["semiring"].astype(str) == name].copy()
     if "token_text" not in rows.columns:
         rows["token_text"] = rows["token"].astype(str)
+    else:
+        rows["token_text"] = readable_column(rows)
     if "example" not in rows.columns:
         rows["example"] = 0
     if "path" not in rows.columns:

@@ -29,6 +29,7 @@ from .._backprop import backprop
 from .._files import json_safe
 from ..errors import InputError
 from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
+from ..tokens import text_of, token_line
 from . import gguf
 from .loading import Kept, check_device, lm_kind, load
 
@@ -114,6 +115,9 @@ class Explanation:
     #: the paper's per-token branch table (``layer_table(aggregate="paper")``: brunoflow's
     #: values, winner-take-all per token, zeros kept); None outside paper mode
     paper_layers: object = field(repr=False, default=None)
+    #: each example's tokens as the tokenizer wrote them (``ĠMary``; ``tokens`` and
+    #: ``examples`` are as people read them: `` Mary``); None where not known
+    raw_tokens: list | None = None
 
     def _said(self) -> str:
         if self.what:
@@ -137,10 +141,10 @@ class Explanation:
             if self.task == "lm"
             else f"model: {self.model_id} ({self.task})",
             *(
-                [f"tokens: {' '.join(self.tokens)}"]
+                [f"tokens: {token_line(self.tokens)}"]
                 if len(rows) == 1
                 else [
-                    f"tokens of example {e}: {' '.join(self.real_tokens(e))}"
+                    f"tokens of example {e}: {token_line(self.real_tokens(e))}"
                     for e in range(len(rows))
                 ]
             ),
@@ -191,6 +195,7 @@ class Explanation:
             "text_pair": self.text_pair,
             "explained": self._said(),
             "examples": self.examples or [self.tokens],
+            "raw_tokens": self.raw_tokens,
             "pair_tokens": self.pair_tokens,
             "mask": self.mask,
             "source": self.source,
@@ -275,7 +280,7 @@ class Explanation:
             return f'"{self.text}"'
         if self.task == "similarity" and self.text_pair is not None and n == 2:
             return f'"{(self.text, self.text_pair)[e]}" (text {"AB"[e]} of the pair)'
-        return f'"{" ".join(self.real_tokens(e))}" (example {e} of "{self.text}")'
+        return f'"{text_of(self.real_tokens(e))}" (example {e} of "{self.text}")'
 
 
 def model_name(model_id: str) -> str:
@@ -478,6 +483,7 @@ def explain(
     ex.source = _embedding_path(model)
     ex.mask = _mask_of(prep.inputs, rows)
     ex.tokens, ex.pair_tokens = _tokens_of(ex, tokenizer, prep.inputs)
+    ex.raw_tokens = [tokenizer.convert_ids_to_tokens(r) for r in prep.inputs["input_ids"].tolist()]
     layers = res.layer_table(tokens=rows if len(rows) > 1 else rows[0], by="role",
                              per_head=per_head)  # fmt: skip
     ex.layers = layers if ex.mask is None else _without_padding(layers, ex.mask)

@@ -21,6 +21,7 @@ from .._files import json_safe
 from ..data.agreement import MASK
 from ..errors import ForwardError, InputError, NonFiniteError
 from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
+from ..tokens import readable_tokens
 from .readers import Example
 from .store import TABLES
 
@@ -182,11 +183,13 @@ class Explainer:
             cols.update(unit_means(res, self.source))
         rows = []
         for b, it in enumerate(items):
-            text = self.tokenizer.convert_ids_to_tokens(it.ids)
+            raw = self.tokenizer.convert_ids_to_tokens(it.ids)
+            text = readable_tokens(raw, self.tokenizer)  # ' Mary'; token_raw: 'ĠMary'
             groups = _groups(it)
             for t in range(len(it.ids)):
                 row = {"example_id": it.example.id, "token": t, "token_text": text[t],
-                       "word": it.words[t], "group": groups.get(it.words[t], "")}  # fmt: skip
+                       "token_raw": raw[t], "word": it.words[t],
+                       "group": groups.get(it.words[t], "")}  # fmt: skip
                 row.update({k: float(v[b, t]) for k, v in cols.items()})
                 rows.append(row)
         return pd.DataFrame(rows)
@@ -205,8 +208,12 @@ class Explainer:
             table.insert(0, "example", 0)
         table = table[table["example"] < len(items)].reset_index(drop=True)
         ids = [it.example.id for it in items]
-        texts = [self.tokenizer.convert_ids_to_tokens(it.ids) for it in items]
-        table["token_text"] = [texts[e][t] for e, t in zip(table["example"], table["token"])]
+        raws = [self.tokenizer.convert_ids_to_tokens(it.ids) for it in items]
+        texts = [readable_tokens(r, self.tokenizer) for r in raws]
+        keys = list(zip(table["example"], table["token"]))
+        table["token_text"] = [texts[e][t] for e, t in keys]
+        table.insert(table.columns.get_loc("token_text") + 1, "token_raw",
+                     [raws[e][t] for e, t in keys])  # fmt: skip
         table.insert(0, "example_id", [ids[e] for e in table["example"]])
         return table.drop(columns=["example", "consumer"])
 

@@ -32,6 +32,7 @@ from ..analysis.readouts import (
     token_values,
 )
 from ..errors import InputError, SemiringBackpropError
+from ..tokens import readable_rows, text_of
 from . import html as _html
 from . import text as _text
 
@@ -335,9 +336,10 @@ def start_of(p, rows, mask=None) -> str:
     e, t = (int(idx[0]), int(idx[1])) if len(rows) > 1 or len(idx) > 2 else (0, int(idx[0]))
     if e >= len(rows) or t >= len(rows[e]):
         return f"from {where}"
-    real = [tok for j, tok in enumerate(rows[e]) if mask is None or mask[e][j]]
-    which = f" of example {e}: {' '.join(real)}" if len(rows) > 1 else ""
-    return f"from {rows[e][t]!r} (position {t}{which}) at {where}"
+    shown = readable_rows(rows)
+    real = [tok for j, tok in enumerate(shown[e]) if mask is None or mask[e][j]]
+    which = f" of example {e}: {text_of(real)}" if len(rows) > 1 else ""
+    return f"from {shown[e][t]!r} (position {t}{which}) at {where}"
 
 
 def _other_target(ex, quantity, task) -> View:

@@ -357,9 +357,10 @@ def _heatmap_svg(part, heads, example) -> str:
     for j, t in enumerate(labels):
         x = left + cw * j + cw / 2 + 4
         short = t if len(t) <= 14 else t[:13] + "…"
-        out.append(
-            f'<text transform="translate({x:g},{top - 4}) rotate(-90)">'
-            f"<title>{esc(t)} (position {order[j]})</title>{esc(short)}</text>"
+        out.append(  # (white-space: pre: a token's leading space stays)
+            f'<text transform="translate({x:g},{top - 4}) rotate(-90)" style="white-space:pre" '
+            f'xml:space="preserve"><title>{esc(repr(t))} (position {order[j]})</title>'
+            f"{esc(short)}</text>"
         )
     h = ch - 4
     tips = {tok: [f"{texts[tok]!r} (position {tok}): share of each branch"] for tok in order}
