@@ -53,10 +53,13 @@ def per_example(tokens, examples: int, positions: int, what: str = "tokens") -> 
 
 def token_texts(tokens, table) -> list[str]:
     """The ``token_text`` column of a branch table: ``tokens`` (one list per example for
-    a batch, whose rows carry an ``example`` column) checked against the table's positions."""
+    a batch, whose rows carry an ``example`` column) checked against the table's positions,
+    as people read them (`` Mary`` for ``ĠMary``: ``semiring_backprop.tokens``)."""
+    from ..tokens import readable_rows
+
     positions = int(table["token"].max()) + 1 if len(table) else 0
     batched = "example" in table.columns
     examples = int(table["example"].max()) + 1 if batched and len(table) else 1
-    labels = per_example(tokens, examples, positions)
+    labels = readable_rows(per_example(tokens, examples, positions))
     rows = table["example"] if batched else [0] * len(table)
     return [labels[e][t] for e, t in zip(rows, table["token"])]
