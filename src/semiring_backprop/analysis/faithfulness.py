@@ -92,7 +92,18 @@ def ranking(scores) -> list[int]:
 
 
 def _check_fractions(fractions) -> tuple:
-    fr = tuple(float(f) for f in fractions)
+    if isinstance(fractions, str | bytes) or not hasattr(fractions, "__iter__"):
+        raise InputError(
+            f"curve: fractions={fractions!r}; give a sequence of numbers in (0, 1], e.g. "
+            "fractions=(0.01, 0.1, 1.0)"
+        )
+    try:
+        fr = tuple(float(f) for f in fractions)
+    except (TypeError, ValueError):
+        raise InputError(
+            f"curve: fractions={fractions!r} holds something that is not a number; give "
+            "numbers in (0, 1], e.g. fractions=(0.01, 0.1, 1.0)"
+        ) from None
     if not fr:
         raise InputError("curve: give at least one fraction")
     if any(not 0 < f <= 1 for f in fr):
@@ -138,15 +149,27 @@ def curve(scores, evaluate, fractions=FRACTIONS):
     return pd.DataFrame(rows)
 
 
+def _check_curve(curve, columns=("fraction", "f"), what: str = "a faithfulness curve"):
+    """Refuse what is not a curve frame with ``columns`` (as :func:`curve` returns)."""
+    import pandas as pd
+
+    if not isinstance(curve, pd.DataFrame):
+        raise InputError(
+            f"{what} is a DataFrame with columns {', '.join(columns)} (as curve() returns), "
+            f"not a {type(curve).__name__}"
+        )
+    missing = [c for c in columns if c not in curve.columns]
+    if missing:
+        raise InputError(
+            f"{what} needs the columns {', '.join(columns)} (missing {missing}; it has "
+            f"{list(curve.columns)}): pass the frame curve() returns"
+        )
+
+
 def _area(curve, y, log_scale: bool) -> float:
     import numpy as np
     from scipy.integrate import trapezoid
 
-    missing = [c for c in ("fraction", "f") if c not in curve.columns]
-    if missing:
-        raise InputError(
-            f"a faithfulness curve needs the columns fraction and f (missing {missing})"
-        )
     if len(curve) < 2:
         raise InputError("the area under a faithfulness curve needs at least two fractions")
     x = np.asarray(curve["fraction"], dtype=float)
@@ -166,6 +189,7 @@ def cpr(curve, log_scale: bool = False) -> float:
     scores ``1 - 0.001`` there. Higher is better."""
     import numpy as np
 
+    _check_curve(curve, what="cpr: a faithfulness curve")
     return _area(curve, np.asarray(curve["f"], dtype=float), log_scale)
 
 
@@ -175,6 +199,7 @@ def cmd(curve, log_scale: bool = False) -> float:
     the curve's points). Lower is better: 0 when every circuit behaves as the model."""
     import numpy as np
 
+    _check_curve(curve, what="cmd: a faithfulness curve")
     return _area(curve, np.abs(1.0 - np.asarray(curve["f"], dtype=float)), log_scale)
 
 
@@ -182,8 +207,9 @@ def edges_needed(curve, level: float = 0.8) -> int | None:
     """The fewest edges among the curve's circuits with ``f >= level`` (None if none
     reaches it). Only the curve's sizes are tried: the true minimum lies between the
     returned size and the next smaller size on the curve."""
-    if not math.isfinite(level):
+    if isinstance(level, bool) or not isinstance(level, int | float) or not math.isfinite(level):
         raise InputError(f"edges_needed: level={level!r} must be a finite number")
+    _check_curve(curve, ("n_edges", "f"), "edges_needed: a faithfulness curve")
     reached = curve[curve["f"] >= level]
     return int(reached["n_edges"].min()) if len(reached) else None
 
@@ -222,6 +248,14 @@ def agreement(scores, effects, top_n: int = 10) -> dict:
         key = [c for c in scores.columns if c in effects.columns and c not in ("score", "effect")]
         if not key:
             raise InputError("agreement: the scores and effects share no key column")
+        for name, frame in (("scores", scores), ("effects", effects)):
+            twice = frame[frame.duplicated(key, keep=False)]
+            if len(twice):
+                first = twice[key].head(1).to_dict("records")[0]
+                raise InputError(
+                    f"agreement: {len(twice)} rows of the {name} share a key ({key}), e.g. "
+                    f"{first}: each edge or site needs one row; drop or sum the duplicates"
+                )
         merged = scores[[*key, "score"]].merge(effects[[*key, "effect"]], on=key, how="inner",
                                                validate="one_to_one")  # fmt: skip
         if len(merged) != len(scores) or len(merged) != len(effects):

@@ -255,11 +255,19 @@ def at_sources(res, baseline):
     dict of places (module paths, nodes) is returned as it is; anything else is left
     to the callers' checks. The same dict gives the same result (kept on ``res``), so
     the alphas it seeds are cached once."""
+    if baseline is None:
+        return None
     if not isinstance(baseline, dict) or not baseline:
-        return baseline
+        raise InputError(
+            f"baseline is the corrupted input x' of the seed x - x': a dict of the model's "
+            "inputs ({'input_ids': corrupted_ids}) or of tensors at places ({place: tensor}), "
+            f"not {'an empty dict' if isinstance(baseline, dict) else type(baseline).__name__}"
+        )
     inputs = res.graph.user_inputs
     named = [k for k in baseline if not isinstance(k, torch.fx.Node) and _hashable_in(k, inputs)]
     if not named:
+        for place, b in baseline.items():
+            _check_at_place(res, place, b)
         return baseline
     if len(named) != len(baseline):
         others = [k for k in baseline if k not in named]
@@ -274,6 +282,51 @@ def at_sources(res, baseline):
     out = _run_from_inputs(res, baseline)
     kept[id(baseline)] = (baseline, out)
     return out
+
+
+def _check_at_place(res, place, b) -> None:
+    """A baseline tensor at ``place``: a tensor of the value's shape there (or one that
+    broadcasts to it), every element a number."""
+    like = res.values[seed_node(res, place)]
+    try:
+        t = None if isinstance(b, str | bytes | dict) else torch.as_tensor(b)
+    except (TypeError, ValueError, RuntimeError):
+        t = None
+    if t is None:
+        raise InputError(
+            f"baseline at {place!r} is a {type(b).__name__}: give a tensor of the value's "
+            f"shape there, {tuple(like.shape)}"
+        )
+    try:
+        torch.broadcast_shapes(t.shape, like.shape)
+        fits = torch.broadcast_shapes(t.shape, like.shape) == like.shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise InputError(
+            f"baseline at {place!r} has shape {tuple(t.shape)}; the value there has shape "
+            f"{tuple(like.shape)}: give the corrupted input's values at that place (as many "
+            "tokens), or the corrupted input itself ({'input_ids': corrupted_ids})"
+        )
+    check_finite(t, f"baseline at {place!r}")
+
+
+def check_finite(t, what: str) -> None:
+    """Refuse a float tensor holding NaN or inf: ``x - x'`` (or a patched value) would
+    carry it into every table as NaN."""
+    from ..errors import NonFiniteError
+
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in bad.nonzero()[0].tolist())
+        kind = "NaN" if bool(torch.isnan(t).any()) else "inf"
+        raise NonFiniteError(
+            f"{what} holds {kind} (first at index {first}, {int(bad.sum())} in all): every "
+            "value derived from it would be NaN or inf. Give finite values (a corrupted "
+            "input the model can run on)"
+        )
 
 
 def _hashable_in(key, d) -> bool:
@@ -307,6 +360,7 @@ def _run_from_inputs(res, given: dict) -> dict:
                 f"{tuple(clean.shape)} and {clean.dtype}: x - x' is taken position by "
                 "position, so give a corrupted input of the same shape (as many tokens)"
             )
+        check_finite(t, f"baseline[{key!r}]")
         call[key] = t.to(clean.device)
     if any(not isinstance(k, int | str) for k in call):
         raise InputError(

@@ -49,6 +49,7 @@ from ..errors import InputError
 from ..tracing.trace import input_tensors
 from .circuit_layout import layout
 from .fanout import ancestors, descendants
+from .marginals import check_finite
 from .patching_edges import args_of, assignment, call, call_order, destinations, own_pass
 
 __all__ = ["EDGE_KEY", "NODE_KEY", "MODES", "BRANCHES", "Patching"]
@@ -150,6 +151,12 @@ class Patching:
                 f"{what}: give the input's tensors as a dict of keywords (or a tuple of "
                 f"positional ones), not {type(given).__name__}"
             )
+        if not found:
+            raise InputError(
+                f"{what}: {given!r} holds no tensor, so nothing would be patched (every "
+                "value would be the clean one): give the corrupted input's tensors, e.g. "
+                "{'input_ids': corrupted_ids}"
+            )
         unknown = [k for k in found if k not in self._inputs]
         if unknown:
             raise InputError(f"{what}: {unknown} are not inputs of the traced model "
@@ -163,6 +170,7 @@ class Patching:
                     f"clean one {tuple(clean.shape)} and {clean.dtype}: patching compares "
                     "values position by position, so give an input of the same shape"
                 )
+            check_finite(t, f"{what}: input {k!r}")
             out[k] = t.to(clean.device)
         return out
 

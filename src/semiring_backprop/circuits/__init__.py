@@ -493,6 +493,12 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
     from .ig import check_call
 
     check_call(ig_steps, ig_method, baseline, seed)  # (before the pass)
+    if output is None and hasattr(model, "config"):  # a Hugging Face model's whole output
+        raise InputError(
+            "a circuit explains one number of the model's output: pass output=, a function "
+            "of the output that returns it (e.g. output=lambda o: o.logits[0, -1, good] - "
+            "o.logits[0, -1, bad], or sbp.WordChoice(...))"
+        )
     srs = list(semirings) if semirings is not None else [Real(), MaxProduct()]
     # every stage reads every segment: the pass hands them all over (tapped) instead
     # of each being computed again from its checkpoints (the same peak: the stages hold
