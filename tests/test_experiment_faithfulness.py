@@ -77,6 +77,25 @@ def test_files_summary_and_resume(tiny_run, monkeypatch):
     assert again["summary"]["benchmarks"] == json.loads(json.dumps(s["benchmarks"]))
 
 
+@pytest.mark.parametrize("edit, said", [
+    (lambda r: r.pop("methods"), "without methods"),
+    (lambda r: r.pop("clean"), "without clean"),
+    (lambda r: r["methods"][0].pop("curve"), "methods without"),
+])  # fmt: skip
+def test_a_record_without_its_fields_is_refused_on_resume(tiny_run, tmp_path, edit, said):
+    """Valid JSON, but not the record a run writes: named, never a traceback."""
+    import shutil
+
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run[0], out)
+    (records,) = out.glob("first-token/seed*/pairs.jsonl")
+    rows = [json.loads(line) for line in records.read_text().splitlines()]
+    edit(rows[0])
+    records.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(InputError, match=said):
+        experiments.run("faithfulness", out, quick=True, progress=False, **TINY)
+
+
 def test_induction_ranks_by_hand():
     """Ranks read off small frames whose order is written down here."""
     heads = {"previous_head": 1, "induction_head": 0}
@@ -127,6 +146,11 @@ def test_goals_read_the_summary():
     ({"ind_hidden": 10, "ind_heads": 4}, "ind_hidden"),
     ({"ig_steps": (0,)}, "ig_steps"),
     ({"ind_corrupt": "shuffle"}, "ind_corrupt"),
+    ({"seeds": 0}, "seeds=0"),
+    ({"pairs": 0}, "pairs=0"),
+    ({"top_n": -1}, "top_n"),
+    ({"reference": 2.5}, "reference"),
+    ({"level": 0.0}, "level"),
 ])  # fmt: skip
 def test_config_refusals(options, message):
     with pytest.raises(InputError, match=message):

@@ -62,6 +62,11 @@ BRANCHES = ("skip", "query", "key", "value")
 ABLATIONS = ("mean", "zero")
 
 
+#: settings that count something: whole numbers, 1 or more
+_COUNTS = ("seeds", "pairs", "top_n", "reference", "ft_n", "ind_n", "ind_half", "ind_vocab",
+           "ind_hidden", "ind_heads", "ind_steps", "eap_ig_steps")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Config:
     benchmarks: tuple[str, ...] = BENCHMARKS
@@ -95,6 +100,17 @@ class Config:
                        ind_hidden=8, ind_heads=1, ind_steps=20)  # fmt: skip
 
     def check(self) -> None:
+        for name in _COUNTS:
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise InputError(f"faithfulness: {name}={n!r}; give a whole number, 1 or more")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.ig_steps):
+            raise InputError(f"faithfulness: ig_steps={self.ig_steps!r}; give whole numbers of "
+                             "steps, each 1 or more")  # fmt: skip
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InputError(f"faithfulness: seed={self.seed!r}; give a whole number")
+        if not 0 < self.level <= 1:
+            raise InputError(f"faithfulness: level={self.level!r}; give a share in (0, 1]")
         bad = [b for b in self.benchmarks if b not in BENCHMARKS]
         if bad or not self.benchmarks:
             raise InputError(f"faithfulness: benchmarks={self.benchmarks!r}; give some of "
@@ -496,7 +512,8 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
             where = out / name / f"seed{seed}"
             b = bench(name, config, seed, where, progress)
             models.append({"benchmark": name, "seed": seed, **b.trained, "heads": b.heads})
-            rec = Records(where / "pairs.jsonl")
+            rec = Records(where / "pairs.jsonl", fields=report.RECORD_FIELDS)
+            report.check_methods(rec)
             todo = [i for i in range(config.pairs) if not rec.has(i)]
             for i in tqdm(todo, desc=f"{name} (seed {seed})", disable=not progress, leave=False):
                 rec.add(explain_pair(b, i, config))

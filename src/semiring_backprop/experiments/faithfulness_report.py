@@ -28,6 +28,28 @@ RANKS = ("previous_rank", "induction_rank", "kcomposition_rank", "previous_rank_
          "induction_rank_position", "kcomposition_rank_position")  # fmt: skip
 
 
+#: what every pair's record holds (:func:`.faithfulness.explain_pair`), and each of its methods
+RECORD_FIELDS = ("clean", "empty", "model_clean", "model_corrupted", "edges", "methods",
+                 "heads", "forward_seconds", "node_patching", "seconds")  # fmt: skip
+METHOD_FIELDS = ("method", "evaluations", "seconds", "curve")
+
+
+def check_methods(rec) -> None:
+    """Refuse a record whose methods are not those :func:`.faithfulness.explain_pair` writes."""
+    for row in rec.rows:
+        methods_ = row["methods"]
+        bad = not isinstance(methods_, list) or any(
+            not isinstance(m, dict) or any(f not in m for f in METHOD_FIELDS) for m in methods_
+        )
+        if bad:
+            raise InputError(
+                f"{rec.path}: the record of pair {row[rec.key]!r} has methods without "
+                f"{', '.join(METHOD_FIELDS)} (another version of this package wrote it, or "
+                "it was edited): delete its line to compute it again, or the file to start "
+                "over"
+            )
+
+
 def _f(m_c, m_full, m_empty) -> float:
     try:
         return normalized(m_c, m_full, m_empty)

@@ -85,7 +85,9 @@ class Records:
             rec.add({"key": key, "value": value})
     """
 
-    def __init__(self, path: Path, key: str = "key"):
+    def __init__(self, path: Path, key: str = "key", fields: tuple = ()):
+        """``fields``: what every record holds (besides ``key``): a record without one
+        (another version wrote it, or it was edited) is refused, naming its line."""
         self.path, self.key = Path(path), key
         self.rows: list[dict] = []
         try:
@@ -110,6 +112,13 @@ class Records:
                 raise InputError(
                     f"{self.path}:{i} holds a JSON {type(row).__name__}, not a record (an "
                     "object); delete the file to start over"
+                )
+            missing = [f for f in (key, *fields) if f not in row]
+            if missing:
+                raise InputError(
+                    f"{self.path}:{i} is a record without {', '.join(missing)} (another "
+                    "version of this package wrote it, or it was edited): delete that line "
+                    "to compute it again, or the file to start over"
                 )
             k = row.get(key)
             if k is not None and k in seen:
