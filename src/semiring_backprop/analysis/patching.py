@@ -122,6 +122,8 @@ class Patching:
         self.assign = {n: assignment(self.lay, self.base[n], n) for n in self.lay.stops}
         self._edge_frame = None
         self._empty = None
+        #: positions the attention mask pads (0 there): no site, no edge is read there
+        self.padding = _padding(self._inputs.get("attention_mask"), self.lay.positions)
 
     def _points(self):
         from .branches import blocks
@@ -263,12 +265,14 @@ class Patching:
 
     def edges(self):
         """Every edge (``EDGE_KEY`` columns): the rows of ``Circuit.edges`` of this result,
-        in their order (those some path takes, read from a MaxProduct pass)."""
+        in their order (those some path takes, read from a MaxProduct pass; none at a
+        position the attention mask pads)."""
         if self._edge_frame is None:
             from .circuit_edges import circuit_edges
 
             src, sr = self._path_result()
             frame = circuit_edges(src, [sr], seed="structural", heads=self.heads, roles=self.roles)
+            frame = frame[~frame["position"].isin(self.padding)]  # as Circuit.edges
             self._edge_frame = frame[list(EDGE_KEY)].reset_index(drop=True)
         return self._edge_frame.copy()
 
@@ -385,7 +389,7 @@ class Patching:
             a, free = self.assign[nodes[0]]
             keeps = []
             for c in cs:
-                for p in range(lay.positions):
+                for p in (p for p in range(lay.positions) if p not in self.padding):
                     k = torch.ones(lay.positions, a.shape[1], dtype=a.dtype, device=a.device)
                     k[p] = 1 - a[c]
                     keeps.append(k)
@@ -491,6 +495,13 @@ def _edge_frame(edges):
     for col in ("src_layer", "src_head_index", "dst_layer", "dst_head_index", "position"):
         frame[col] = frame[col].astype("Int64")
     return frame
+
+
+def _padding(mask, positions: int) -> frozenset:
+    """The positions an attention mask of one example pads (0 there); none without one."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape != (1, positions):
+        return frozenset()
+    return frozenset(int(p) for p in (mask[0] == 0).nonzero().flatten().tolist())
 
 
 def _float(t):
