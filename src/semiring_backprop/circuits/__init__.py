@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..errors import InputError
-from . import exports, paths
+from . import exports, paths, sites
 from .exports import ATTENTION_COLUMNS, COMPONENT_ROLES, EDGE_COLUMNS, NODE_COLUMNS
 
 __all__ = ["Circuit", "circuit"]
@@ -231,7 +231,11 @@ class Circuit:
 
     @property
     def prompt(self) -> str:
-        return " ".join(t for t, m in zip(self.token_list, self.mask or [1] * 10**6) if m)
+        """The text, as people read its tokens (padding left out)."""
+        from ..tokens import readable_tokens, text_of
+
+        shown = readable_tokens(self.token_list)
+        return text_of(t for t, m in zip(shown, self.mask or [1] * len(shown)) if m)
 
     @property
     def last_position(self) -> int:
@@ -340,26 +344,24 @@ class Circuit:
         return exports.read_sites(self)
 
     def _keeping(self, kept_rows) -> Circuit:
+        import numpy as np
+
         full = self.full
-        keys = {_key(r["role"], r["layer"], r["head_index"], r["position"])
-                for r in kept_rows.to_dict("records")}  # fmt: skip
+        keys = sites.node_codes(kept_rows)
         n = full.nodes
         stays = ~n.role.isin(COMPONENT_ROLES) | n.index.isin(kept_rows.index)
         # A head's site is where it writes; it reads its keys and values at every
         # position its attention reaches. An attention edge q -> p stays when the head
         # is kept at p and the pair carries something; the head then reads q.
         a = full.attention_edges
-        att = [
-            _key("head", r["layer"], r["head_index"], r["dst_position"]) in keys
-            and (r["src_position"] == r["dst_position"] or _carries(r, self.names))
-            for r in a.to_dict("records")
-        ]
-        reads = {(_key("head", r["layer"], r["head_index"], r["src_position"]))
-                 for r, ok in zip(a.to_dict("records"), att) if ok}  # fmt: skip
-        reads |= {_key("head", r["layer"], r["head_index"], r["position"])
-                  for r in kept_rows[kept_rows.role == "head"].to_dict("records")}  # fmt: skip
+        q, p = (sites.floats(a[c]) for c in ("src_position", "dst_position"))
+        att = sites.member(sites.head_codes(a["layer"], a["head_index"], p), keys) & (
+            (q == p) | _carries(a, self.names))  # fmt: skip
+        heads = kept_rows[kept_rows.role == "head"]
+        reads = np.concatenate([sites.head_codes(a["layer"], a["head_index"], q)[att],
+                                sites.node_codes(heads)])  # fmt: skip
         e = full.edges
-        ok = [_edge_stays(r, keys, reads) for r in e.to_dict("records")]
+        ok = _edges_staying(e, keys, reads)
         return replace(
             full,
             nodes=n[stays].reset_index(drop=True),
@@ -384,11 +386,9 @@ class Circuit:
         components and edges. Written to ``path`` when given; returns the dict."""
         graph = exports.eap_graph(self, semiring)
         if path is not None:
-            import json
-
             from .._files import atomic_write
 
-            text = json.dumps(graph, allow_nan=False)
+            text = exports.eap_json(graph)
             atomic_write(path, lambda tmp: tmp.write_text(text))
         return graph
 
@@ -398,10 +398,9 @@ class Circuit:
         (``scan``: the model's name). ``where``: a ``.json`` file, or a directory (then
         ``{slug}.json`` and ``graph-metadata.json``, as circuit-tracer writes them).
         Returns the dict."""
-        graph = exports.neuronpedia_graph(self, semiring, slug=slug, scan=scan)
         if where is not None:
-            exports.write_neuronpedia(graph, where)
-        return graph
+            return exports.save_neuronpedia(self, where, semiring, slug=slug, scan=scan)
+        return exports.neuronpedia_graph(self, semiring, slug=slug, scan=scan)
 
     # -- views ------------------------------------------------------------------------
 
@@ -424,28 +423,36 @@ class Circuit:
                 f"{len(self.edges)} edges; {', '.join(self.names)}>")  # fmt: skip
 
 
-def _key(role, layer, head, position) -> str:
-    return exports.site_id(role, layer, head, position)
-
-
-def _carries(row, names) -> bool:
-    """Whether an attention edge carries a value under some semiring (finite, not 0): a
+def _carries(frame, names):
+    """Whether each attention edge carries a value under some semiring (finite, not 0): a
     masked pair holds the semiring's zero, and a pair no seeded path reaches holds 0."""
-    return any(math.isfinite(v := float(row[c])) and v != 0 for c in names if c in row)
+    import numpy as np
+
+    out = np.zeros(len(frame), dtype=bool)
+    for c in names:
+        if c in frame.columns:
+            v = sites.floats(frame[c])
+            out |= np.isfinite(v) & (v != 0)
+    return out
 
 
-def _edge_stays(row, keys: set, reads: set) -> bool:
-    """Whether a residual edge (source and entry at ``row["position"]``) joins kept
+def _edges_staying(frame, keys, reads):
+    """Whether each residual edge (source and entry at its ``position``) joins kept
     components: its source kept there (the embeddings always are); its destination the
-    target, an MLP or a head's query kept there, or a head's key or value read there."""
-    p = row["position"]
-    src = _key(row["src_role"], row["src_layer"], row["src_head_index"], p)
-    if row["src_role"] != "embedding" and src not in keys:
-        return False
-    if row["dst_role"] == "target":
-        return True
-    dst = _key(row["dst_role"], row["dst_layer"], row["dst_head_index"], p)
-    return dst in (reads if row["input"] in ("k", "v") else keys)
+    target, an MLP or a head's query kept there (``keys``: site codes), or a head's key
+    or value read there (``reads``)."""
+    import numpy as np
+
+    src_role = sites.role_index(frame["src_role"])
+    dst_role = sites.role_index(frame["dst_role"])
+    src = sites.site_codes(frame["src_role"], frame["src_layer"], frame["src_head_index"],
+                           frame["position"])  # fmt: skip
+    dst = sites.site_codes(frame["dst_role"], frame["dst_layer"], frame["dst_head_index"],
+                           frame["position"])  # fmt: skip
+    read = np.asarray(frame["input"].isin(("k", "v")), dtype=bool)
+    to = np.where(read, sites.member(dst, reads), sites.member(dst, keys))
+    return ((src_role == sites.EMBEDDING) | sites.member(src, keys)) & (
+        (dst_role == sites.TARGET) | to)  # fmt: skip
 
 
 def _seed_name(seed, baseline) -> str:

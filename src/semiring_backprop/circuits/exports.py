@@ -33,10 +33,16 @@ path) are written as 0 (EAP-IG scores) or left out (links).
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+from dataclasses import dataclass
+
+import numpy as np
 
 from ..errors import InputError
+from ..tokens import readable_tokens
+from . import sites
 
 NODE_COLUMNS = ("layer", "position", "token", "head_index", "role", "node")
 EDGE_COLUMNS = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
@@ -90,21 +96,25 @@ def read_sites(circuit) -> list[dict]:
     itself kept (none in a whole circuit): per head and position, ``role`` ("head"),
     ``layer``, ``head_index``, ``position``, ``token``, ``id`` (:func:`site_id`) and
     ``read_by`` (the positions where the head is kept and reads this one, sorted)."""
-    kept = {site_id(r["role"], r["layer"], r["head_index"], r["position"])
-            for r in circuit.nodes.to_dict("records")}  # fmt: skip
+    a = circuit.attention_edges
+    if not len(a):
+        return []
+    q = a["src_position"].to_numpy(dtype="int64")
+    codes = sites.head_codes(a["layer"], a["head_index"], q)
+    out = ~sites.member(codes, sites.node_codes(circuit.nodes))
+    if not out.any():
+        return []
     tokens = circuit.token_list
     found: dict = {}
-    for r in circuit.attention_edges.to_dict("records"):
-        q, p = _int(r["src_position"]), _int(r["dst_position"])
-        sid = site_id("head", r["layer"], r["head_index"], q)
-        if sid in kept:
-            continue
+    cols = (a["layer"], a["head_index"], a["src_position"], a["dst_position"], a["src_token"])
+    for layer, head, q, p, tok in zip(*(c.to_numpy(dtype=object)[out] for c in cols)):
+        q = int(q)
+        sid = site_id("head", layer, head, q)
         site = found.setdefault(sid, {
-            "role": "head", "layer": _int(r["layer"]), "head_index": _int(r["head_index"]),
-            "position": q, "token": tokens[q] if q < len(tokens) else str(r["src_token"]),
-            "id": sid, "read_by": set(),
+            "role": "head", "layer": int(layer), "head_index": int(head), "position": q,
+            "token": tokens[q] if q < len(tokens) else str(tok), "id": sid, "read_by": set(),
         })  # fmt: skip
-        site["read_by"].add(p)
+        site["read_by"].add(int(p))
     out = sorted(found.values(), key=lambda s: (s["layer"], s["head_index"], s["position"]))
     return [{**s, "read_by": sorted(s["read_by"])} for s in out]
 
@@ -113,24 +123,10 @@ def oplus(name: str, values) -> float:
     """⊕ of readouts (one semiring's column) over sites that no path passes twice:
     Real, the sum; MaxProduct and TopK, the value of largest size (signed); MaxAbs, the
     largest; LogAbs and PathCount, log-sum-exp. Entropy has no ⊕ of readouts (the
-    entropy of a union needs each part's total too): refused."""
-    vals = [float(v) for v in values if v is not None and not math.isnan(float(v))]
-    if name == "Real":
-        return float(sum(vals))
-    finite = [v for v in vals if math.isfinite(v)]
-    if name.startswith(("MaxProduct", "TopK")):
-        return max(finite, key=abs) if finite else -math.inf
-    if name == "MaxAbs":
-        return max(vals, default=-math.inf)
-    if name in ("LogAbs", "PathCount"):
-        if not finite:
-            return -math.inf
-        m = max(finite)
-        return m + math.log(sum(math.exp(v - m) for v in finite))
-    raise InputError(
-        f"{name}: its values of several sites do not combine into one (no ⊕ of readouts); "
-        "export under Real or MaxProduct"
-    )
+    entropy of a union needs each part's total too): refused. (Over many groups at once:
+    :func:`.sites.oplus_groups`.)"""
+    vals = [float(v) for v in values if v is not None]
+    return float(sites.oplus_groups(name, vals, np.zeros(len(vals), np.int64), 1)[0])
 
 
 def _finite(v) -> float:
@@ -164,6 +160,58 @@ def edge_name(row) -> str:
     return f"{src}->{dst}<{row['input']}>" if row["dst_role"] == "head" else f"{src}->{dst}"
 
 
+def _eap_components(n_layers: int, n_heads: int) -> tuple[np.ndarray, list[str]]:
+    """The component codes of EAP-IG's nodes (and their names), in its order."""
+    roles = ["embedding"] + [r for _ in range(n_layers) for r in ["head"] * n_heads + ["mlp"]]
+    layers = [-1] + [layer for layer in range(n_layers) for _ in range(n_heads + 1)]
+    heads = [0] + [h for _ in range(n_layers) for h in [*range(n_heads), 0]]
+    roles = np.array([*roles, "target"], dtype=object)
+    codes = sites.site_codes(roles, np.array([*layers, n_layers]), np.array([*heads, 0]), None)
+    comps = sites.component_codes(codes)
+    return comps, [sites.component_label(c) for c in comps.tolist()]
+
+
+def eap_edges(frame, n_layers: int, n_heads: int, col: str | None = None) -> dict:
+    """The EAP-IG names of the edges of a frame of ``circuit.edges`` (a model of
+    ``n_layers`` and ``n_heads``), each once, with (``col`` given) the ⊕ of that column's
+    values over each name's rows (over positions: EAP-IG's graph has none), else None.
+    InputError for an edge EAP-IG's graph of a sequential transformer does not have."""
+    import pandas as pd
+
+    comps, labels = _eap_components(n_layers, n_heads)
+    if not len(frame):
+        return {}
+    src = sites.site_codes(frame["src_role"], frame["src_layer"], frame["src_head_index"], None)
+    dst = sites.site_codes(frame["dst_role"], frame["dst_layer"], frame["dst_head_index"], None)
+    found_src, s = sites.lookup(sites.component_codes(src), comps)
+    found_dst, d = sites.lookup(sites.component_codes(dst), comps)
+    entry, inputs = pd.factorize(frame["input"])
+    ends = ["", *(f"<{x}>" for x in inputs.tolist())]  # only a head's input is named
+    entry = np.where(sites.is_head(dst), entry + 1, 0)
+    odd = ~(found_src & found_dst)
+    if odd.any():
+        i = int(np.flatnonzero(odd)[0])
+        a, b = (sites.component_label(sites.component_codes(x[i])) for x in (src, dst))
+        name = f"{a}->{b}{ends[entry[i]]}"
+        raise _no_eap_edge(name, n_layers, n_heads)
+    n, width = len(comps), len(ends)
+    key = (s * n + d) * width + entry
+    size = n * n * width
+    present = np.flatnonzero(np.bincount(key, minlength=size))
+    pair, e = np.divmod(present, width)
+    names = [f"{labels[a]}->{labels[b]}{ends[c]}" for a, b, c in zip(
+        (pair // n).tolist(), (pair % n).tolist(), e.tolist())]  # fmt: skip
+    if col is None:
+        return dict.fromkeys(names)
+    values = sites.oplus_groups(col, sites.floats(frame[col]), key, size)[present]
+    return dict(zip(names, values.tolist()))
+
+
+def _no_eap_edge(name: str, n_layers: int, n_heads: int) -> InputError:
+    return InputError(f"edge {name} is no edge of EAP-IG's graph of a sequential transformer "
+                      f"with {n_layers} layers and {n_heads} heads")  # fmt: skip
+
+
 def eap_graph(circuit, semiring=None) -> dict:
     """The circuit as EAP-IG's ``Graph.to_json`` writes a graph (see the module)."""
     col = circuit.column(semiring)
@@ -172,58 +220,89 @@ def eap_graph(circuit, semiring=None) -> dict:
     cfg = {"n_layers": n_layers, "n_heads": n_heads, "parallel_attn_mlp": False,
            "d_model": int(circuit.d_model or 0), "semiring": col, "seed": circuit.seed,
            "ig_steps": int(circuit.ig_steps), "ig_method": circuit.ig_method}  # fmt: skip
-    scores: dict[str, list] = {}
-    for row in full.nodes.to_dict("records"):
-        if row["role"] != "residual":
-            scores.setdefault(component_name(row["role"], row["layer"], row["head_index"]),
-                              []).append(row[col])  # fmt: skip
-    kept = {component_name(r["role"], r["layer"], r["head_index"])
-            for r in circuit.nodes.to_dict("records")}  # fmt: skip
-    names = ["input"] + [
-        n for layer in range(n_layers)
-        for n in [*(f"a{layer}.h{h}" for h in range(n_heads)), f"m{layer}"]
-    ] + ["logits"]  # fmt: skip
+    import pandas as pd
+
+    rows = full.nodes[full.nodes.role != "residual"]
+    comps, found = pd.factorize(sites.component_codes(sites.node_codes(rows)))
+    values = sites.oplus_groups(col, sites.floats(rows[col]), comps, len(found))
+    scores = {sites.component_label(c): v for c, v in zip(found.tolist(), values.tolist())}
+    kept = {sites.component_label(c)
+            for c in np.unique(sites.component_codes(sites.node_codes(circuit.nodes)))}  # fmt: skip
+    _, names = _eap_components(n_layers, n_heads)
+    empty = oplus(col, [])
     nodes = {
         n: {"in_graph": n in ("input", "logits") or n in kept,
-            "score": _finite(oplus(col, scores.get(n, [])))}
+            "score": _finite(scores.get(n, empty))}
         for n in names
     }  # fmt: skip
     all_edges = eap_edge_names(n_layers, n_heads)
+    edge_values = eap_edges(full.edges, n_layers, n_heads, col)
     known = set(all_edges)
-    edge_values: dict[str, list] = {}
-    for row in full.edges.to_dict("records"):
-        name = edge_name(row)
-        if name not in known:
-            raise InputError(
-                f"edge {name} is no edge of EAP-IG's graph of a sequential transformer with "
-                f"{n_layers} layers and {n_heads} heads"
-            )
-        edge_values.setdefault(name, []).append(row[col])
-    in_circuit = {edge_name(r) for r in circuit.edges.to_dict("records")}
-    edges = {
-        n: {"score": _finite(oplus(col, edge_values.get(n, []))), "in_graph": n in in_circuit}
-        for n in all_edges
-    }
+    odd = [n for n in edge_values if n not in known]
+    if odd:
+        raise _no_eap_edge(odd[0], n_layers, n_heads)
+    whole = circuit.source is None
+    in_circuit = edge_values if whole else eap_edges(circuit.edges, n_layers, n_heads)
+    scores = np.array([edge_values.get(n, empty) for n in all_edges], dtype="float64")
+    scores = np.where(np.isfinite(scores), scores, 0.0).tolist()
+    edges = {n: {"score": v, "in_graph": n in in_circuit} for n, v in zip(all_edges, scores)}
     return {"cfg": cfg, "nodes": nodes, "edges": edges}
+
+
+def eap_json(graph: dict) -> str:
+    """``json.dumps(graph)`` of an :func:`eap_graph` graph: its edges (a hundred thousand
+    for a model of SmolLM2's size: most of the time in the JSON encoder) written as text
+    directly, names being letters, digits and ``.->_<``, scores finite floats."""
+    edges = graph["edges"]
+    names = "".join(edges)
+    plain = names.isascii() and '"' not in names and "\\" not in names and all(
+        type(e["score"]) is float and math.isfinite(e["score"]) and type(e["in_graph"]) is bool
+        and len(e) == 2 for e in edges.values())  # fmt: skip
+    if not plain or not edges or list(graph)[-1] != "edges":
+        return json.dumps(graph, allow_nan=False)
+    rest = json.dumps({k: v for k, v in graph.items() if k != "edges"}, allow_nan=False)
+    truth = {True: "true", False: "false"}
+    body = ", ".join([f'"{n}": {{"score": {e["score"]!r}, "in_graph": {truth[e["in_graph"]]}}}'
+                      for n, e in edges.items()])  # fmt: skip
+    return f'{rest[:-1]}, "edges": {{{body}}}}}'
 
 
 # -- circuit-tracer / Neuronpedia -----------------------------------------------------
 
 
-def _np_node(circuit, row, col) -> dict:
+@dataclass(frozen=True)
+class _Shape:
+    """What every node of an attribution graph reads of its circuit (read once)."""
+
+    n_layers: int
+    n_heads: int
+    last: int
+    ids: list | None
+    tokens: list
+    what: str
+    seeding: str
+
+
+def _shape(circuit) -> _Shape:
+    return _Shape(circuit.n_layers, circuit.n_heads, circuit.last_position, circuit.token_ids,
+                  readable_tokens(circuit.token_list), circuit.what, circuit.seeding)  # fmt: skip
+
+
+def _np_node(shape: _Shape, row, col) -> dict:
     role, p = row["role"], _int(row["position"])
-    n_layers, n_heads = circuit.n_layers, circuit.n_heads
+    n_layers, n_heads = shape.n_layers, shape.n_heads
     value = row[col]
     influence = float(value) if math.isfinite(float(value)) else None
     if role == "embedding":
-        ids = circuit.token_ids
+        ids = shape.ids
         vocab = ids[p] if ids is not None and p < len(ids) else p
         node_id, feature, layer = f"E_{vocab}_{p}", p, "E"
-        kind, clerp = "embedding", f"token {row['token']!r} (position {p})"
+        token = shape.tokens[p] if p < len(shape.tokens) else row["token"]
+        kind, clerp = "embedding", f"token {token!r} (position {p})"
     elif role == "target":
-        p = circuit.last_position
+        p = shape.last
         node_id, feature, layer = f"{n_layers + 1}_0_{p}", 0, str(n_layers + 1)
-        kind, clerp = "logit", circuit.what or "the target"
+        kind, clerp = "logit", shape.what or "the target"
     elif role == "head":
         h = _int(row["head_index"])
         node_id, feature, layer = f"{_int(row['layer'])}_{h}_{p}", h, str(_int(row["layer"]))
@@ -238,7 +317,7 @@ def _np_node(circuit, row, col) -> dict:
     said = f"{clerp}: {col} {value:.4g}" if influence is not None else clerp
     if role == "target":
         # the metadata's schema keeps no extra keys: the seed goes in the target's label
-        said += f"; {circuit.seeding}" if circuit.seeding else ""
+        said += f"; {shape.seeding}" if shape.seeding else ""
         # the viewer reads a logit's label as `Output "TOKEN" (p=P)` and stops on any
         # other; the scalar explained is no one token's probability, so p=n/a
         said = 'Output "{}" (p=n/a)'.format(said.replace('"', "'"))
@@ -259,61 +338,90 @@ def _np_node(circuit, row, col) -> dict:
     }
 
 
-def neuronpedia_graph(circuit, semiring=None, slug: str = "circuit", scan: str = "") -> dict:
-    """The circuit as circuit-tracer's ``create_graph_files`` writes an attribution graph
-    (see the module): one node per kept site (``feature_type`` ``embedding``,
-    ``attention head``, ``mlp`` or ``logit``; ``influence``: the site's value), one link
-    per pair of sites an edge joins (its value; the ⊕ over a head's q, k and v), links of
-    no path and a head's attention onto its own position left out."""
+def _neuronpedia(circuit, semiring, slug, scan) -> tuple[dict, tuple]:
+    """:func:`neuronpedia_graph`, and its links' sources, targets and weights as lists."""
+    import pandas as pd
+
     col = circuit.column(semiring)
-    ids, nodes = {}, []
-    for row in circuit.nodes.to_dict("records"):
-        if row["role"] == "residual":
-            continue
-        node = _np_node(circuit, row, col)
-        ids[site_id(row["role"], row["layer"], row["head_index"], row["position"])] = node
-        nodes.append(node)
+    shape = _shape(circuit)
+    rows = circuit.nodes[circuit.nodes.role != "residual"]
+    codes, nodes = sites.node_codes(rows).tolist(), []
+    for row in rows.to_dict("records"):
+        nodes.append(_np_node(shape, row, col))
     for site in read_sites(circuit):
-        node = _np_node(circuit, {**site, col: math.nan}, col)
+        node = _np_node(shape, {**site, col: math.nan}, col)
         where = ", ".join(str(p) for p in site["read_by"])
         head = f"attention head {site['layer']}.{site['head_index']}"
         node["clerp"] = f"{head} reading position {site['position']} (kept at {where})"
-        ids[site["id"]] = node
+        codes.append(int(sites.head_codes([site["layer"]], [site["head_index"]],
+                                          [site["position"]])[0]))  # fmt: skip
         nodes.append(node)
-    weights: dict = {}
-    for src, dst, _key, attrs in graph_edges(circuit):
-        if src in ids and dst in ids and src != dst:
-            weights.setdefault((src, dst), []).append(attrs[col])
-    links = []
-    for (src, dst), values in weights.items():
-        w = oplus(col, values)
-        if math.isfinite(w):
-            links.append({"source": ids[src]["node_id"], "target": ids[dst]["node_id"],
-                          "weight": float(w)})  # fmt: skip
+    e = sites.edge_arrays(circuit)
+    found_src, at_src = sites.lookup(e.src, codes)
+    found_dst, at_dst = sites.lookup(e.dst, codes)
+    take = found_src & found_dst & (e.src != e.dst)
+    k = max(len(codes), 1)
+    pairs, first = pd.factorize(at_src[take] * k + at_dst[take])
+    weights = sites.oplus_groups(col, e.value(col)[take], pairs, len(first))
+    keep = np.isfinite(weights)
+    ids = np.array([n["node_id"] for n in nodes] or [""], dtype=object)
+    ends = (ids[first[keep] // k].tolist(), ids[first[keep] % k].tolist(), weights[keep].tolist())
+    links = [{"source": s, "target": t, "weight": w} for s, t, w in zip(*ends)]
     meta = {
         "slug": slug,
         "scan": scan,
         "transcoder_list": [],
-        "prompt_tokens": [str(t) for t in circuit.token_list],
+        "prompt_tokens": list(shape.tokens),
         "prompt": circuit.prompt,
         "node_threshold": None,
         "schema_version": 1,
     }
     qparams = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                "sg_pos": ""}  # fmt: skip
-    return {"metadata": meta, "qParams": qparams, "nodes": nodes, "links": links}
+    graph = {"metadata": meta, "qParams": qparams, "nodes": nodes, "links": links}
+    return graph, ends
 
 
-def write_neuronpedia(graph: dict, where) -> str:
+def neuronpedia_graph(circuit, semiring=None, slug: str = "circuit", scan: str = "") -> dict:
+    """The circuit as circuit-tracer's ``create_graph_files`` writes an attribution graph
+    (see the module): one node per kept site (``feature_type`` ``embedding``,
+    ``attention head``, ``mlp`` or ``logit``; ``influence``: the site's value), one link
+    per pair of sites an edge joins (its value; the ⊕ over a head's q, k and v), links of
+    no path and a head's attention onto its own position left out. The prompt's tokens
+    are written as people read them (`` Mary``, not ``ĠMary``: circuit-tracer writes
+    each token decoded); the embeddings' node ids keep the vocabulary ids."""
+    return _neuronpedia(circuit, semiring, slug, scan)[0]
+
+
+def save_neuronpedia(circuit, where, semiring=None, slug: str = "circuit",
+                     scan: str = "") -> dict:  # fmt: skip
+    """:func:`neuronpedia_graph` written by :func:`write_neuronpedia`; returns the graph.
+    The links (a million for a whole circuit: seconds in the JSON encoder) are written
+    as text from their lists, the same JSON."""
+    graph, (src, dst, weights) = _neuronpedia(circuit, semiring, slug, scan)
+    rest = json.dumps({k: v for k, v in graph.items() if k != "links"}, allow_nan=False)
+    # node ids are letters, digits and underscores; weights finite floats (repr as json)
+    parts = []
+    for at in sites.chunks(len(src), "attribution graph links"):
+        parts += [f'{{"source": "{s}", "target": "{t}", "weight": {w!r}}}'
+                  for s, t, w in zip(src[at], dst[at], weights[at])]  # fmt: skip
+    body = ", ".join(parts)
+    write_neuronpedia(graph, where, f'{rest[:-1]}, "links": [{body}]}}')
+    return graph
+
+
+def write_neuronpedia(graph: dict, where, text: str | None = None) -> str:
     """Write ``graph`` to ``where``: a ``.json`` file, or a directory, where it goes to
     ``{slug}.json`` beside ``graph-metadata.json`` (``{"graphs": [metadata, ...]}``,
-    which circuit-tracer's local server lists; an entry of the same slug is replaced)."""
+    which circuit-tracer's local server lists; an entry of the same slug is replaced).
+    ``text``: the graph as JSON, where already written (:func:`save_neuronpedia`)."""
     from pathlib import Path
 
     from .._files import atomic_write
 
     where = Path(where)
-    text = json.dumps(graph, indent=2, allow_nan=False)
+    # (not indented: an indented dump runs in Python, seconds for a large graph)
+    text = json.dumps(graph, allow_nan=False) if text is None else text
     if where.suffix == ".json":
         where.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(where, lambda tmp: tmp.write_text(text))
@@ -341,54 +449,74 @@ def write_neuronpedia(graph: dict, where) -> str:
 
 def graph_nodes(circuit):
     """``(site id, attributes)`` of every row of ``circuit.nodes`` (``read`` False) and
-    of every :func:`read_sites` site (``read`` True, its values NaN)."""
+    of every :func:`read_sites` site (``read`` True, its values NaN); ``token`` as people
+    read it (`` Mary``), ``token_raw`` as the tokenizer wrote it (``ĠMary``)."""
     names = circuit.names
+    raw = circuit.token_list
+    shown = readable_tokens(raw)
     for row in circuit.nodes.to_dict("records"):
         attrs = {k: row[k] for k in ("role", "layer", "head_index", "position", "token")}
         attrs = {k: (_int(v) if k in ("layer", "head_index", "position") else v)
                  for k, v in attrs.items()}  # fmt: skip
+        _tokens(attrs, raw, shown)
         attrs.update({n: float(row[n]) for n in names}, read=False)
         yield site_id(row["role"], row["layer"], row["head_index"], row["position"]), attrs
     for site in read_sites(circuit):
         attrs = {k: site[k] for k in ("role", "layer", "head_index", "position", "token")}
+        _tokens(attrs, raw, shown)
         attrs.update({n: math.nan for n in names}, read=True, read_by=site["read_by"])
         yield site["id"], attrs
+
+
+def _tokens(attrs, raw, shown) -> None:
+    p = attrs["position"]
+    if p is not None and 0 <= p < len(raw) and str(attrs["token"]) in (raw[p], shown[p]):
+        attrs["token"], attrs["token_raw"] = shown[p], raw[p]
+    else:
+        attrs["token_raw"] = attrs["token"]
 
 
 def graph_edges(circuit):
     """``(source id, destination id, key, attributes)`` of every row of ``circuit.edges``
     (key: the input entered, q, k, v, mlp or target) and of
     ``circuit.attention_edges`` (key ``attention``)."""
-    names = circuit.names
-    for row in circuit.edges.to_dict("records"):
-        p = row["position"]
-        src = site_id(row["src_role"], row["src_layer"], row["src_head_index"], p)
-        dst = site_id(row["dst_role"], row["dst_layer"], row["dst_head_index"], p)
-        attrs = {"kind": "residual", "input": row["input"], "position": _int(p)}
-        attrs.update({n: float(row[n]) for n in names})
-        yield src, dst, str(row["input"]), attrs
-    for row in circuit.attention_edges.to_dict("records"):
-        src = site_id("head", row["layer"], row["head_index"], row["src_position"])
-        dst = site_id("head", row["layer"], row["head_index"], row["dst_position"])
-        attrs = {"kind": "attention", "input": "attention",
-                 "src_position": _int(row["src_position"]),
-                 "dst_position": _int(row["dst_position"])}  # fmt: skip
-        attrs.update({n: float(row[n]) for n in names})
-        yield src, dst, "attention", attrs
+    e = sites.edge_arrays(circuit)
+    yield from _edge_tuples(e, sites.site_names(e.src), sites.site_names(e.dst))
+
+
+def _edge_tuples(e, src, dst):
+    names = e.names
+    values = [e.value(name).tolist() for name in names]
+    n = e.n_residual
+    keys, pos = e.key.tolist(), e.position.tolist()
+    for i, (s, d, k, p) in enumerate(zip(src[:n].tolist(), dst[:n].tolist(), keys, pos)):
+        attrs = {"kind": "residual", "input": k, "position": p}
+        attrs.update(zip(names, (v[i] for v in values)))
+        yield s, d, k, attrs
+    qs, ps = e.src_position[n:].tolist(), e.dst_position[n:].tolist()
+    for i, (s, d, q, p) in enumerate(zip(src[n:].tolist(), dst[n:].tolist(), qs, ps), n):
+        attrs = {"kind": "attention", "input": "attention", "src_position": q,
+                 "dst_position": p}  # fmt: skip
+        attrs.update(zip(names, (v[i] for v in values)))
+        yield s, d, "attention", attrs
 
 
 def to_networkx(circuit):
     """A ``networkx.MultiDiGraph``: a node per row of ``circuit.nodes`` (its columns as
-    attributes), an edge per row of ``circuit.edges`` and ``circuit.attention_edges``."""
+    attributes), an edge per row of ``circuit.edges`` and ``circuit.attention_edges``.
+    (A graph of millions of edges takes seconds: networkx holds a dict per edge.)"""
     try:
         import networkx as nx
     except ImportError:
         raise InputError("Circuit.to_networkx needs networkx: pip install networkx") from None
-    g = nx.MultiDiGraph(semirings=list(circuit.names), tokens=list(circuit.token_list))
+    g = nx.MultiDiGraph(semirings=list(circuit.names), tokens=readable_tokens(circuit.token_list),
+                        tokens_raw=list(circuit.token_list))  # fmt: skip
     for node, attrs in graph_nodes(circuit):
         g.add_node(node, **attrs)
-    for src, dst, key, attrs in graph_edges(circuit):
-        g.add_edge(src, dst, key=key, **attrs)
+    e = sites.edge_arrays(circuit)
+    edges = _edge_tuples(e, sites.site_names(e.src), sites.site_names(e.dst))
+    for at in sites.chunks(len(e), "networkx edges", 2**16):
+        g.add_edges_from(itertools.islice(edges, at.stop - at.start))
     return g
 
 
@@ -398,15 +526,14 @@ def _q(s) -> str:
 
 def to_dot(circuit, semiring=None) -> str:
     """Graphviz DOT: a box per site (filled by its value under ``semiring``: red
-    positive, blue negative), an edge per edge row (pen width by |value|), layers as
-    ranks from the embeddings (bottom) to the target (top); residual sites left out."""
+    positive, blue negative; its token as people read it), an edge per edge row (pen
+    width by |value|), layers as ranks from the embeddings (bottom) to the target (top);
+    residual sites left out."""
     from ..views.colors import Scale
 
     col = circuit.column(semiring)
     rows = [(n, a) for n, a in graph_nodes(circuit) if a["role"] != "residual"]
     scale = Scale([a[col] for _, a in rows if not a["read"]], signed=True)
-    edges = [e for e in graph_edges(circuit)]
-    top = max((abs(a[col]) for *_, a in edges if math.isfinite(a[col])), default=0.0) or 1.0
     out = [
         "digraph circuit {",
         "  rankdir=BT;",
@@ -415,7 +542,7 @@ def to_dot(circuit, semiring=None) -> str:
     ranks: dict = {}
     for name, a in rows:
         ranks.setdefault(a["layer"], []).append(name)
-        what = name if a["role"] == "target" else f"{name}\\n{a['token']}"
+        what = name if a["role"] == "target" else f"{name}\\n{_label(a['token'])}"
         if a["read"]:  # a kept head reads here; its value belongs to where it writes
             out.append(f'  {_q(name)} [label="{what}\\nread", style=dashed];')
             continue
@@ -424,12 +551,43 @@ def to_dot(circuit, semiring=None) -> str:
         )
     for layer in sorted(ranks, key=lambda x: -2 if x is None else x):
         out.append("  { rank=same; " + "; ".join(_q(n) for n in ranks[layer]) + "; }")
-    for src, dst, key, a in edges:
-        v = a[col]
-        width = 0.3 + 3.7 * abs(v) / top if math.isfinite(v) else 0.3
-        color = "#B2182B" if v > 0 else "#2166AC" if v < 0 else "#999999"
-        style = ", style=dashed" if key == "attention" else ""
-        out.append(f'  {_q(src)} -> {_q(dst)} [label={_q(key)}, penwidth={width:.2f}, '
-                   f'color="{color}"{style}];')  # fmt: skip
+    out += _dot_edges(sites.edge_arrays(circuit), col)
     out.append("}")
     return "\n".join(out) + "\n"
+
+
+def _label(token) -> str:
+    """A token inside a DOT label (quotes and backslashes escaped)."""
+    return str(token).replace("\\", "\\\\").replace('"', '\\"')
+
+
+def _dot_edges(e, col) -> list[str]:
+    """The DOT line of each edge. Only its ends differ from edge to edge; the rest (key,
+    pen width to hundredths, colour, style) is one of a few thousand endings, each
+    written once."""
+    v = e.value(col)
+    finite = np.isfinite(v)
+    top = float(np.abs(v[finite]).max()) if finite.any() else 0.0
+    top = top or 1.0
+    width = np.where(finite, 0.3 + 3.7 * np.abs(np.where(finite, v, 0)) / top, 0.3)
+    scaled = width * 100
+    pen = np.clip(np.rint(scaled), 0, 400).astype(np.int64)
+    # where the product with 100 lies too near a half to round alike: as f"{w:.2f}" does
+    near = np.flatnonzero(np.abs(scaled - np.floor(scaled) - 0.5) < 1e-6)
+    pen[near] = [round(float(f"{w:.2f}") * 100) for w in width[near].tolist()]
+    with np.errstate(invalid="ignore"):
+        color = np.where(v > 0, 0, np.where(v < 0, 1, 2))
+    code = ((e.entry * 401 + pen) * 3 + color) * 2 + e.attention
+    colors = ("#B2182B", "#2166AC", "#999999")
+    endings = np.array([
+        f"[label={_q(k)}, penwidth={w / 100:.2f}, color=\"{c}\"{', style=dashed' * a}];"
+        for k in e.keys for w in range(401) for c in colors for a in (0, 1)
+    ] or [""], dtype=object)  # fmt: skip
+    ends = sites.site_names(np.concatenate([e.src, e.dst]), lambda c: _q(sites.name_of(c)))
+    n = len(e)
+    src, dst, endings = ends[:n], ends[n:], endings[code]
+    lines = []
+    for at in sites.chunks(n, "DOT edges"):
+        lines += [f"  {s} -> {d} {t}" for s, d, t in zip(src[at].tolist(), dst[at].tolist(),
+                                                         endings[at].tolist())]  # fmt: skip
+    return lines

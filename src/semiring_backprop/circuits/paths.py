@@ -39,6 +39,7 @@ import torch
 
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxProduct, TopK
+from ..tokens import readable_tokens
 
 __all__ = ["CircuitPath", "CircuitPaths", "SiteStep", "top_paths"]
 
@@ -383,7 +384,8 @@ def top_paths(circuit, k: int = 1, semiring=None, seed="x", heads=None, roles=No
         found = _best_maxproduct(res, sr, embeds, positions, mask, seed)
     else:
         found = _best_topk(res, sr, k, embeds, positions, mask, seed)
-    index = _Sites(res, sites, lay.projections, positions, circuit.token_list, mask)
+    shown = readable_tokens(circuit.token_list)  # ' Mary', not 'ĠMary'
+    index = _Sites(res, sites, lay.projections, positions, shown, mask)
     return CircuitPaths(index.project(p, s, i + 1, sr.name) for i, (p, s) in enumerate(found))
 
 

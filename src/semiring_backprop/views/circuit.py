@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import math
 
+from ..circuits import sites
 from ..circuits.exports import read_sites
+from ..tokens import readable_tokens
 from . import View
 from . import html as _html
 from .colors import NO_VALUE, Scale
@@ -64,7 +66,8 @@ class _Layout:
         full = circuit.full.nodes
         emb = full[full.role == "embedding"].sort_values("position")
         self.positions = [int(p) for p in emb.position]
-        self.labels = [str(t) for t in emb.token]
+        self.labels = readable_tokens([str(t) for t in emb.token])
+        self.token = dict(zip(self.positions, self.labels))  #: position -> readable token
         self.n_layers, self.n_heads = circuit.n_layers, max(circuit.n_heads, 1)
         self.col = {p: j for j, p in enumerate(self.positions)}
         self.cw = max(self.n_heads * (HEAD_W + 2) + 8, 56)
@@ -126,9 +129,10 @@ def circuit_svg(circuit, semiring=None, max_edges: int = 300) -> tuple[str, dict
     for j, t in enumerate(lay.labels):
         x = LEFT + lay.cw * j + lay.cw / 2 + 4
         short = t if len(t) <= 14 else t[:13] + "…"
-        out.append(
+        out.append(  # (white-space: pre: a token's leading space stays)
             f'<text class="token" transform="translate({x:g},{base:g}) rotate(-90)" '
-            f'text-anchor="end"><title>{_html.esc(t)} (position {lay.positions[j]})</title>'
+            f'text-anchor="end" style="white-space:pre" xml:space="preserve">'
+            f"<title>{_html.esc(repr(t))} (position {lay.positions[j]})</title>"
             f"{_html.esc(short)}</text>"
         )
     full = circuit.full.nodes
@@ -137,13 +141,13 @@ def circuit_svg(circuit, semiring=None, max_edges: int = 300) -> tuple[str, dict
             x, y, w, h = lay.box(row["role"], row["layer"], row["head_index"], row["position"])
             out.append(f'<rect class="slot" x="{x:g}" y="{y:g}" width="{w:g}" height="{h:g}" '
                        'fill="none" stroke="#ddd"/>')  # fmt: skip
-    centers, drawn = {}, 0
+    centers, drawn = {}, 0  # site code -> (x, top, bottom, name)
     boxes = []
-    for row in nodes.to_dict("records"):
+    for code, row in zip(sites.node_codes(nodes).tolist(), nodes.to_dict("records")):
         v = float(row[col])
         sid = _site(row["role"], row["layer"], row["head_index"], row["position"])
         x, y, w, h = lay.box(row["role"], row["layer"], row["head_index"], row["position"])
-        centers[sid] = (x + w / 2, y, y + h)
+        centers[code] = (x + w / 2, y, y + h, sid)
         f = (
             1.0
             if row["role"] == "target" or not math.isfinite(v)
@@ -151,7 +155,8 @@ def circuit_svg(circuit, semiring=None, max_edges: int = 300) -> tuple[str, dict
         )
         bw, bh = w * f, h * f
         color = scale.color(v) if math.isfinite(v) else NO_VALUE
-        where = "" if row["role"] == "target" else f" at {row['token']!r} ({_int(row['position'])})"
+        p = _int(row["position"])
+        where = "" if row["role"] == "target" else f" at {lay.token.get(p, row['token'])!r} ({p})"
         tip = f"{sid}{where}: {col} {_html.fmt(v)}"
         boxes.append(
             f'<rect class="comp" data-id="{_html.esc(sid)}" data-role="{row["role"]}" '
@@ -172,9 +177,11 @@ def circuit_svg(circuit, semiring=None, max_edges: int = 300) -> tuple[str, dict
             continue
         reads += 1
         x, y, w, h = lay.box("head", site["layer"], site["head_index"], site["position"])
-        centers[site["id"]] = (x + w / 2, y, y + h)
+        code = sites.head_codes([site["layer"]], [site["head_index"]], [site["position"]])
+        centers[int(code[0])] = (x + w / 2, y, y + h, site["id"])
         by = ", ".join(str(p) for p in site["read_by"])
-        tip = (f"{site['id']} at {site['token']!r} ({site['position']}): read (keys, values) "
+        token = lay.token.get(site["position"], site["token"])
+        tip = (f"{site['id']} at {token!r} ({site['position']}): read (keys, values) "
                f"by the head kept at position {by}")  # fmt: skip
         boxes.append(
             f'<rect class="read" data-id="{_html.esc(site["id"])}" data-role="read" '
@@ -189,44 +196,51 @@ def circuit_svg(circuit, semiring=None, max_edges: int = 300) -> tuple[str, dict
 
 
 def _edges(circuit, col, centers, lay, max_edges) -> tuple[list[str], int]:
-    items = []
-    for row in circuit.edges.to_dict("records"):
-        p = row["position"]
-        src = _site(row["src_role"], row["src_layer"], row["src_head_index"], p)
-        dst = _site(row["dst_role"], row["dst_layer"], row["dst_head_index"], p)
-        items.append((float(row[col]), src, dst, str(row["input"])))
-    for row in circuit.attention_edges.to_dict("records"):
-        src = _site("head", row["layer"], row["head_index"], row["src_position"])
-        dst = _site("head", row["layer"], row["head_index"], row["dst_position"])
-        if src != dst:
-            items.append((float(row[col]), src, dst, "attention"))
-    # an edge of value 0 (or of no path) carries nothing: not drawn
-    items = [i for i in items if i[1] in centers and i[2] in centers]
-    items = [i for i in items if math.isfinite(i[0]) and i[0] != 0]
-    items.sort(key=lambda i: -abs(i[0]))
-    top = max((abs(i[0]) for i in items), default=0.0) or 1.0
+    """The lines of the ``max_edges`` strongest edges between drawn boxes (of value
+    neither 0 nor of no path), strongest first; and how many such edges there are. Only
+    those drawn are formatted."""
+    import numpy as np
+
+    e = sites.edge_arrays(circuit)
+    v = e.value(col)
+    drawn = np.fromiter(centers, dtype=np.int64, count=len(centers))
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(v) & (v != 0) & ~(e.attention & (e.src == e.dst))
+    ok &= sites.member(e.src, drawn) & sites.member(e.dst, drawn)
+    at = np.flatnonzero(ok)
+    size = np.abs(v[at])
+    if len(at) > max_edges > 0:  # the strongest, ties in row order (as a stable sort)
+        cut = np.partition(size, len(size) - max_edges)[len(size) - max_edges]
+        near = size >= cut
+        at, size = at[near], size[near]
+    order = np.lexsort((at, -size))[: max(max_edges, 0)]
+    top = float(size.max()) if len(size) else 1.0
     lines = []
-    for v, src, dst, kind in items[:max_edges]:
-        (x1, t1, _), (x2, t2, _) = centers[src], centers[dst]
-        width = 0.4 + 3.6 * abs(v) / top
-        color = "#B2182B" if v > 0 else "#2166AC" if v < 0 else "#999"
-        tip = f"<title>{_html.esc(f'{src} → {dst} ({kind}): {col} {_html.fmt(v)}')}</title>"
-        data = (f'data-src="{_html.esc(src)}" data-dst="{_html.esc(dst)}" data-input="{kind}" '
-                f'data-sign="{_sign(v)}" data-value="{v!r}"')  # fmt: skip
-        if kind == "attention":
-            lift = 10 + 4 * abs(lay.col.get(_pos(dst), 0) - lay.col.get(_pos(src), 0))
-            lines.append(
-                f'<path class="attn" {data} d="M{x1:.1f} {t1:.1f} Q{(x1 + x2) / 2:.1f} '
-                f'{t1 - lift:.1f} {x2:.1f} {t2:.1f}" fill="none" stroke="{color}" '
-                f'stroke-width="{width:.2f}" stroke-dasharray="3 2" opacity="0.6">{tip}</path>'
-            )
-        else:
-            lines.append(
-                f'<line class="edge" {data} x1="{x1:.1f}" y1="{t1:.1f}" x2="{x2:.1f}" '
-                f'y2="{centers[dst][2]:.1f}" stroke="{color}" stroke-width="{width:.2f}" '
-                f'opacity="0.55">{tip}</line>'
-            )
-    return lines, len(items)
+    for i in at[order].tolist():
+        src, dst, kind, value = int(e.src[i]), int(e.dst[i]), e.keys[e.entry[i]], float(v[i])
+        lines.append(_line(centers, lay, col, src, dst, kind, value, top))
+    return lines, int(ok.sum())
+
+
+def _line(centers, lay, col, src, dst, kind, v, top) -> str:
+    (x1, t1, _, sname), (x2, t2, b2, dname) = centers[src], centers[dst]
+    width = 0.4 + 3.6 * abs(v) / top
+    color = "#B2182B" if v > 0 else "#2166AC" if v < 0 else "#999"
+    tip = f"<title>{_html.esc(f'{sname} → {dname} ({kind}): {col} {_html.fmt(v)}')}</title>"
+    data = (f'data-src="{_html.esc(sname)}" data-dst="{_html.esc(dname)}" data-input="{kind}" '
+            f'data-sign="{_sign(v)}" data-value="{v!r}"')  # fmt: skip
+    if kind == "attention":
+        lift = 10 + 4 * abs(lay.col.get(_pos(dname), 0) - lay.col.get(_pos(sname), 0))
+        return (
+            f'<path class="attn" {data} d="M{x1:.1f} {t1:.1f} Q{(x1 + x2) / 2:.1f} '
+            f'{t1 - lift:.1f} {x2:.1f} {t2:.1f}" fill="none" stroke="{color}" '
+            f'stroke-width="{width:.2f}" stroke-dasharray="3 2" opacity="0.6">{tip}</path>'
+        )
+    return (
+        f'<line class="edge" {data} x1="{x1:.1f}" y1="{t1:.1f}" x2="{x2:.1f}" '
+        f'y2="{b2:.1f}" stroke="{color}" stroke-width="{width:.2f}" '
+        f'opacity="0.55">{tip}</line>'
+    )
 
 
 def _scale(circuit, col) -> Scale:
@@ -275,13 +289,18 @@ def circuit_view(circuit, semiring=None, max_edges: int = 300) -> View:
     )
     body = caption + _html.color_bar(scale, col) + f'<div class="scroll">{svg}</div>' + legend
 
+    emb = circuit.full.nodes[circuit.full.nodes.role == "embedding"]
+    token_at = dict(zip((int(p) for p in emb.position),
+                     readable_tokens([str(t) for t in emb.token])))  # fmt: skip
+
     def as_text(color=False):
         order = sorted(comps.to_dict("records"), key=lambda r: -abs(float(r[col]))
                        if math.isfinite(float(r[col])) else 0)  # fmt: skip
         lines = [f"circuit of {text!r}{said}", f"values under {col}; {kept}; {shown}"]
         for r in order[:15]:
             sid = _site(r["role"], r["layer"], r["head_index"], r["position"])
-            lines.append(f"  {sid:14} {r['token']!s:12} {_html.fmt(r[col])}")
+            token = repr(token_at.get(_int(r["position"]), r["token"]))
+            lines.append(f"  {sid:14} {token:14} {_html.fmt(r[col])}")
         reads = [f"{s['id']} (for {', '.join(map(str, s['read_by']))})"
                  for s in read_sites(circuit)]  # fmt: skip
         if reads:
