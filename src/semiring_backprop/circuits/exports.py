@@ -485,20 +485,20 @@ def graph_edges(circuit):
 
 
 def _edge_tuples(e, src, dst):
-    names = e.names
-    values = [e.value(name).tolist() for name in names]
-    n = e.n_residual
-    keys, pos = e.key.tolist(), e.position.tolist()
-    for i, (s, d, k, p) in enumerate(zip(src[:n].tolist(), dst[:n].tolist(), keys, pos)):
-        attrs = {"kind": "residual", "input": k, "position": p}
-        attrs.update(zip(names, (v[i] for v in values)))
-        yield s, d, k, attrs
-    qs, ps = e.src_position[n:].tolist(), e.dst_position[n:].tolist()
-    for i, (s, d, q, p) in enumerate(zip(src[n:].tolist(), dst[n:].tolist(), qs, ps), n):
-        attrs = {"kind": "attention", "input": "attention", "src_position": q,
-                 "dst_position": p}  # fmt: skip
-        attrs.update(zip(names, (v[i] for v in values)))
-        yield s, d, "attention", attrs
+    n, names = e.n_residual, e.names
+    values = [e.value(name) for name in names]
+    keys = e.key[:n].tolist()
+    cols = ("kind", "input", "position", *names)
+    rows = zip(itertools.repeat("residual"), keys, e.position[:n].tolist(),
+               *(v[:n].tolist() for v in values))  # fmt: skip
+    for s, d, k, row in zip(src[:n].tolist(), dst[:n].tolist(), keys, rows):
+        yield s, d, k, dict(zip(cols, row))
+    cols = ("kind", "input", "src_position", "dst_position", *names)
+    rows = zip(itertools.repeat("attention"), itertools.repeat("attention"),
+               e.src_position[n:].tolist(), e.dst_position[n:].tolist(),
+               *(v[n:].tolist() for v in values))  # fmt: skip
+    for s, d, row in zip(src[n:].tolist(), dst[n:].tolist(), rows):
+        yield s, d, "attention", dict(zip(cols, row))
 
 
 def to_networkx(circuit):
