@@ -5,9 +5,11 @@ printable character: ``ĠMary`` is `` Mary`` (``Ġ``: a space), ``Ċ`` a newline
 tab, and ``Ã©`` the two bytes of ``é``. SentencePiece writes a space as ``▁``
 (``▁Mary``) and an odd byte as ``<0x0A>``. :func:`readable` turns such a token into
 its text, with a newline shown as ``↵`` and a tab as ``⇥`` (other control characters
-as their Unicode pictures, ``␍``), so that every view, table, figure and export shows
-`` Mary``; the raw token stays where a program reads it (``token_raw`` columns, the
-``raw_tokens`` field of an explanation's JSON, vocabulary ids).
+as their Unicode pictures, ``␍``; a token holding part of a character's bytes, a
+character split over tokens, shows those bytes: ``\\xc3``), so that every view, table,
+figure and export shows `` Mary``; the raw token stays where a program reads it
+(``token_raw`` columns, the ``raw_tokens`` field of an explanation's JSON, vocabulary
+ids).
 
 How a token is read depends on its tokenizer (:func:`scheme`): ``"byte-level"``,
 ``"sentencepiece"`` or ``"plain"`` (WordPiece and the rest: ``##ing`` and ``[CLS]``
