@@ -12,7 +12,6 @@ data-set run: every view, table, figure and export shows `` Mary``, and the raw
 
 from __future__ import annotations
 
-import doctest
 import json
 import re
 
@@ -142,10 +141,6 @@ def test_control_characters_and_errors():
         T.readable("ĠMary", "bytes")
     assert T.text_of([" When", " Mary"]) == "When Mary" and T.text_of(["a", "b"]) == "a b"
     assert T.token_line(["When", " Mary"]) == "When| Mary"
-
-
-def test_module_examples():
-    assert doctest.testmod(T).failed == 0
 
 
 # -- where tokens are shown -----------------------------------------------------------
