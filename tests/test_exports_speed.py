@@ -55,6 +55,7 @@ CASES = {
     "pruned by MaxProduct": lambda: hand_built(seed=3).prune(top_n=6, semiring=MP),
     "tied": _tied,
     "tied, pruned": lambda: _tied(6).prune(top_n=4),
+    "padded, pruned": lambda: hand_built(seed=7, mask=[1, 0, 1]).prune(top_n=5),
 }
 
 
@@ -201,7 +202,8 @@ def test_dot_edges_widths_and_colours(circuit, col):
         assert bool(dashed) == (k == "attention")
     shown = readable_tokens(circuit.token_list)
     for p, t in enumerate(shown):
-        assert f'"input@{p}" [label="input@{p}\\n{t}\\n' in dot
+        if not circuit.mask or circuit.mask[p]:  # (padding has no site)
+            assert f'"input@{p}" [label="input@{p}\\n{t}\\n' in dot
 
 
 def test_networkx_edges_carry_the_rows(circuit):
@@ -300,3 +302,16 @@ def test_chunks_cover_the_rows_once():
     for n, step in ((0, 4), (3, 4), (8, 4), (9, 4)):
         parts = list(sites.chunks(n, "test", step))
         assert [i for s in parts for i in range(n)[s]] == list(range(n))
+
+
+def test_a_circuit_without_edges(tmp_path):
+    c = hand_built(seed=8)
+    c = Circuit(c.nodes, None, None, list(COLS), c.tokens)
+    for circuit in (c, c.prune(top_n=3)):
+        d = json.loads(json.dumps(circuit.to_eap_json(tmp_path / "e.json")))
+        assert d == json.loads((tmp_path / "e.json").read_text())
+        assert not any(e["in_graph"] for e in d["edges"].values())
+        assert all(e["score"] == 0.0 for e in d["edges"].values())
+        assert circuit.to_neuronpedia(tmp_path / "n.json")["links"] == []
+        assert " -> " not in circuit.to_dot()
+        assert circuit_svg(circuit)[1]["edges_total"] == 0
