@@ -286,8 +286,8 @@ def lookup(codes, known) -> tuple[np.ndarray, np.ndarray]:
     return found, np.where(found, order[at], 0)
 
 
-#: edges written before a progress bar shows (fewer take well under a second)
-BAR_FROM = 2**20
+#: edges written before a progress bar shows (fewer take under a second)
+BAR_FROM = 2**19
 
 
 def chunks(n: int, what: str, step: int = 2**18):
