@@ -20,6 +20,7 @@ import contextlib
 import copy
 import logging
 import operator
+import types
 
 import torch
 from torch.export.graph_signature import (
@@ -285,11 +286,13 @@ class _Decomposer:
             else {k: v for k, v in t.meta.items() if k in ("original_aten", "seq_nr")}
         )
         n.meta.update({k: copy.copy(origin.meta[k]) for k in _COPIED if k in origin.meta})
-        in_vals = torch.fx.node.map_arg((args, kwargs), self._val)
-        with self.fake:
-            if target is _mark:  # its fake kernel, without the custom op's dispatch
-                n.meta["val"] = torch.empty_like(in_vals[0][0])
-            else:
+        if target is _mark:  # its fake kernel, without the custom op's dispatch
+            n.meta["val"] = self._like(self._val(args[0]))
+        elif "val" in t.meta:  # the template's: its inputs have this node's layouts (its key)
+            n.meta["val"] = t.meta["val"]
+        else:
+            in_vals = torch.fx.node.map_arg((args, kwargs), self._val)
+            with self.fake:
                 n.meta["val"] = target(*in_vals[0], **in_vals[1])
         return n
 
@@ -325,8 +328,6 @@ class _Decomposer:
         from torch.export.exported_program import _get_updated_range_constraints
 
         p = self.program
-        gm = torch.fx.GraphModule(torch.nn.Module(), new)
-        gm.meta.update(p.graph_module.meta)
         outs = list(new.output_node().args[0])
         specs = [
             OutputSpec(kind=s.kind, arg=TensorArgument(name=o.name), target=s.target)
@@ -344,16 +345,21 @@ class _Decomposer:
                 for x in (*entry.signature.inputs, *entry.signature.outputs):
                     if getattr(x, "name", None) in renamed:
                         x.name = renamed[x.name]
-        return torch.export.ExportedProgram(
-            root=gm,
-            graph=gm.graph,
+        # (the program makes its graph module: one code generation for the graph, not two)
+        ranges = _get_updated_range_constraints(types.SimpleNamespace(graph=new),
+                                                p.range_constraints)  # fmt: skip
+        out = torch.export.ExportedProgram(
+            root=torch.nn.Module(),
+            graph=new,
             graph_signature=sig,
             state_dict=p.state_dict,
-            range_constraints=_get_updated_range_constraints(gm, p.range_constraints),
+            range_constraints=ranges,
             module_call_graph=calls,
             example_inputs=p.example_inputs,
             constants=p.constants,
         )
+        out.graph_module.meta.update(p.graph_module.meta)
+        return out
 
 
 def _check(program) -> None:

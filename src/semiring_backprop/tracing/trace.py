@@ -10,6 +10,7 @@ its output in the identity op ``semiring_backprop::mark``, so that
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import operator
 import threading
@@ -23,7 +24,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import InputError, TracingError, TrainingModeError
 from ..graph import Graph
-from . import decompositions
+from . import blocks, decompositions
 from . import ops as _ops  # noqa: F401  (defines the mark op)
 from .checks import (
     check_functions,
@@ -37,6 +38,7 @@ from .checks import (
     watch_tensor_code,
 )
 from .decompose import decompose
+from .stitch import stitch
 
 mark_op = torch.ops.semiring_backprop.mark.default
 aten = torch.ops.aten
@@ -234,26 +236,44 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
     if long:  # before torch.export, which would fail deep inside with fake tensors
         raise InputError(long)
     table = decompositions.table(tuple(whole), paper=paper)
-    handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
     functions: list = []
     refusals: list = []  # what the model's code did that the pass cannot follow
+    groups = [] if dynamic else blocks.find_groups(model)
     try:
         with warnings.catch_warnings(), _no_stack_traces():
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-            with watch_functions(functions), watch_tensor_code(model, refusals):
-                program = _export(_Explained(model, output), args, kwargs, dynamic)
+            for tries in itertools.count(1):
+                functions.clear()
+                refusals.clear()
+                attempt = blocks.Attempt(groups, lambda: (len(functions), len(refusals)))
+                try:
+                    program, changed = _export_once(model, output, args, kwargs, dynamic,
+                                                    attempt, functions, refusals)  # fmt: skip
+                    break
+                except Exception as e:
+                    if attempt.retry is None and not attempt.stubs:
+                        raise
+                    log.debug("exporting again: %s", attempt.retry or e)
+                    if attempt.retry is None or tries >= blocks.MAX_ATTEMPTS:
+                        for g in groups:  # (a failure with stand-ins: again without)
+                            g.off = True
+                finally:
+                    attempt.forget()
             if refusals:
                 raise refusals[0]
             _check_mode(model, program, allow_training)
             if functions:
                 check_functions(_Explained(model, output), args, kwargs, functions)
-            _detach_no_grad_blocks(program)
-            _views_as_reshapes(program)
-            _unwrap_bool_checks(program)
+            # (the passes change graphs in place; each graph's code is made once after)
+            changed |= _detach_no_grad_blocks(program)
+            changed |= _views_as_reshapes(program)
+            changed |= _unwrap_bool_checks(program)
+            if changed:
+                program.graph_module.recompile()
             program = decompose(program, table)
-            _select_by_indices(program)
-            _drop_identity_restrides(program)
+            if _select_by_indices(program) | _drop_identity_restrides(program):
+                program.graph_module.recompile()
     except (TracingError, InputError, TrainingModeError):
         raise
     except Exception as e:  # torch raises many types; say what failed and what to try
@@ -282,9 +302,6 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
                 f"tensors as the model.{experts_hint(model)}"
             )
         ) from e
-    finally:
-        for h in handles:
-            h.remove()
     graph = _build_graph(program, args, kwargs, tuple(whole))
     if isinstance(model, torch.nn.Module):
         graph.module_types = {n: type(m).__name__ for n, m in model.named_modules()}
@@ -338,6 +355,20 @@ def _no_stack_traces():
         config.do_not_emit_stack_traces = before
 
 
+def _export_once(model, output, args, kwargs, dynamic, attempt, functions, refusals):
+    """One export (``attempt``: its blocks' records and stand-ins, replaced by copies of
+    their templates after it) and whether its graph changed since its code was made;
+    raises where ``attempt`` aborted it (``attempt.retry``)."""
+    handles = _install_marks(model) if isinstance(model, torch.nn.Module) else []
+    try:
+        with watch_functions(functions), watch_tensor_code(model, refusals), attempt.patched():
+            program = _export(_Explained(model, output), args, kwargs, dynamic)
+    finally:
+        for h in handles:
+            h.remove()
+    return (stitch(program, attempt), True) if attempt.stubs else (program, False)
+
+
 def _export(wrapper, args, kwargs, dynamic):
     inputs = (args, kwargs)  # the two positional inputs of _Explained.forward
     if dynamic:
@@ -361,7 +392,7 @@ def _export(wrapper, args, kwargs, dynamic):
     return torch.export.export(wrapper, inputs, strict=False)
 
 
-def _detach_no_grad_blocks(program) -> None:
+def _detach_no_grad_blocks(program) -> bool:
     """Values computed under ``torch.no_grad()`` carry no edges, as in autograd.
 
     ``torch.export`` keeps such a block as ``wrap_with_set_grad_enabled(False, ...)`` until
@@ -381,8 +412,7 @@ def _detach_no_grad_blocks(program) -> None:
             detached = graph.call_function(torch.ops.aten.detach.default, (out,))
         detached.meta = dict(out.meta)
         out.replace_all_uses_with(detached, delete_user_cb=lambda n, d=detached: n is not d)
-    if outs:
-        program.graph_module.recompile()
+    return bool(outs)
 
 
 # ops returning (values, indices) where the values are the input's elements at the
@@ -414,7 +444,7 @@ def _arg(node, spec):
     return node.args[pos] if pos is not None and pos < len(node.args) else default
 
 
-def _select_by_indices(program) -> None:
+def _select_by_indices(program) -> bool:
     """Selections (topk, sort, max pooling, ...) read their values back from the input
     at their indices: ``gather(x, dim, indices)``. The values then have edges to the
     selected elements only, as in autograd, and the indices (integers) none; the op
@@ -459,10 +489,10 @@ def _select_by_indices(program) -> None:
         changed = True
     if changed:
         graph.lint()
-        program.graph_module.recompile()
+    return changed
 
 
-def _views_as_reshapes(program) -> None:
+def _views_as_reshapes(program) -> bool:
     """Every ``view`` of the exported graph becomes a ``reshape`` before the
     decompositions run. Export records the strides that eager's kernels gave: after a
     fused attention kernel, ``out.permute(2, 0, 1, 3).contiguous()`` is already
@@ -474,11 +504,10 @@ def _views_as_reshapes(program) -> None:
     views = [n for n in graph.nodes if n.target is aten.view.default]
     for node in views:
         node.target = aten.reshape.default
-    if views:
-        program.graph_module.recompile()
+    return bool(views)
 
 
-def _unwrap_bool_checks(program) -> None:
+def _unwrap_bool_checks(program) -> bool:
     """``cast_symbool_to_symint_guardless(b) == 1`` becomes ``b``. torch 2.11 writes a
     check on a tensor's truth (``torch._check_tensor_all``, as transformers' LLaVA checks
     that the image tokens match the image features) this way, and its own
@@ -498,10 +527,10 @@ def _unwrap_bool_checks(program) -> None:
             graph.erase_node(node)
     if changed:
         graph.lint()
-        program.graph_module.recompile()
+    return changed
 
 
-def _drop_identity_restrides(program) -> None:
+def _drop_identity_restrides(program) -> bool:
     """``as_strided`` that only restates a contiguous tensor's own layout (export keeps
     eager's strides, e.g. after a pooling that reads a transposed input) is the
     identity: its users read the input. Any other ``as_strided`` stays, and the pass
@@ -519,7 +548,7 @@ def _drop_identity_restrides(program) -> None:
             changed = True
     if changed:
         graph.lint()
-        program.graph_module.recompile()
+    return changed
 
 
 def _is_identity_view(node) -> bool:
