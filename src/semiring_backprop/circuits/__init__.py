@@ -8,7 +8,7 @@ edge between sites the ⊕ of the whole paths through it, under each semiring (R
 total flow; MaxProduct: the best path's product, signed). ``prune`` keeps the
 strongest components; the circuit draws itself (``_repr_html_``, ``to_html``) and
 writes EAP-IG / MIB graph JSON, circuit-tracer / Neuronpedia attribution graph JSON,
-networkx graphs and Graphviz DOT (:mod:`.exports`).
+networkx graphs and Graphviz DOT (:mod:`.exports`, :mod:`.graphs`).
 
 The best whole paths through components are not read off the edges: an edge's value is
 the best path through that edge, and chaining edges does not give a path's value (a
@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..errors import InputError
-from . import exports, paths, sites
+from . import exports, graphs, paths, sites
 from .exports import ATTENTION_COLUMNS, COMPONENT_ROLES, EDGE_COLUMNS, NODE_COLUMNS
 
 __all__ = ["Circuit", "circuit"]
@@ -373,12 +373,12 @@ class Circuit:
     # -- exports ----------------------------------------------------------------------
 
     def to_networkx(self):
-        """A ``networkx.MultiDiGraph`` of the sites and edges (:mod:`.exports`)."""
-        return exports.to_networkx(self)
+        """A ``networkx.MultiDiGraph`` of the sites and edges (:mod:`.graphs`)."""
+        return graphs.to_networkx(self)
 
     def to_dot(self, semiring=None) -> str:
         """Graphviz DOT text of the sites and edges, coloured by ``semiring``'s values."""
-        return exports.to_dot(self, semiring)
+        return graphs.to_dot(self, semiring)
 
     def to_eap_json(self, path=None, semiring=None) -> dict:
         """EAP-IG / MIB graph JSON (``Graph.from_json`` reads it): scores under
