@@ -129,3 +129,50 @@ def test_agreement_refuses_duplicate_keys():
     with pytest.raises(InputError, match="rows of the effects share a key"):
         F.agreement(effects.rename(columns={"effect": "score"}),
                     scores.rename(columns={"score": "effect"}))  # fmt: skip
+
+
+# -- exports: files the user names, and text inside them ---------------------------------
+
+
+@functools.cache
+def _small_circuit():
+    tokens = ['say "hi"', "a\\b", "x] [color=red"]
+    return sbp.circuit(gpt2(), kwargs={"input_ids": IDS[:, :3]}, output=margin, tokens=tokens)
+
+
+def test_dot_labels_hold_any_token_text():
+    """Quotes and backslashes are escaped: no token ends a label or adds an attribute."""
+    import re
+
+    quoted = re.compile(r'"((?:[^"\\]|\\.)*)"')
+    dot = _small_circuit().to_dot()
+    for line in dot.splitlines():
+        outside = quoted.sub('""', line)
+        assert "color=red" not in outside and outside.count('"') % 2 == 0, line
+    labels = [m.group(1) for m in quoted.finditer(dot) if "input@" in m.group(1)]
+    shown = [bytes(t, "utf-8").decode("unicode_escape") for t in labels]
+    assert any('say "hi"' in t for t in shown) and any("a\\b" in t for t in shown)
+
+
+def test_export_files_that_cannot_be_written_are_said_so(tmp_path, monkeypatch):
+    c = _small_circuit()
+    with pytest.raises(InputError, match="is a directory"):
+        c.to_eap_json(tmp_path)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(InputError, match="cannot write"):
+        c.to_eap_json(a_file / "inside.json")  # its directory is a file
+    with pytest.raises(InputError, match="cannot write the graph"):
+        c.to_neuronpedia(a_file)  # a file where the directory goes
+    with pytest.raises(InputError, match="is a directory"):
+        c.top_paths(1).to_json(tmp_path)
+
+    def full(self, *a, **k):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(tmp_path), "write_text", full)
+    with pytest.raises(InputError, match="No space left on device"):
+        c.to_eap_json(tmp_path / "c.json")
+    with pytest.raises(InputError, match="No space left on device"):
+        c.to_neuronpedia(tmp_path / "graphs")
+    assert not (tmp_path / "c.json").exists()

@@ -38,6 +38,26 @@ def atomic_write(path, write: Callable[[Path], object]) -> Path:
     return path
 
 
+def write_user_file(path, write: Callable[[Path], object], example: str = "out.json") -> Path:
+    """:func:`atomic_write` for a file the user named: a directory, a place that cannot
+    be written (read-only, no such drive) or a full disk is an
+    :class:`~semiring_backprop.errors.InputError` naming the file, not an ``OSError``
+    from deep inside. ``example``: a file name to suggest."""
+    from .errors import InputError
+
+    p = Path(path)
+    if p.is_dir():
+        raise InputError(f"{str(path)!r} is a directory; give a file name such as {example}")
+    try:
+        return atomic_write(p, write)
+    except OSError as e:
+        why = e.strerror or type(e).__name__
+        raise InputError(
+            f"cannot write {str(path)!r} ({why}): give a file in a directory you can write "
+            "to, on a disk with room"
+        ) from None
+
+
 def json_safe(x, nonfinite: str = "null", plain: bool = True):
     """``x`` (dicts, lists and tuples of them) as JSON can hold it. A non-finite float
     becomes ``None`` (``nonfinite="null"``: JSON's null) or its name (``"name"``:

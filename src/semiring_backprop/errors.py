@@ -76,7 +76,8 @@ class LoadError(InputError):
         ... except sbp.LoadError as e:
         ...     print(e)
         could not load './no-such-model': no such directory. Pass a local directory written
-        by model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), or a hub id.
+        by model.save_pretrained(DIR) and tokenizer.save_pretrained(DIR), a GGUF file, or a
+        hub id.
     """
 
 

@@ -386,10 +386,10 @@ class Circuit:
         components and edges. Written to ``path`` when given; returns the dict."""
         graph = exports.eap_graph(self, semiring)
         if path is not None:
-            from .._files import atomic_write
+            from .._files import write_user_file
 
             text = exports.eap_json(graph)
-            atomic_write(path, lambda tmp: tmp.write_text(text))
+            write_user_file(path, lambda tmp: tmp.write_text(text), "circuit.json")
         return graph
 
     def to_neuronpedia(self, where=None, semiring=None, slug: str = "circuit",

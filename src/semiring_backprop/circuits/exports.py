@@ -417,9 +417,20 @@ def write_neuronpedia(graph: dict, where, text: str | None = None) -> str:
     ``text``: the graph as JSON, where already written (:func:`save_neuronpedia`)."""
     from pathlib import Path
 
+    where = Path(where)
+    try:
+        return _write_neuronpedia(graph, where, text)
+    except OSError as e:  # a file where a directory goes, a read-only place, a full disk
+        raise InputError(
+            f"cannot write the graph to {str(where)!r} ({e.strerror or type(e).__name__}"
+            f"{': ' + str(e.filename) if e.filename else ''}): give a directory you can "
+            "write to (or a .json file name), on a disk with room"
+        ) from None
+
+
+def _write_neuronpedia(graph: dict, where, text: str | None) -> str:
     from .._files import atomic_write
 
-    where = Path(where)
     # (not indented: an indented dump runs in Python, seconds for a large graph)
     text = json.dumps(graph, allow_nan=False) if text is None else text
     if where.suffix == ".json":

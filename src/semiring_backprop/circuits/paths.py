@@ -147,9 +147,9 @@ class CircuitPaths(list):
         to ``file`` when one is given."""
         text = json.dumps(self.to_dict(), allow_nan=False, **kwargs)
         if file is not None:
-            from .._files import atomic_write
+            from .._files import write_user_file
 
-            atomic_write(file, lambda tmp: tmp.write_text(text))
+            write_user_file(file, lambda tmp: tmp.write_text(text), "paths.json")
         return text
 
     def __repr__(self) -> str:
