@@ -28,6 +28,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 
 from .ops import BLOCK_OUTPUTS
@@ -152,6 +153,7 @@ class _Recorder(TorchFunctionMode):
         self.calls: list = []  # (function, arguments, keywords, result), described
         self.runs: list = []  # (the tensors a call was given, what it returned)
         self.templates = templates
+        self.fake = None  # the trace's fake mode (replaying)
         self.bad: str | None = None
 
     def _name(self, t, origin) -> None:
@@ -188,7 +190,7 @@ class _Recorder(TorchFunctionMode):
             if not self.templates:
                 raise _Mismatch(f"call {i} ({getattr(func, '__name__', func)})")
             given, out = self.templates[0].runs[i]
-            out = _fresh(out, given, _leaves((args, kwargs), []))
+            out = _fresh(out, given, _leaves((args, kwargs), []), self.fake)
         try:
             self.calls.append((*call, self.describe(out, result=i)))
         except _Bad as e:
@@ -251,28 +253,27 @@ class _Recorder(TorchFunctionMode):
         return ("tensor", layout)
 
 
-def _fresh(out, given: list, now: list):
+def _fresh(out, given: list, now: list, fake):
     """What a template's call returned, for another member's call of the same record:
     each tensor it was given (``given``) as the one given now (``now``), other tensors
-    new ones of their layouts (fake ones: they enter no graph)."""
+    new fake ones of their layouts (of ``fake``, the trace's mode: they enter no graph)."""
     if isinstance(out, torch.Tensor):
         for g, n in zip(given, now):
             if out is g:
                 return n
         shape, stride, offset = out.shape, out.stride(), out.storage_offset()
+        meta = torch.empty_strided(shape, stride, dtype=out.dtype, device="meta")
         if offset:
             size = offset + sum((n - 1) * s for n, s in zip(shape, stride)) + 1
-            t = torch.empty(size, dtype=out.dtype, device=out.device)
-            t = t.as_strided(shape, stride, offset)
-        else:
-            t = torch.empty_strided(shape, stride, dtype=out.dtype, device=out.device)
-        return t.requires_grad_() if out.requires_grad else t
+            meta = torch.empty(size, dtype=out.dtype, device="meta")
+            meta = meta.as_strided(shape, stride, offset)
+        return FakeTensor(fake, meta.requires_grad_(out.requires_grad), out.device)
     if type(out) in (list, tuple):
-        return type(out)(_fresh(v, given, now) for v in out)
+        return type(out)(_fresh(v, given, now, fake) for v in out)
     if isinstance(out, tuple) and hasattr(type(out), "n_fields"):  # torch.return_types
-        return type(out)([_fresh(v, given, now) for v in out])
+        return type(out)([_fresh(v, given, now, fake) for v in out])
     if type(out) is dict:
-        return {k: _fresh(v, given, now) for k, v in out.items()}
+        return {k: _fresh(v, given, now, fake) for k, v in out.items()}
     if _leaves(out, []) or isinstance(out, tuple):
         raise _Mismatch(f"a result of type {type(out).__name__}")
     return out
@@ -534,6 +535,7 @@ def _replayed(g, j, orig, args, kwargs, device, probe, templates):
     if fake is None:
         raise _Bad("no fake tensors")
     rec = _Recorder(g.paths[j], device, inputs, _state(g.members[j]), templates)
+    rec.fake = fake
     entry = rec.describe((args, kwargs), objects=True)
     rec.templates = [t for t in templates if t.record[0] == entry]
     if not rec.templates:
