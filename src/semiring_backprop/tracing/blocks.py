@@ -28,7 +28,7 @@ import itertools
 from dataclasses import dataclass, field
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 
 from .ops import BLOCK_OUTPUTS
@@ -190,7 +190,8 @@ class _Recorder(TorchFunctionMode):
             if not self.templates:
                 raise _Mismatch(f"call {i} ({getattr(func, '__name__', func)})")
             given, out = self.templates[0].runs[i]
-            out = _fresh(out, given, _leaves((args, kwargs), []), self.fake)
+            with unset_fake_temporarily():  # (made directly: five times as fast)
+                out = _fresh(out, given, _leaves((args, kwargs), []), self.fake)
         try:
             self.calls.append((*call, self.describe(out, result=i)))
         except _Bad as e:

@@ -82,6 +82,8 @@ class _Decomposer:
         self.inputs: dict = {}  # placeholder -> its value without a constant's value
         self.likes: dict = {}  # layout -> a fake tensor of it (marks' values, planning)
         self.guesses: dict = {}  # key -> what the op gives run on fake tensors (planning)
+        self.keys: dict = {}  # node -> its key, as the last planning round found it
+        self.settled = False  # the keys of that round are those of the new graph
 
     def run(self):
         try:
@@ -109,12 +111,16 @@ class _Decomposer:
 
     def _plan(self) -> None:
         """Trace the distinct ops in a few batches: first with the layouts of the graph
-        as exported, then with those the decomposed graph gives, until they agree."""
+        as exported, then with those the decomposed graph gives, until they agree (at
+        once where each guess had its template's layouts: the keys then stand)."""
         for _ in range(_ROUNDS):
             items = self._distinct()
             if not items:
                 return
             self._trace_batch(items)
+            if all(_same_layouts(self.guesses[k], self.templates[k][3]) for k in items):
+                self.settled = True
+                return
 
     def _distinct(self) -> dict:
         """``{key: (node, {input: value})}`` for one node of each distinct op not traced
@@ -122,6 +128,7 @@ class _Decomposer:
         tell (their templates' outputs); past an op not traced yet, what it gives run on
         fake tensors (:meth:`_guess`)."""
         found, vals = {}, {}
+        self.keys = {}
         for node in self.graph.nodes:
             if node.op == "placeholder":
                 vals[node] = self._input_val(node)
@@ -135,7 +142,7 @@ class _Decomposer:
                 vals[node] = self._like(vals[node.args[0]])
             else:
                 ins = {a: vals[a] for a in node.all_input_nodes}
-                key = _key(node, ins)
+                key = self.keys[node] = _key(node, ins)
                 if key in self.templates:
                     vals[node] = self.templates[key][3]
                     continue
@@ -261,7 +268,7 @@ class _Decomposer:
         if node.target is _mark:  # an identity of ours, kept as it is: no need to trace it
             return self._copy(new, node, env, node)
         vals = {a: env[a].meta["val"] for a in node.all_input_nodes}
-        key = _key(node, vals)
+        key = self.keys[node] if self.settled else _key(node, vals)
         if key not in self.templates:
             self._trace_batch({key: (node, vals)})
         inputs, body, outputs, _ = self.templates[key]
@@ -482,6 +489,15 @@ def _key(node, vals: dict):
     if order != tuple(node.all_input_nodes):  # inputs numbered as all_input_nodes lists them
         raise _Unsupported("input order")
     return key
+
+
+def _same_layouts(a, b) -> bool:
+    """Whether two values (tensors, or tuples and lists of them) have one layout."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return _layout(a) == _layout(b)
+    if isinstance(a, tuple | list) and isinstance(b, tuple | list) and len(a) == len(b):
+        return all(_same_layouts(x, y) for x, y in zip(a, b))
+    return a is None and b is None
 
 
 def _map(value, env):
