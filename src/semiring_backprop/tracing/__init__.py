@@ -1,6 +1,9 @@
 """Model + example inputs + output function -> :class:`~semiring_backprop.graph.Graph`.
 
 - :mod:`.trace`: ``torch.export`` (non-strict), module marks, the ATen-level graph;
+- :mod:`.blocks`, :mod:`.record`, :mod:`.stitch`: a repeated block (a transformer's
+  layer) traced once, the others' traces copies of its, checked by a record of the
+  torch functions each one's code calls;
 - :mod:`.decompositions`: composite ops into primitives (and paper mode's formulas);
 - :mod:`.decompose`: the table applied to an exported graph, each distinct op traced
   once (``run_decompositions``'s graph, faster);

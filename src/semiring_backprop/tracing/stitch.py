@@ -17,7 +17,8 @@ import torch
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 from torch.fx.node import map_aggregate
 
-from .blocks import INPUTS, OUTPUTS, REGION, Retry, rename
+from .blocks import INPUTS, OUTPUTS, REGION, Retry
+from .record import rename
 
 _block = torch.ops.semiring_backprop.block.default
 _LIFTED = re.compile(r"(?:^|\.)lifted_tensor_(\d+)$")
