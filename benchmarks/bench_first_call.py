@@ -14,6 +14,7 @@ wall-clock; ``cpu`` is the process's CPU time (it counts every thread).
 
     python benchmarks/bench_first_call.py --cases smol
     python benchmarks/bench_first_call.py --cases smol --tokens 20 512 --against ../base/src
+    python benchmarks/bench_first_call.py --cases smol --threads 1 --repeat 2   # a busy machine
 """
 
 from __future__ import annotations
@@ -75,10 +76,12 @@ print(json.dumps({{"first": t1 - t0, "cpu": c1 - c0, "trace": traced[0], "second
 """
 
 
-def run(case: str, tokens: int, src: str | None = None) -> dict:
+def run(case: str, tokens: int, src: str | None = None, threads: int = 0) -> dict:
     """One fresh process: the first and second call's seconds (``src``: import the
-    package from there)."""
+    package from there; ``threads``: torch's threads, 0 for its default)."""
     env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     if src:
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, "-c", _RUN.format(case=case, tokens=tokens)],
@@ -92,17 +95,21 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", nargs="+", type=int, default=[20, 128, 512])
     p.add_argument("--repeat", type=int, default=1, help="runs of each; the least is kept")
     p.add_argument("--against", metavar="DIR", help="another checkout's src to compare with")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch's threads (1 on a busy machine: timings steadier)")  # fmt: skip
     args = p.parse_args(argv)
     trees = [("this", None)] + ([("against", args.against)] if args.against else [])
     for case in args.cases:
-        print(f"{case}: seconds of the first call in a fresh process (least of {args.repeat})")
+        threads = f", {args.threads} thread(s)" if args.threads else ""
+        print(f"{case}: seconds of the first call in a fresh process (least of {args.repeat}"
+              f"{threads})")  # fmt: skip
         head = f"{'tokens':>6} {'tree':>8} {'first':>7} {'cpu':>7} {'trace':>7} {'second':>7}"
         print(head + ("  against/this" if args.against else ""))
         for tokens in args.tokens:
             best: dict = {}
             for _ in range(args.repeat):
                 for name, src in trees:  # (in turn: a drift of the machine hits both)
-                    r = run(case, tokens, src)
+                    r = run(case, tokens, src, args.threads)
                     if name not in best or r["first"] < best[name]["first"]:
                         best[name] = r
             for name, _ in trees:
