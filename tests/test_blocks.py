@@ -9,6 +9,7 @@ The model matrix of test_families runs in the slow tier.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -203,6 +204,35 @@ def test_a_copy_read_where_only_a_full_trace_has_it():
     out = _same_as_full(model, {"input_ids": ids},
                         output=lambda o: o.past_key_values.layers[-1].keys.sum())  # fmt: skip
     assert out == 0
+
+
+class _Twice(_Net):
+    def forward(self, x):
+        return super().forward(super().forward(x))
+
+
+def test_members_called_twice():
+    """A member's second call is traced as it is (its marks are another call's)."""
+    torch.manual_seed(0)
+    net = _Twice([1.0] * 3).eval()
+    assert _same_as_full(net, args=(torch.randn(2, 4),), output=lambda y: y[0, 1]) == 2
+
+
+def test_another_thread_runs_the_model_as_it_is():
+    """While an export's members are patched, a thread that is not the tracing one
+    runs the model as it is, and leaves the groups as they were."""
+    torch.manual_seed(0)
+    net = _Net([1.0] * 3).eval()
+    x = torch.randn(2, 4)
+    want = net(x)
+    attempt = B.Attempt(B.find_groups(net), lambda: 0)
+    got = []
+    with attempt.patched():
+        thread = threading.Thread(target=lambda: got.append(net(x)))
+        thread.start()
+        thread.join()
+    torch.testing.assert_close(got[0], want)
+    assert not attempt.stubs and not any(g.off for g in attempt.groups)
 
 
 def test_groups():

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -150,6 +151,8 @@ class Attempt:
         self.called: dict = {}  # group -> indices of the members called so far
         self.stubs: dict = {}  # key -> Stub
         self.retry: str | None = None  # why the export was aborted
+        self.owner = threading.get_ident()  # (another thread running the model meanwhile
+        # runs it as it is)
 
     @contextlib.contextmanager
     def patched(self):
@@ -176,8 +179,8 @@ class Attempt:
     def _forward(self, g, j, orig):
         def forward(*args, **kwargs):
             called = self.called.setdefault(g, set())
-            if g.off or j in called:  # (a member called twice: traced as it is)
-                return orig(*args, **kwargs)
+            if g.off or j in called or threading.get_ident() != self.owner:
+                return orig(*args, **kwargs)  # (a member called twice: traced as it is)
             called.add(j)
             if j in g.templates or not self.templates.get(g):
                 return self._template(g, j, orig, args, kwargs)
