@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -320,13 +321,24 @@ class Backprop:
             if ckpt is not None:
                 self._check_examples(args, kwargs, ckpt.held[graph.output_node])
                 return Result(graph, ckpt.values, ckpt.store, self.semirings)
+            # the value the trace's check compares, kept from the forward (the pass holds
+            # checkpoints only: reading it after would compute its segment again)
+            node = None if getattr(graph, "eager_checked", False) else compared(graph)
+            seen: dict = {}
+
+            def run_forward(drop):
+                if node is not None and drop:
+                    drop = {n: [x for x in xs if x is not node] for n, xs in drop.items()}
+                values = forward.run(graph, args, kwargs, drop)
+                if node is not None and node in values:
+                    seen[node] = values[node]
+                return values
+
             with torch.no_grad():
-                ckpt = checkpoints.run(
-                    graph, lambda drop: forward.run(graph, args, kwargs, drop),
-                    self.semirings, needed, frozenset(graph.user_inputs.values()),
-                )  # fmt: skip
+                ckpt = checkpoints.run(graph, run_forward, self.semirings, needed,
+                                       frozenset(graph.user_inputs.values()))  # fmt: skip
             self._check_examples(args, kwargs, ckpt.values.get(graph.output_node))
-            self._check_trace(graph, args, kwargs, ckpt.values)
+            self._check_trace(graph, args, kwargs, collections.ChainMap(seen, ckpt.values))
             return Result(graph, ckpt.values, ckpt.store, self.semirings)
         kept = None if self.keep is None else resolve_keep(graph, self.keep)
         drop = None  # with keep=, values no rule reads are not kept through the forward
