@@ -209,6 +209,11 @@ def trace(
     lengths (``Graph.accepts``). If the model cannot be traced that way, it is
     traced for these exact shapes.
 
+    Blocks repeated in an ``nn.ModuleList`` (a transformer's layers) are traced once for
+    exact shapes: the others' traces are copies, made where their code was checked to
+    call the same functions (``tracing.blocks``). The graph is the one a full trace
+    gives; with symbolic sizes every block is traced.
+
     Examples:
         The sequence length of the BERT's inputs stays symbolic; the batch of one is
         fixed:
