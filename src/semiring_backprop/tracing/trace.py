@@ -245,7 +245,7 @@ def _trace(model, args, kwargs, output, whole, allow_training, dynamic, paper=Fa
     refusals: list = []  # what the model's code did that the pass cannot follow
     groups = [] if dynamic else blocks.find_groups(model)
     try:
-        with warnings.catch_warnings(), _no_stack_traces():
+        with warnings.catch_warnings(), _no_stack_traces(), _code_when_read():
             # torch.export's own pytree internals warn about their deprecated API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             for tries in itertools.count(1):
@@ -358,6 +358,29 @@ def _no_stack_traces():
         yield
     finally:
         config.do_not_emit_stack_traces = before
+
+
+@contextlib.contextmanager
+def _code_when_read():
+    """The programs made meanwhile (the export's, the decomposed one) make their graph
+    module's Python code when it is first run or read, not each time the graph changes
+    (``torch.fx``'s lazy graph module): nothing here runs it, and for a 30-layer model
+    each made it again took 0.15-0.2 s, three times over."""
+    try:
+        from torch.export import exported_program as ep
+        from torch.fx._lazy_graph_module import _LazyGraphModule
+    except ImportError:  # (another torch: code made as it is)
+        yield
+        return
+    made = getattr(ep, "_create_graph_module_for_export", None)
+    if made is None:
+        yield
+        return
+    ep._create_graph_module_for_export = _LazyGraphModule
+    try:
+        yield
+    finally:
+        ep._create_graph_module_for_export = made
 
 
 def _export_once(model, output, args, kwargs, dynamic, attempt, functions, refusals):
