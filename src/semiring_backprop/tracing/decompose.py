@@ -147,10 +147,41 @@ class _Decomposer:
                     vals[node] = self.templates[key][3]
                     continue
                 if key not in found:
+                    guess = self.guesses.setdefault(key, self._guess(node, ins))
+                    if self._kept(node, guess):  # its template made here, not traced
+                        self.templates[key] = _as_is(node, self._run(node, ins))
+                        vals[node] = self.templates[key][3]
+                        continue
                     found[key] = (node, ins)
-                    self.guesses.setdefault(key, self._guess(node, ins))
                 vals[node] = self.guesses[key]
         return found
+
+    def _run(self, node, ins):
+        """What the op gives on fake tensors as traced: under no_grad, from inputs that
+        require no grad (a view of a parameter would, under no_grad alone)."""
+        detached = {a: v.detach() if isinstance(v, torch.Tensor) else v for a, v in ins.items()}
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: detached[a])
+        with self.fake, torch.no_grad():
+            return node.target(*args, **kwargs)
+
+    def _kept(self, node, val) -> bool:
+        """Whether the decomposition keeps the op as it is: one with no entry in the
+        table, not a composite one, functional, pointwise or a view, of one tensor; as
+        run_decompositions traces it, it is itself, its value what it gives on fake
+        tensors (``_guess``)."""
+        target = node.target
+        if target in self.cia or target in self.py_table or not isinstance(val, torch.Tensor):
+            return False
+        schema = target._schema
+        if schema.is_mutable or len(schema.returns) != 1:
+            return False
+        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return False
+        if torch._C._dispatch_has_kernel_for_dispatch_key(
+            target.name(), "CompositeImplicitAutograd"
+        ):
+            return False
+        return torch.Tag.pointwise in target.tags or target in _VIEWS
 
     def _like(self, val):
         """``empty_like(val)`` (the value of a mark), one per layout."""
@@ -489,6 +520,23 @@ def _key(node, vals: dict):
     if order != tuple(node.all_input_nodes):  # inputs numbered as all_input_nodes lists them
         raise _Unsupported("input order")
     return key
+
+
+#: view ops functionalization keeps as they are
+_VIEWS = frozenset({
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor,
+    aten.select.int, aten.transpose.int, aten.permute.default, aten.expand.default,
+    aten.t.default, aten.view.default,
+})  # fmt: skip
+
+
+def _as_is(node, val) -> tuple:
+    """The template of an op kept as it is: itself, on placeholders of its inputs."""
+    mini = torch.fx.Graph()
+    slots = {a: mini.placeholder(f"x{i}") for i, a in enumerate(node.all_input_nodes)}
+    op = mini.call_function(node.target, *_map((node.args, node.kwargs), slots))
+    op.meta = {"val": val, "original_aten": node.target, "seq_nr": node.meta.get("seq_nr")}
+    return list(slots.values()), [op], op, val
 
 
 def _same_layouts(a, b) -> bool:
