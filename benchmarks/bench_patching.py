@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_backprop import _bert, _gpt2, _inputs  # noqa: E402
 
 import semiring_backprop as sbp  # noqa: E402
-from semiring_backprop.analysis.patching import EDGE_KEY, Patching  # noqa: E402
+from semiring_backprop.ablation.patching import EDGE_KEY, Patching  # noqa: E402
 
 CASES = {"bert": ("BERT 6L-512H-8A", _bert), "gpt2": ("GPT-2 small", _gpt2)}
 

@@ -21,9 +21,9 @@ seeded with ``x - x'`` at the token embeddings), ``Real-IG{n}`` (its conductance
 ``EAP`` and ``EAP-IG{n}`` (attribution patching), ``patching`` (the exact effect of
 ablating that edge alone: the ranking that knows the answer) and ``random``. Each
 ranking gives a faithfulness curve (the edges outside its top fraction patched from
-the corrupted input, :class:`~semiring_backprop.analysis.patching.Patching`), CPR, CMD
+the corrupted input, :class:`~semiring_backprop.ablation.patching.Patching`), CPR, CMD
 and the edges needed for ``f >= level``; scores are also compared with the exact node
-and edge effects (:mod:`semiring_backprop.analysis.faithfulness`). ``Entropy`` is
+and edge effects (:mod:`semiring_backprop.ablation.faithfulness`). ``Entropy`` is
 computed and kept in the circuit but ranks nothing: it measures how spread the paths
 through an edge are, not how much they carry.
 
@@ -48,13 +48,13 @@ from pathlib import Path
 import torch
 
 from .._threads import threads
-from ..analysis.faithfulness import FRACTIONS, agreement, curve
+from ..ablation.faithfulness import FRACTIONS, agreement, curve
 from ..circuits.exports import EDGE_COLUMNS
 from ..errors import InputError
 from ..runner.records import Records, same_settings
 
 BENCHMARKS = ("first-token", "first-token-paper", "induction")
-#: the edge and node keys of :class:`~semiring_backprop.analysis.patching.Patching`
+#: the edge and node keys of :class:`~semiring_backprop.ablation.patching.Patching`
 EDGE_KEY = tuple(c for c in EDGE_COLUMNS if c != "token")
 NODE_KEY = ("layer", "position", "head_index", "role")
 #: the attention input's branches at the first token (§5.1)
@@ -137,7 +137,7 @@ def methods(config: Config) -> list[str]:
 
 def patching_class():
     """The ablation oracle (a function, so that tests can put a small fake in its place)."""
-    from ..analysis.patching import Patching
+    from ..ablation.patching import Patching
 
     return Patching
 

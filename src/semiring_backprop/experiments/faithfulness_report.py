@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..analysis.faithfulness import cmd, cpr, edges_needed, normalized
+from ..ablation.faithfulness import cmd, cpr, edges_needed, normalized
 from ..errors import InputError
 from ..runner.records import write_json
 from .common import write_csv
