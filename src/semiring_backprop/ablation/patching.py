@@ -6,7 +6,7 @@ The graph of ``sbp.backprop``'s Result is run again node by node (as
 :mod:`..engine.forward` runs it) with some values replaced:
 
 - a **site** (the token embedding, a head's columns of its output projection's input, an
-  MLP's output, at one position): its value for every consumer;
+  MLP's output, at one position): its value for every consumer (:mod:`.sites`);
 - an **edge** ``s -> d<input>`` at position ``p`` (the edges of
   :func:`..analysis.circuit_edges.circuit_edges`): the destination ``d`` (that head's columns of
   the query, key or value projection, the MLP's entry, or the output) reads its input
@@ -23,7 +23,7 @@ The graph of ``sbp.backprop``'s Result is run again node by node (as
   ablated value (as EAP-IG's ``evaluate_graph`` does);
 - a **branch** at a block's fan-out point (skip, query, key, value, mlp): what that
   branch's consumers read, recomputed from the fan-out point with its value at one
-  position ablated.
+  position ablated (:mod:`.sites`).
 
 Ablated values: the values on a corrupted input (``mode="corrupted"``), their mean over
 reference inputs (``"mean"``), or zeros (``"zero"``). Since ``mu`` is a tensor, the same
@@ -50,18 +50,16 @@ from ..analysis.fanout import ancestors, descendants
 from ..analysis.marginals import check_finite
 from ..errors import InputError
 from ..tracing.trace import input_tensors
+from . import sites
 from .patching_edges import args_of, assignment, call, call_order, destinations, own_pass
+from .sites import BRANCHES, NODE_KEY
 
 __all__ = ["EDGE_KEY", "NODE_KEY", "MODES", "BRANCHES", "Patching"]
 
 #: the columns that name an edge (``Circuit.edges``' columns before ``token``)
 EDGE_KEY = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
             "dst_head_index", "input", "position")  # fmt: skip
-#: the columns that name a site (roles embedding / head / mlp)
-NODE_KEY = ("layer", "position", "head_index", "role")
 MODES = ("corrupted", "mean", "zero")
-#: the branches of a block's fan-out points, as ``layer_table`` names them
-BRANCHES = ("skip", "query", "key", "value", "mlp")
 
 
 class Patching:
@@ -245,7 +243,7 @@ class Patching:
     def output(self, **kw):
         return self._run(self._inputs, **kw)[self.graph.output_node].reshape(())
 
-    def _batched(self, fn, variants) -> list[float]:
+    def batched(self, fn, variants) -> list[float]:
         """``fn(variant)`` (a scalar tensor) for each row of ``variants``, ``batch`` at a
         time along a new leading dimension."""
         out: list[float] = []
@@ -361,97 +359,25 @@ class Patching:
             mus = self.all_kept().expand(len(rows), -1, -1).clone()
             for k, (_, c, p) in enumerate(rows):
                 mus[k, c, p] = 0
-            got = self._batched(lambda mu, d=d: self.output(mix={d: mu}), mus)
+            got = self.batched(lambda mu, d=d: self.output(mix={d: mu}), mus)
             for (i, _, _), m in zip(rows, got):
                 effect[i] = self.clean - m
         out = frame.copy()
         out["effect"] = effect
         return out
 
-    # -- sites and branches -----------------------------------------------------------
+    # -- sites and branches: :mod:`.sites` --------------------------------------------
 
     def node_effects(self, progress: bool = False):
         """``NODE_KEY`` + ``effect``: m(M) - m(that site ablated for every consumer), one
-        forward pass per site (component and position)."""
-        import pandas as pd
-
-        lay = self.lay
-        groups: dict = {}
-        for c, comp in enumerate(lay.components):
-            groups.setdefault(comp.nodes, []).append(c)
-        rows = []
-        items = list(groups.items())
-        if progress:
-            from tqdm.auto import tqdm
-
-            items = tqdm(items, desc="sites")
-        for nodes, cs in items:
-            a, free = self.assign[nodes[0]]
-            keeps = []
-            for c in cs:
-                for p in (p for p in range(lay.positions) if p not in self.padding):
-                    k = torch.ones(lay.positions, a.shape[1], dtype=a.dtype, device=a.device)
-                    k[p] = 1 - a[c]
-                    keeps.append(k)
-                    comp = lay.components[c]
-                    rows.append({"layer": comp.layer, "position": p, "head_index": comp.head,
-                                 "role": comp.role})  # fmt: skip
-
-            def run(k, nodes=nodes):
-                return self.output(replace={n: self._site_patch(n, k) for n in nodes})
-
-            for r, m in zip(rows[len(rows) - len(keeps) :], self._batched(run, torch.stack(keeps))):
-                r["effect"] = self.clean - m
-        frame = pd.DataFrame(rows, columns=[*NODE_KEY, "effect"])
-        for col in ("layer", "position", "head_index"):
-            frame[col] = frame[col].astype("Int64")
-        return frame
-
-    def _site_patch(self, node, keep):
-        abl = self.ablated[node]
-
-        def patch(value):
-            k = keep.reshape(value.shape)
-            return k * value + (1 - k) * abl
-
-        return patch
+        forward pass per site (component and position): :func:`.sites.node_effects`."""
+        return sites.node_effects(self, progress)
 
     def branch_effect(self, layer: int, branch: str, position: int,
                       sublayer: str | None = None) -> float:  # fmt: skip
         """m(M) - m(only ``branch``'s consumers of block ``layer``'s fan-out point ablated at
-        ``position``): they read what they read, recomputed from the fan-out point with
-        its value at ``position`` ablated. ``branch``: skip, query, key, value (at the
-        block's input) or mlp (at its MLP's input); ``sublayer`` ("attention" / "mlp")
-        picks the fan-out point of ``skip`` (default: the block's input)."""
-        from ..analysis.branches import blocks
-        from ..analysis.fanout import entries
-
-        if branch not in BRANCHES:
-            raise InputError(f"branch={branch!r}: give one of {BRANCHES}")
-        sublayer = sublayer or ("mlp" if branch == "mlp" else "attention")
-        found = blocks(self.res, self.roles)
-        if not isinstance(layer, int) or not 0 <= layer < len(found):
-            raise InputError(f"layer={layer!r}: the model has blocks 0 to {len(found) - 1}")
-        if not isinstance(position, int) or not 0 <= position < self.lay.positions:
-            raise InputError(f"position={position!r}: give 0 to {self.lay.positions - 1}")
-        point = found[layer].points.get(sublayer)
-        if point is None or sublayer not in ("attention", "mlp"):
-            raise InputError(
-                f"sublayer={sublayer!r}: block {layer} has {list(found[layer].points)}"
-            )
-        _, ents = entries(self.res, point, self.roles)
-        reads = {e.op: e.via for e in ents if e.role == branch}
-        if not reads:
-            raise InputError(f"block {layer}'s {sublayer} fan-out point has no {branch!r} branch "
-                             f"(it has {sorted({e.role for e in ents})})")  # fmt: skip
-        like = self.base[point]
-        keep = torch.ones(self.lay.positions, like.numel() // self.lay.positions,
-                          dtype=like.dtype, device=like.device)  # fmt: skip
-        keep[position] = 0
-        with torch.no_grad():
-            got = self.output(branch=(point, keep.reshape(like.shape), reads))
-        self.evaluations += 1
-        return self.clean - float(got)
+        ``position``): :func:`.sites.branch_effect`."""
+        return sites.branch_effect(self, layer, branch, position, sublayer)
 
     # -- attribution patching ---------------------------------------------------------
 
