@@ -304,7 +304,7 @@ def _circuit(args) -> int:
                 c.to_eap_json(args.json)
                 print(f"wrote {args.json}")
             if args.neuronpedia:
-                from .hf.explain import model_name
+                from .hf.explanation import model_name
 
                 slug = "".join(ch if ch.isalnum() else "-" for ch in model_name(c.model_id))
                 c.to_neuronpedia(args.neuronpedia, slug=f"{slug}-circuit",
