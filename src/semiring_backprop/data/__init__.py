@@ -20,16 +20,8 @@ Examples:
     'the keys to the cabinet [MASK] here'
 """
 
-from .agreement import (
-    MASK,
-    AgreementData,
-    AgreementExample,
-    Malformed,
-    locate,
-    read_agreement,
-    read_blimp,
-    read_linzen,
-)
+from .agreement import MASK, AgreementData, AgreementExample, Malformed, locate
+from .agreement_files import read_agreement, read_blimp, read_linzen
 from .synthetic import TASKS, Split, TaskData, first_feature, make_task
 
 __all__ = [

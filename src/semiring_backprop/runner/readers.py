@@ -30,7 +30,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..data.agreement import MASK, Malformed, read_blimp, read_linzen
+from ..data.agreement import MASK, Malformed
+from ..data.agreement_files import read_blimp, read_linzen
 from ..errors import InputError, LoadError
 
 FORMATS = ("auto", "jsonl", "csv", "tsv", "blimp", "linzen", "datasets")
