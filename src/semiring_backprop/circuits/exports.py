@@ -41,7 +41,7 @@ import numpy as np
 
 from ..errors import InputError
 from ..tokens import readable_tokens
-from . import sites
+from . import bulk, sites
 
 NODE_COLUMNS = ("layer", "position", "token", "head_index", "role", "node")
 EDGE_COLUMNS = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
@@ -56,6 +56,8 @@ def as_int(x) -> int | None:
     """``x`` as an int; None where missing (None, NaN, ``pd.NA``)."""
     if x is None:
         return None
+    if type(x) is int:
+        return x
     try:
         import pandas as pd
 
@@ -64,6 +66,11 @@ def as_int(x) -> int | None:
     except (TypeError, ValueError):
         pass
     return int(x)
+
+
+def as_ints(column) -> list:
+    """:func:`as_int` of each value of a column (nullable ints, floats or objects)."""
+    return [None if math.isnan(x) else int(x) for x in sites.floats(column).tolist()]
 
 
 def component_name(role, layer, head=None) -> str:
@@ -339,15 +346,18 @@ def _np_node(shape: _Shape, row, col) -> dict:
 
 
 def _neuronpedia(circuit, semiring, slug, scan) -> tuple[dict, tuple]:
-    """:func:`neuronpedia_graph`, and its links' sources, targets and weights as lists."""
+    """:func:`neuronpedia_graph`, and its links as arrays: the node ids (an object array),
+    the index there of each link's source and target, and each link's weight."""
     import pandas as pd
 
     col = circuit.column(semiring)
     shape = _shape(circuit)
     rows = circuit.nodes[circuit.nodes.role != "residual"]
-    codes, nodes = sites.node_codes(rows).tolist(), []
-    for row in rows.to_dict("records"):
-        nodes.append(_np_node(shape, row, col))
+    codes = sites.node_codes(rows).tolist()
+    columns = {"role": rows["role"].tolist(), "layer": as_ints(rows["layer"]),
+               "head_index": as_ints(rows["head_index"]), "position": as_ints(rows["position"]),
+               "token": rows["token"].tolist(), col: sites.floats(rows[col]).tolist()}  # fmt: skip
+    nodes = [_np_node(shape, dict(zip(columns, row)), col) for row in zip(*columns.values())]
     for site in read_sites(circuit):
         node = _np_node(shape, {**site, col: math.nan}, col)
         where = ", ".join(str(p) for p in site["read_by"])
@@ -365,8 +375,10 @@ def _neuronpedia(circuit, semiring, slug, scan) -> tuple[dict, tuple]:
     weights = sites.oplus_groups(col, e.value(col)[take], pairs, len(first))
     keep = np.isfinite(weights)
     ids = np.array([n["node_id"] for n in nodes] or [""], dtype=object)
-    ends = (ids[first[keep] // k].tolist(), ids[first[keep] % k].tolist(), weights[keep].tolist())
-    links = [{"source": s, "target": t, "weight": w} for s, t, w in zip(*ends)]
+    src, dst, weights = first[keep] // k, first[keep] % k, weights[keep]
+    with bulk.gc_paused():  # (a million links: a dict each)
+        links = [{"source": s, "target": t, "weight": w} for s, t, w in zip(
+            ids[src].tolist(), ids[dst].tolist(), weights.tolist())]  # fmt: skip
     meta = {
         "slug": slug,
         "scan": scan,
@@ -379,7 +391,7 @@ def _neuronpedia(circuit, semiring, slug, scan) -> tuple[dict, tuple]:
     qparams = {"pinnedIds": [], "supernodes": [], "linkType": "both", "clickedId": "",
                "sg_pos": ""}  # fmt: skip
     graph = {"metadata": meta, "qParams": qparams, "nodes": nodes, "links": links}
-    return graph, ends
+    return graph, (ids, src, dst, weights)
 
 
 def neuronpedia_graph(circuit, semiring=None, slug: str = "circuit", scan: str = "") -> dict:
@@ -397,16 +409,21 @@ def save_neuronpedia(circuit, where, semiring=None, slug: str = "circuit",
                      scan: str = "") -> dict:  # fmt: skip
     """:func:`neuronpedia_graph` written by :func:`write_neuronpedia`; returns the graph.
     The links (a million for a whole circuit: seconds in the JSON encoder) are written
-    as text from their lists, the same JSON."""
-    graph, (src, dst, weights) = _neuronpedia(circuit, semiring, slug, scan)
+    as text joined from pieces (each node's written once, each weight's ``repr``), the
+    same JSON."""
+    graph, (ids, src, dst, weights) = _neuronpedia(circuit, semiring, slug, scan)
     rest = json.dumps({k: v for k, v in graph.items() if k != "links"}, allow_nan=False)
     # node ids are letters, digits and underscores; weights finite floats (repr as json)
-    parts = []
+    heads = np.array([f'{{"source": "{i}", "target": "' for i in ids.tolist()], dtype=object)
+    tails = np.array([f'{i}", "weight": ' for i in ids.tolist()], dtype=object)
+    pieces = [f'{rest[:-1]}, "links": [']
     for at in sites.chunks(len(src), "attribution graph links"):
-        parts += [f'{{"source": "{s}", "target": "{t}", "weight": {w!r}}}'
-                  for s, t, w in zip(src[at], dst[at], weights[at])]  # fmt: skip
-    body = ", ".join(parts)
-    write_neuronpedia(graph, where, f'{rest[:-1]}, "links": [{body}]}}')
+        said = list(map(float.__repr__, weights[at].tolist()))
+        pieces += bulk.interleaved(heads[src[at]], tails[dst[at]], said, "}, ")
+    if len(src):
+        pieces[-1] = "}"
+    pieces.append("]}")
+    write_neuronpedia(graph, where, "".join(pieces))
     return graph
 
 

@@ -12,8 +12,8 @@ import numpy as np
 
 from ..errors import InputError
 from ..tokens import readable_tokens
-from . import sites
-from .exports import as_int, read_sites, site_id
+from . import bulk, sites
+from .exports import as_ints, read_sites
 
 
 def graph_nodes(circuit):
@@ -23,13 +23,17 @@ def graph_nodes(circuit):
     names = circuit.names
     raw = circuit.token_list
     shown = readable_tokens(raw)
-    for row in circuit.nodes.to_dict("records"):
-        attrs = {k: row[k] for k in ("role", "layer", "head_index", "position", "token")}
-        attrs = {k: (as_int(v) if k in ("layer", "head_index", "position") else v)
-                 for k, v in attrs.items()}  # fmt: skip
+    nodes = circuit.nodes
+    ids = sites.site_names(sites.node_codes(nodes)).tolist()
+    ints = [as_ints(nodes[k]) for k in ("layer", "head_index", "position")]
+    values = [sites.floats(nodes[n]).tolist() for n in names]
+    for sid, role, layer, head, p, token, *vals in zip(
+        ids, nodes["role"].tolist(), *ints, nodes["token"].tolist(), *values
+    ):
+        attrs = {"role": role, "layer": layer, "head_index": head, "position": p, "token": token}
         _tokens(attrs, raw, shown)
-        attrs.update({n: float(row[n]) for n in names}, read=False)
-        yield site_id(row["role"], row["layer"], row["head_index"], row["position"]), attrs
+        attrs.update(zip(names, vals), read=False)
+        yield sid, attrs
     for site in read_sites(circuit):
         attrs = {k: site[k] for k in ("role", "layer", "head_index", "position", "token")}
         _tokens(attrs, raw, shown)
@@ -72,8 +76,8 @@ def _edge_tuples(e, src, dst):
 
 def to_networkx(circuit):
     """A ``networkx.MultiDiGraph``: a node per row of ``circuit.nodes`` (its columns as
-    attributes), an edge per row of ``circuit.edges`` and ``circuit.attention_edges``.
-    (A graph of millions of edges takes seconds: networkx holds a dict per edge.)"""
+    attributes), an edge per row of ``circuit.edges`` and ``circuit.attention_edges``
+    (:func:`graph_edges`, the same graph as ``add_edges_from`` of them makes)."""
     try:
         import networkx as nx
     except ImportError:
@@ -82,11 +86,68 @@ def to_networkx(circuit):
                         tokens_raw=list(circuit.token_list))  # fmt: skip
     for node, attrs in graph_nodes(circuit):
         g.add_node(node, **attrs)
-    e = sites.edge_arrays(circuit)
-    edges = _edge_tuples(e, sites.site_names(e.src), sites.site_names(e.dst))
-    for at in sites.chunks(len(e), "networkx edges", 2**16):
-        g.add_edges_from(itertools.islice(edges, at.stop - at.start))
+    _add_edges(g, sites.edge_arrays(circuit))
     return g
+
+
+def _add_edges(g, e) -> None:
+    """Add every edge of ``e`` to ``g`` as ``g.add_edges_from`` of :func:`graph_edges`
+    does (nodes new to ``g`` in the order met, neighbours and keys in the order of their
+    first edge, the same attribute dicts), filling the adjacency dicts directly:
+    ``add_edge`` takes microseconds an edge, seconds for a circuit of millions. A
+    networkx ``MultiDiGraph`` holds an edge as ``g._succ[u][v][key]`` (its attributes),
+    the key dict shared with ``g._pred[v][u]`` (the layout networkx's class docs state
+    under "Subclasses (Advanced)"). Where an edge repeats (one source, destination and key twice: no
+    circuit's frames have it) networkx's own ``add_edges_from`` adds them."""
+    import pandas as pd
+
+    n = len(e)
+    if not n:
+        return
+    ends = np.empty(2 * n, dtype=np.int64)  # u and v of each edge, as add_edge meets them
+    ends[0::2], ends[1::2] = e.src, e.dst
+    at, codes = pd.factorize(ends)
+    which, names = pd.factorize(np.array([sites.name_of(c) for c in codes.tolist()], object))
+    node = which[at]
+    names = np.asarray(names, dtype=object)
+    for name in names.tolist():
+        if name not in g._node:
+            g.add_node(name)
+    m = len(names)
+    pair, first = pd.factorize(node[0::2] * m + node[1::2])
+    keys = e.key
+    with bulk.gc_paused():
+        keydicts = [{} for _ in range(len(first))]
+        of_edge = np.empty(len(keydicts), dtype=object)
+        of_edge[:] = keydicts
+        of_edge = of_edge[pair]
+        for at in sites.chunks(n, "networkx edges"):
+            _store_attributes(e, of_edge[at].tolist(), keys, at)
+        if sum(map(len, keydicts)) != n:  # a repeated edge updates its first's attributes
+            g.add_edges_from(_edge_tuples(e, names[node[0::2]], names[node[1::2]]))
+            return
+        succ, pred = g._succ, g._pred
+        for u, v, kd in zip(names[first // m].tolist(), names[first % m].tolist(), keydicts):
+            succ[u][v] = kd
+            pred[v][u] = kd
+
+
+def _store_attributes(e, targets: list, keys, at: slice) -> None:
+    """``targets[i][key] = attributes`` of the edges ``at`` (``keys``: every edge's
+    key), the attributes of :func:`graph_edges`."""
+    n = e.n_residual
+    res = slice(min(at.start, n), min(at.stop, n))
+    att = slice(max(at.start, n), max(at.stop, n))
+    split = res.stop - res.start
+    values = {name: e.value(name) for name in e.names}
+    inputs = keys[res].tolist()
+    bulk.store_records(targets[:split], inputs, {
+        "kind": "residual", "input": inputs, "position": e.position[res].tolist(),
+        **{name: v[res].tolist() for name, v in values.items()}})  # fmt: skip
+    bulk.store_records(targets[split:], keys[att].tolist(), {
+        "kind": "attention", "input": "attention", "src_position": e.src_position[att].tolist(),
+        "dst_position": e.dst_position[att].tolist(),
+        **{name: v[att].tolist() for name, v in values.items()}})  # fmt: skip
 
 
 def _q(s) -> str:
@@ -110,19 +171,21 @@ def to_dot(circuit, semiring=None) -> str:
     ]
     ranks: dict = {}
     for name, a in rows:
-        ranks.setdefault(a["layer"], []).append(name)
+        quoted = _q(name)
+        ranks.setdefault(a["layer"], []).append(quoted)
         what = name if a["role"] == "target" else f"{name}\\n{_label(a['token'])}"
         if a["read"]:  # a kept head reads here; its value belongs to where it writes
-            out.append(f'  {_q(name)} [label="{what}\\nread", style=dashed];')
+            out.append(f'  {quoted} [label="{what}\\nread", style=dashed];')
             continue
         out.append(
-            f'  {_q(name)} [label="{what}\\n{a[col]:.3g}", fillcolor="{scale.color(a[col])}"];'
+            f'  {quoted} [label="{what}\\n{a[col]:.3g}", fillcolor="{scale.color(a[col])}"];'
         )
     for layer in sorted(ranks, key=lambda x: -2 if x is None else x):
-        out.append("  { rank=same; " + "; ".join(_q(n) for n in ranks[layer]) + "; }")
-    out += _dot_edges(sites.edge_arrays(circuit), col)
-    out.append("}")
-    return "\n".join(out) + "\n"
+        out.append("  { rank=same; " + "; ".join(ranks[layer]) + "; }")
+    pieces = ["\n".join(out) + "\n"]
+    _dot_edges(pieces, sites.edge_arrays(circuit), col)
+    pieces.append("}\n")
+    return "".join(pieces)
 
 
 def _label(token) -> str:
@@ -130,10 +193,13 @@ def _label(token) -> str:
     return str(token).replace("\\", "\\\\").replace('"', '\\"')
 
 
-def _dot_edges(e, col) -> list[str]:
-    """The DOT line of each edge. Only its ends differ from edge to edge; the rest (key,
-    pen width to hundredths, colour, style) is one of a few thousand endings, each
-    written once."""
+def _dot_edges(pieces: list, e, col) -> None:
+    """The DOT lines of the edges, appended to ``pieces`` as pieces to join. Only a
+    line's ends differ from edge to edge; the rest (key, pen width to hundredths,
+    colour, style) is one of a few thousand endings, each written once, and each site's
+    name is quoted once."""
+    import pandas as pd
+
     v = e.value(col)
     finite = np.isfinite(v)
     top = float(np.abs(v[finite]).max()) if finite.any() else 0.0
@@ -149,14 +215,14 @@ def _dot_edges(e, col) -> list[str]:
     code = ((e.entry * 401 + pen) * 3 + color) * 2 + e.attention
     colors = ("#B2182B", "#2166AC", "#999999")
     endings = np.array([
-        f"[label={_q(k)}, penwidth={w / 100:.2f}, color=\"{c}\"{', style=dashed' * a}];"
-        for k in e.keys for w in range(401) for c in colors for a in (0, 1)
-    ] or [""], dtype=object)  # fmt: skip
-    ends = sites.site_names(np.concatenate([e.src, e.dst]), lambda c: _q(sites.name_of(c)))
+        f"[label={k}, penwidth={w / 100:.2f}, color=\"{c}\"{', style=dashed' * a}];\n"
+        for k in map(_q, e.keys) for w in range(401) for c in colors for a in (0, 1)
+    ] or [""], dtype=object)[code]  # fmt: skip
     n = len(e)
-    src, dst, endings = ends[:n], ends[n:], endings[code]
-    lines = []
+    at, codes = pd.factorize(np.concatenate([e.src, e.dst]))
+    quoted = [_q(sites.name_of(c)) for c in codes.tolist()]
+    heads = np.array([f"  {q} -> " for q in quoted] or [""], dtype=object)
+    tails = np.array([f"{q} " for q in quoted] or [""], dtype=object)
+    src, dst = at[:n], at[n:]
     for at in sites.chunks(n, "DOT edges"):
-        lines += [f"  {s} -> {d} {t}" for s, d, t in zip(src[at].tolist(), dst[at].tolist(),
-                                                         endings[at].tolist())]  # fmt: skip
-    return lines
+        pieces += bulk.interleaved(heads[src[at]], tails[dst[at]], endings[at])
