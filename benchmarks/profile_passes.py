@@ -12,9 +12,11 @@ reverse pass (by op and shape) against what autograd saves for its backward.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import dataclasses
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -23,13 +25,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_backprop import _inputs, _time  # noqa: E402
-from bench_passes import CASES, SETS, _sync, build  # noqa: E402
+from pass_cases import CASES, SETS, Skip, arguments, build, prepare, sync  # noqa: E402
 
 import semiring_backprop as sbp  # noqa: E402
 from semiring_backprop import rules  # noqa: E402
 from semiring_backprop.engine import forward, liveness  # noqa: E402
 from semiring_backprop.engine.reverse import needed_nodes  # noqa: E402
-from semiring_backprop.result import resolve_keep  # noqa: E402
+from semiring_backprop.places import resolve_keep  # noqa: E402
 
 FORWARD = "forward"
 ENGINE = "engine (outside rules and forward: ⊕, reshapes, liveness, checks)"
@@ -72,10 +74,10 @@ def _profiled(fn, device):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - t0
     return wall, prof.events()
 
@@ -205,10 +207,21 @@ def _show_held(title, held, top):
     print(f"- {title}: {total / 2**20:.0f} MB; largest: {parts}")
 
 
-def main(argv=None):
-    import bench_passes
+def profile_all(args):
+    """:func:`profile_case` for every case, length and set of ``args``."""
+    for case, tokens, label in itertools.product(args.cases, args.tokens, args.sets):
+        try:
+            profile_case(case, tokens, label, args)
+        except Skip as e:
+            print(f"skipped {CASES[case][0]}: {e}", flush=True)
 
-    bench_passes.main(["--profile", *(sys.argv[1:] if argv is None else argv)])
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    arguments(p)
+    args = p.parse_args(argv)
+    prepare(args)
+    profile_all(args)
 
 
 if __name__ == "__main__":
