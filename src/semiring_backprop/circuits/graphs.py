@@ -84,37 +84,33 @@ def to_networkx(circuit):
         raise InputError("Circuit.to_networkx needs networkx: pip install networkx") from None
     g = nx.MultiDiGraph(semirings=list(circuit.names), tokens=readable_tokens(circuit.token_list),
                         tokens_raw=list(circuit.token_list))  # fmt: skip
-    for node, attrs in graph_nodes(circuit):
+    nodes = list(graph_nodes(circuit))
+    for node, attrs in nodes:
         g.add_node(node, **attrs)
-    _add_edges(g, sites.edge_arrays(circuit))
+    cols = [[a[k] for _, a in nodes] for k in ("role", "layer", "head_index", "position")]
+    codes = sites.site_codes(np.array(cols[0], dtype=object), *cols[1:])
+    _add_edges(g, sites.edge_arrays(circuit), codes, [name for name, _ in nodes])
     return g
 
 
-def _add_edges(g, e) -> None:
-    """Add every edge of ``e`` to ``g`` as ``g.add_edges_from`` of :func:`graph_edges`
-    does (nodes new to ``g`` in the order met, neighbours and keys in the order of their
-    first edge, the same attribute dicts), filling the adjacency dicts directly:
-    ``add_edge`` takes microseconds an edge, seconds for a circuit of millions. A
-    networkx ``MultiDiGraph`` holds an edge as ``g._succ[u][v][key]`` (its attributes),
-    the key dict shared with ``g._pred[v][u]`` (the layout networkx's class docs state
-    under "Subclasses (Advanced)"). Where an edge repeats (one source, destination and key twice: no
+def _add_edges(g, e, codes, names: list) -> None:
+    """Add every edge of ``e`` to ``g`` (whose nodes are ``names``, of site ``codes``) as
+    ``g.add_edges_from`` of :func:`graph_edges` does (nodes new to ``g`` in the order
+    met, neighbours and keys in the order of their first edge, the same attribute
+    dicts), filling the adjacency dicts directly: ``add_edge`` takes microseconds an
+    edge, seconds for a circuit of millions. A networkx ``MultiDiGraph`` holds an edge
+    as ``g._succ[u][v][key]`` (its attributes), the key dict shared with
+    ``g._pred[v][u]`` (the layout networkx's class docs state under "Subclasses
+    (Advanced)"). Where an edge repeats (one source, destination and key twice: no
     circuit's frames have it) networkx's own ``add_edges_from`` adds them."""
     import pandas as pd
 
     n = len(e)
     if not n:
         return
-    ends = np.empty(2 * n, dtype=np.int64)  # u and v of each edge, as add_edge meets them
-    ends[0::2], ends[1::2] = e.src, e.dst
-    at, codes = pd.factorize(ends)
-    which, names = pd.factorize(np.array([sites.name_of(c) for c in codes.tolist()], object))
-    node = which[at]
-    names = np.asarray(names, dtype=object)
-    for name in names.tolist():
-        if name not in g._node:
-            g.add_node(name)
+    names, u, v = _ends(g, e, codes, names)
     m = len(names)
-    pair, first = pd.factorize(node[0::2] * m + node[1::2])
+    pair, first = pd.factorize(u * m + v)
     keys = e.key
     with bulk.gc_paused():
         keydicts = [{} for _ in range(len(first))]
@@ -124,12 +120,49 @@ def _add_edges(g, e) -> None:
         for at in sites.chunks(n, "networkx edges"):
             _store_attributes(e, of_edge[at].tolist(), keys, at)
         if sum(map(len, keydicts)) != n:  # a repeated edge updates its first's attributes
-            g.add_edges_from(_edge_tuples(e, names[node[0::2]], names[node[1::2]]))
+            g.add_edges_from(_edge_tuples(e, names[u], names[v]))
             return
-        succ, pred = g._succ, g._pred
-        for u, v, kd in zip(names[first // m].tolist(), names[first % m].tolist(), keydicts):
-            succ[u][v] = kd
-            pred[v][u] = kd
+        ends = (first // m, first % m)
+        for adjacency, (this, other) in ((g._succ, ends), (g._pred, ends[::-1])):
+            _attach(adjacency, names, this, other, keydicts)
+
+
+def _ends(g, e, codes, names: list):
+    """``(names, u, v)``: the index in ``names`` (an object array) of each edge's source
+    and destination, the graph's nodes found by their ``codes``; the ends that are none
+    of them added to ``g`` and ``names`` in the order ``add_edge`` meets them."""
+    import pandas as pd
+
+    found_u, u = sites.lookup(e.src, codes)
+    found_v, v = sites.lookup(e.dst, codes)
+    if not (found_u.all() and found_v.all()):
+        ends = np.empty(2 * len(e), dtype=np.int64)
+        ends[0::2], ends[1::2] = e.src, e.dst
+        found = np.empty(2 * len(e), dtype=bool)
+        found[0::2], found[1::2] = found_u, found_v
+        new = pd.unique(ends[~found])
+        added = [sites.name_of(c) for c in new.tolist()]
+        for name in added:
+            g.add_node(name)
+        names = [*names, *added]
+        codes = np.concatenate([codes, new])
+        u, v = sites.lookup(e.src, codes)[1], sites.lookup(e.dst, codes)[1]
+    return np.array(names, dtype=object), u, v
+
+
+def _attach(adjacency: dict, names, this, other, keydicts: list) -> None:
+    """``adjacency[names[this[i]]][names[other[i]]] = keydicts[i]``, in the order of
+    ``i`` for each node (one ``dict.update`` per node)."""
+    order = np.argsort(this, kind="stable")
+    this, other = this[order], other[order]
+    kds = np.empty(len(keydicts), dtype=object)
+    kds[:] = keydicts
+    kds = kds[order].tolist()
+    other = names[other].tolist()
+    bounds = np.flatnonzero(np.diff(this)) + 1
+    starts, stops = [0, *bounds.tolist()], [*bounds.tolist(), len(this)]
+    for node, a, b in zip(names[this[starts]].tolist(), starts, stops):
+        adjacency[node].update(zip(other[a:b], kds[a:b]))
 
 
 def _store_attributes(e, targets: list, keys, at: slice) -> None:
