@@ -280,3 +280,14 @@ def test_interleaved_and_gc_paused():
             assert gc.isenabled() == start
     finally:
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 500])
+def test_factorize_is_pandas_factorize(n):
+    rng = np.random.default_rng(n)
+    for values in (rng.integers(0, 5, n), np.repeat(rng.integers(-3, 9, n), 3)[:n],
+                   np.arange(n)[::-1] * 2**40):  # fmt: skip
+        codes, uniques = bulk.factorize(values)
+        want_codes, want_uniques = pd.factorize(values)
+        assert codes.tolist() == want_codes.tolist()
+        assert uniques.tolist() == want_uniques.tolist()

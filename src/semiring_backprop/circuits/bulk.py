@@ -33,6 +33,22 @@ def gc_paused():
             gc.enable()
 
 
+def factorize(values) -> tuple[np.ndarray, np.ndarray]:
+    """``pandas.factorize`` of int ``values`` (codes, then the distinct values in the order
+    first met), each run of equal neighbours hashed once: an edge's rows into one
+    destination (its q, k and v) lie side by side."""
+    import pandas as pd
+
+    values = np.asarray(values)
+    if len(values) < 2:
+        return pd.factorize(values)
+    new = np.empty(len(values), dtype=bool)
+    new[0] = True
+    np.not_equal(values[1:], values[:-1], out=new[1:])
+    codes, uniques = pd.factorize(values[new])
+    return codes[np.cumsum(new) - 1], uniques
+
+
 def interleaved(*columns) -> list[str]:
     """The strings of ``columns`` taken row by row (each a list or object array of one
     length, or one string for every row), to be joined: the text of many lines without

@@ -348,8 +348,6 @@ def _np_node(shape: _Shape, row, col) -> dict:
 def _neuronpedia(circuit, semiring, slug, scan) -> tuple[dict, tuple]:
     """:func:`neuronpedia_graph`, and its links as arrays: the node ids (an object array),
     the index there of each link's source and target, and each link's weight."""
-    import pandas as pd
-
     col = circuit.column(semiring)
     shape = _shape(circuit)
     rows = circuit.nodes[circuit.nodes.role != "residual"]
@@ -371,7 +369,7 @@ def _neuronpedia(circuit, semiring, slug, scan) -> tuple[dict, tuple]:
     found_dst, at_dst = sites.lookup(e.dst, codes)
     take = found_src & found_dst & (e.src != e.dst)
     k = max(len(codes), 1)
-    pairs, first = pd.factorize(at_src[take] * k + at_dst[take])
+    pairs, first = bulk.factorize(at_src[take] * k + at_dst[take])
     weights = sites.oplus_groups(col, e.value(col)[take], pairs, len(first))
     keep = np.isfinite(weights)
     ids = np.array([n["node_id"] for n in nodes] or [""], dtype=object)

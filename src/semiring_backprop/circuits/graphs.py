@@ -103,14 +103,12 @@ def _add_edges(g, e, codes, names: list) -> None:
     ``g._pred[v][u]`` (the layout networkx's class docs state under "Subclasses
     (Advanced)"). Where an edge repeats (one source, destination and key twice: no
     circuit's frames have it) networkx's own ``add_edges_from`` adds them."""
-    import pandas as pd
-
     n = len(e)
     if not n:
         return
     names, u, v = _ends(g, e, codes, names)
     m = len(names)
-    pair, first = pd.factorize(u * m + v)
+    pair, first = bulk.factorize(u * m + v)
     keys = e.key
     with bulk.gc_paused():
         keydicts = [{} for _ in range(len(first))]
@@ -231,8 +229,6 @@ def _dot_edges(pieces: list, e, col) -> None:
     line's ends differ from edge to edge; the rest (key, pen width to hundredths,
     colour, style) is one of a few thousand endings, each written once, and each site's
     name is quoted once."""
-    import pandas as pd
-
     v = e.value(col)
     finite = np.isfinite(v)
     top = float(np.abs(v[finite]).max()) if finite.any() else 0.0
@@ -252,7 +248,7 @@ def _dot_edges(pieces: list, e, col) -> None:
         for k in map(_q, e.keys) for w in range(401) for c in colors for a in (0, 1)
     ] or [""], dtype=object)[code]  # fmt: skip
     n = len(e)
-    at, codes = pd.factorize(np.concatenate([e.src, e.dst]))
+    at, codes = bulk.factorize(np.concatenate([e.src, e.dst]))
     quoted = [_q(sites.name_of(c)) for c in codes.tolist()]
     heads = np.array([f"  {q} -> " for q in quoted] or [""], dtype=object)
     tails = np.array([f"{q} " for q in quoted] or [""], dtype=object)
