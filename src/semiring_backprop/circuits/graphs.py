@@ -112,17 +112,16 @@ def _add_edges(g, e, codes, names: list) -> None:
     keys = e.key
     with bulk.gc_paused():
         keydicts = [{} for _ in range(len(first))]
-        of_edge = np.empty(len(keydicts), dtype=object)
-        of_edge[:] = keydicts
-        of_edge = of_edge[pair]
+        of_edge = np.fromiter(keydicts, dtype=object, count=len(keydicts))[pair]
         for at in sites.chunks(n, "networkx edges"):
             _store_attributes(e, of_edge[at].tolist(), keys, at)
         if sum(map(len, keydicts)) != n:  # a repeated edge updates its first's attributes
             g.add_edges_from(_edge_tuples(e, names[u], names[v]))
             return
-        ends = (first // m, first % m)
-        for adjacency, (this, other) in ((g._succ, ends), (g._pred, ends[::-1])):
-            _attach(adjacency, names, this, other, keydicts)
+        succ, pred = g._succ, g._pred  # (pairs in order: each key dict touched once)
+        for u, v, kd in zip(names[first // m].tolist(), names[first % m].tolist(), keydicts):
+            succ[u][v] = kd
+            pred[v][u] = kd
 
 
 def _ends(g, e, codes, names: list):
@@ -146,21 +145,6 @@ def _ends(g, e, codes, names: list):
         codes = np.concatenate([codes, new])
         u, v = sites.lookup(e.src, codes)[1], sites.lookup(e.dst, codes)[1]
     return np.array(names, dtype=object), u, v
-
-
-def _attach(adjacency: dict, names, this, other, keydicts: list) -> None:
-    """``adjacency[names[this[i]]][names[other[i]]] = keydicts[i]``, in the order of
-    ``i`` for each node (one ``dict.update`` per node)."""
-    order = np.argsort(this, kind="stable")
-    this, other = this[order], other[order]
-    kds = np.empty(len(keydicts), dtype=object)
-    kds[:] = keydicts
-    kds = kds[order].tolist()
-    other = names[other].tolist()
-    bounds = np.flatnonzero(np.diff(this)) + 1
-    starts, stops = [0, *bounds.tolist()], [*bounds.tolist(), len(this)]
-    for node, a, b in zip(names[this[starts]].tolist(), starts, stops):
-        adjacency[node].update(zip(other[a:b], kds[a:b]))
 
 
 def _store_attributes(e, targets: list, keys, at: slice) -> None:
