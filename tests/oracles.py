@@ -9,6 +9,11 @@ fixed, so ``mul(x, x)`` gives two parallel edges) and turns it into scalar edges
 - pointwise ops: one edge from the broadcast-corresponding input element to each output
   element, even where the derivative is exactly 0 (relu of a negative value);
 - contractions: dense, every (i, k) -> (i, j) whatever the other operand's values;
+- in both, but where the derivative is 0 because of the structure: 0 at the values and
+  at every one of :data:`REDRAWS` draws of the model's float values (weights, float
+  inputs, the op's own float numbers; the integer inputs kept), as a masked attention
+  probability is (DESIGN §1, ``engine.structure``); a relu's 0, a weight of 0 or an
+  ``x * 0.0`` moves with the draws;
 - every other op: the nonzero entries of the Jacobian (routing picks its sources);
 - ``softmax_shift`` and non-differentiable ops: no edges; ``mark``: identity.
 
@@ -67,6 +72,8 @@ _NO_EDGES = {
 }
 
 MAX_PATHS = 2_000_000  # total path products held at once; keep oracle graphs tiny
+#: draws of the float values in which a zero edge weight must stay 0 to be structure
+REDRAWS = 16
 
 
 def _is_float(t) -> bool:
@@ -114,8 +121,54 @@ def _jacobian(target, args, kwargs, path, x):
     return jac.reshape(out.numel(), x.numel())
 
 
-def _edges(node, values, path, src):
-    """(mask, weight): (out numel, in numel) edge structure and weights of one slot."""
+def _redrawn(graph, values, k: int) -> dict:
+    """Every node's value with the float placeholders (weights, float inputs) drawn anew
+    (draw ``k``, seeded), the integer inputs as they are."""
+    g = torch.Generator().manual_seed(7919 + k)
+    out = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            v = values[node]
+            out[node] = torch.randn(v.shape, generator=g, dtype=v.dtype) if _is_float(v) else v
+        elif node.op == "call_function":
+            args = map_arg(node.args, out.__getitem__)
+            kwargs = map_arg(node.kwargs, out.__getitem__)
+            out[node] = args[0] if node.target is _MARK else node.target(*args, **kwargs)
+    return out
+
+
+_DRAWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _draws(result) -> list:
+    if result not in _DRAWS:
+        _DRAWS[result] = [_redrawn(result.graph, result.values, k) for k in range(REDRAWS)]
+    return _DRAWS[result]
+
+
+def _generic(a):
+    """Tensors in float64; a finite float number of the op itself (``x * 0.0``: an edge
+    of weight 0, DESIGN §1) made generic: structure comes from the tensors it reads."""
+    if _is_float(a):
+        return a.double()
+    return 1.5 if type(a) is float and math.isfinite(a) else a
+
+
+def _structural_zeros(node, result, path, src, jac):
+    """Where ``jac`` (the slot's Jacobian at the values) is 0 in every draw too."""
+    zero = jac == 0
+    for drawn in _draws(result) if bool(zero.any()) else ():
+        args = map_arg(node.args, drawn.__getitem__)
+        kwargs = map_arg(node.kwargs, drawn.__getitem__)
+        args, kwargs = torch.utils._pytree.tree_map(_generic, (args, kwargs))
+        zero &= _jacobian(node.target, args, kwargs, path, drawn[src].double()) == 0
+    return zero
+
+
+def _edges(node, values, path, src, result=None):
+    """(mask, weight): (out numel, in numel) edge structure and weights of one slot;
+    with ``result`` (whose values these are), without the edges whose weight is a
+    structural zero."""
     target = node.target
     out = values[node]
     x = values[src]
@@ -141,6 +194,9 @@ def _edges(node, values, path, src):
         mask = _jacobian(target, *generic, path, x.double()) != 0
     else:
         mask = jac != 0
+        result = None  # (routing and the rest: their zeros are no edges already)
+    if result is not None:
+        mask &= ~_structural_zeros(node, result, path, src, jac)
     return mask, torch.where(mask, jac, torch.zeros_like(jac))
 
 
@@ -233,7 +289,7 @@ def build(result) -> PathOracle:
             continue
         for path, src in _slots(node):
             if src in live and _is_float(values.get(src)):
-                mask, w = _edges(node, values, path, src)
+                mask, w = _edges(node, values, path, src, result)
                 consumers.setdefault(src, []).append((node, mask.numpy(), w.numpy()))
     total = 1
     for node in reversed(graph.nodes):
@@ -338,7 +394,7 @@ def scalar_dag(result) -> ScalarDag:
         if not _is_float(values.get(node)):
             continue
         for slot, path, src in carried_slots(result, node):
-            mask, w = _edges(node, values, path, src)
+            mask, w = _edges(node, values, path, src, result)
             consumers.setdefault(src, []).append((node, slot, mask.numpy(), w.numpy()))
     shapes = {n: tuple(v.shape) for n, v in values.items() if isinstance(v, torch.Tensor)}
     return ScalarDag(out_node, consumers, shapes, {})

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import rules
+from ..engine import structure
 from ..engine.alpha import apply_rule
 from ..engine.reverse import propagate
 from .circuit import readout, site_labels
@@ -40,8 +41,10 @@ def attention_edges(res, semirings=None, seed="structural", baseline=None, token
     per semiring: the ⊕ over the whole paths that enter the head's value input (its
     columns of the value projection) at ``src_position`` and leave the head (its slice
     of the output projection's input) at ``dst_position``; readouts and the other
-    arguments as in :func:`circuit_edges`. Every pair is a row (attention reads every
-    position it is not masked from; a masked pair holds the semiring's zero).
+    arguments as in :func:`circuit_edges`. Every pair is a row: a pair that no path
+    takes holds the semiring's zero (a pair the attention mask keeps apart among them:
+    its probability is a structural zero, no edge, ``engine.structure``; under Real the
+    flow there is 0, under MaxProduct -inf, under PathCount no path).
     Under Real, the rows of one head summed over both positions equal the sum of
     ``circuit_edges``' edges into that head's ``"v"`` input.
     """
@@ -110,6 +113,9 @@ def _attention_by_contraction(res, lay, srs, plan: HeadPlan, al):
     if tuple(att.shape[1:]) != (n, n):
         return None
     within = {m for m in plan.region if ids[m] > ids[mm]} | {mm}
+    masked = structure.zeros(graph, values, a)  # (pairs a mask keeps apart: no edge)
+    if masked is not None:
+        masked = masked.expand(att.shape)
     with torch.no_grad():
         store = propagate(graph, values, srs, {plan.site: list(plan.d)}, res.needed,
                           within=within, start=ids[plan.site] + 1, stop=ids[mm],
@@ -128,7 +134,10 @@ def _attention_by_contraction(res, lay, srs, plan: HeadPlan, al):
             d = tuple(f[live] for f in d)
             # ⊕_j D[p, j] ⊗ alpha[q, j], then ⊗ A[p, q] (⊗ by a weight distributes over ⊕)
             met = sr.contract(d, tuple(f.transpose(-2, -1) for f in av))
-            out.append(sr.sum(sr.times(met, att[live]), (0,)))
+            edge = sr.times(met, att[live])
+            if masked is not None:
+                edge = sr.without(edge, masked[live])
+            out.append(sr.sum(edge, (0,)))
     return out
 
 

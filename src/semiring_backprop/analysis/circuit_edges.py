@@ -424,7 +424,8 @@ def _step(res, srs, n, store, seeds):
 
             def rule(sub):
                 got = apply_rule(graph, values, srs, nid, sub, needed)
-                return {s: v for s, v in enumerate(got) if v is not None}
+                # (plain tuples: vmap returns no tuple subclass, such as a normalized value)
+                return {s: tuple(v) for s, v in enumerate(got) if v is not None}
 
             dims = ({a: [None if v is None else 0 for v in vs] for a, vs in padded.items()},)
             got = torch.vmap(rule, in_dims=dims)(padded)

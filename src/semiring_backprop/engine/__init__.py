@@ -1,6 +1,8 @@
 """The passes over a traced graph, in the order they run.
 
 - :mod:`.forward`: the forward values the rules read;
+- :mod:`.structure`: the structural zeros (what a mask makes 0) and the edges they take
+  away, handed to the rules (:mod:`.masks`: one call's, from its inputs);
 - :mod:`.reverse`: the reverse pass (Algorithm 2 of the paper): D(v) for every node;
 - :mod:`.alpha`: the forward semiring pass (alpha(v), for max-marginals and circuits);
 - :mod:`.liveness`: which values and partial sums each step still needs;

@@ -209,7 +209,9 @@ class Checkpoints:
         key = (s, k)
         if key not in self._d:
             a, b = self.layout.bounds[s], self.layout.bounds[s + 1]
-            both = _Chain(self.segment_values(s), self.held)
+            # (a rule may read a value of another segment: the structural zeros of
+            # engine.structure, found again there, read a mask's condition)
+            both = _Chain(self.segment_values(s), self.values)
             snap = self.snaps.get(b - 1) or {}
             acc = {n: [slot[k]] for n, slot in snap.items() if slot[k] is not None}
             sr = [self.semirings[k]]

@@ -17,7 +17,7 @@ from .. import rules
 from ..errors import InputError, NonFiniteError, UnsupportedOpError, where
 from ..rules.routing import reshape_back
 from ..semirings.base import fmap, overflowed, stack
-from . import liveness
+from . import liveness, structure
 
 
 def needed_nodes(graph, start) -> frozenset:
@@ -279,6 +279,8 @@ def slot_values(graph, values, sr, node_id: int, g, needed, op=None):
 
 
 def make_op(node, values, needed, graph=None) -> rules.Op:
+    """What ``node``'s rule sees: its forward values, and with ``graph`` the prepared
+    weights and the edges whose weight is a structural zero (:mod:`.structure`)."""
     prepared = getattr(graph, "prepared", None)
     return rules.Op(
         node,
@@ -288,6 +290,7 @@ def make_op(node, values, needed, graph=None) -> rules.Op:
         needed,
         prepared=prepared,
         static=graph.static if prepared is not None else frozenset(),
+        absent=structure.absent(graph, values, node, needed),
     )
 
 

@@ -15,16 +15,20 @@ from .shapes import broadcast, oplus, unbroadcast
 aten = torch.ops.aten
 
 
-def _rowwise(sr, g, jac, dim):
-    """``D(x)[..., i] = ⊕_j g[..., j] ⊗ jac[..., j, i]`` along ``dim``."""
+def _rowwise(sr, g, jac, dim, absent=None):
+    """``D(x)[..., i] = ⊕_j g[..., j] ⊗ jac[..., j, i]`` along ``dim``; without the edges
+    where ``absent`` (over ``jac``, ``Op.absent``) holds."""
     g = fmap(lambda f: f.movedim(dim, -1).unsqueeze(-2), g)
-    d = sr.matmul(g, jac)
+    d = sr.matmul(g, jac) if absent is None else sr.matmul_without(g, jac, absent)
     return fmap(lambda f: f.squeeze(-2).movedim(-1, dim), d)
 
 
-def _rowwise_forward(sr, a, jac, dim):
+def _rowwise_forward(sr, a, jac, dim, absent=None):
     """``alpha(y)[..., j] = ⊕_i a[..., i] ⊗ jac[..., j, i]`` along ``dim``."""
-    return None if a is None else _rowwise(sr, a, jac.transpose(-2, -1), dim)
+    if a is None:
+        return None
+    flip = None if absent is None else absent.transpose(-2, -1)
+    return _rowwise(sr, a, jac.transpose(-2, -1), dim, flip)
 
 
 def _softmax_jacobian(y):
@@ -33,7 +37,7 @@ def _softmax_jacobian(y):
 
 @register([aten.softmax.int, aten._softmax.default], "composite")
 def _softmax(sr, g, op, x, dim, *args):
-    return [_rowwise(sr, g, _softmax_jac(op, dim), dim)]
+    return [_rowwise(sr, g, _softmax_jac(op, dim), dim, op.absent.get(0))]
 
 
 def _softmax_jac(op, dim):
@@ -42,7 +46,7 @@ def _softmax_jac(op, dim):
 
 @register_forward([aten.softmax.int, aten._softmax.default])
 def _softmax_forward(sr, a, op, x, dim, *args):
-    return _rowwise_forward(sr, a[0], _softmax_jac(op, dim), dim)
+    return _rowwise_forward(sr, a[0], _softmax_jac(op, dim), dim, op.absent.get(0))
 
 
 @register([aten.log_softmax.int, aten._log_softmax.default], "composite")

@@ -2,7 +2,9 @@
 
 For ``c = a @ b``: ``D(a) = D(c) ⊗ bᵀ`` and ``D(b) = (D(c)ᵀ ⊗ a)ᵀ``, where
 ``sr.matmul(x, w)[i, k] = ⊕_j x[i, j] ⊗ lift(w[j, k])``. Every (i, k, j) is an edge,
-whatever the weight's value (dense). The forward rules multiply on the other side:
+whatever the weight's value (dense), but where the weight is a structural zero (an
+attention probability a mask made 0: ``Op.absent``). The forward rules multiply on the
+other side:
 ``alpha(c) = alpha(a) ⊗ b ⊕ (alpha(b)ᵀ ⊗ aᵀ)ᵀ``.
 """
 
@@ -79,24 +81,37 @@ def _live_rows(x, zero: float):
     return (x != zero).any(-1)
 
 
+def _matmul(sr, x, w, absent=None):
+    """``sr.matmul(x, w)``, without the edges where ``absent`` (over ``w``) holds."""
+    return sr.matmul(x, w) if absent is None else sr.matmul_without(x, w, absent)
+
+
 def _matmul_grads(sr, g, op, a, b, i_a, i_b, scale=1):
     da = db = None
-    if op.needs(i_a):  # b is usually a weight: its prepared form is kept across calls
+    # edges that are not there (Op.absent): a's where b is a structural zero, and b's
+    # where a is
+    not_a, not_b = op.absent.get(i_a), op.absent.get(i_b)
+    if op.needs(i_a) and not_a is not None:
+        w = (b if scale == 1 else b * scale).transpose(-2, -1)
+        da = sr.matmul_without(g, w, not_a.transpose(-2, -1))
+    elif op.needs(i_a):  # b is usually a weight: its prepared form is kept across calls
         w, prep = op.weight(sr, i_b, lambda: (b if scale == 1 else b * scale).transpose(-2, -1))
         da = _live_matmul(sr, g, w, prep)
     if op.needs(i_b):
-        db = _mT(sr.matmul(_mT(g), a if scale == 1 else a * scale))
+        db = _mT(_matmul(sr, _mT(g), a if scale == 1 else a * scale, not_b))
     return da, db
 
 
-def _matmul_forward(sr, alpha_a, alpha_b, a, b, scale=1):
-    """The two slots' parts of ``alpha(a @ b)`` (None where no path reaches a slot)."""
+def _matmul_forward(sr, alpha_a, alpha_b, a, b, scale=1, absent=(None, None)):
+    """The two slots' parts of ``alpha(a @ b)`` (None where no path reaches a slot);
+    ``absent``: the two slots' edges that are not there (``Op.absent``)."""
     da = db = None
     if alpha_a is not None:
-        da = sr.matmul(alpha_a, b if scale == 1 else b * scale)
+        da = _matmul(sr, alpha_a, b if scale == 1 else b * scale, absent[0])
     if alpha_b is not None:
         at = (a if scale == 1 else a * scale).transpose(-2, -1)
-        db = _mT(sr.matmul(_mT(alpha_b), at))
+        not_b = None if absent[1] is None else absent[1].transpose(-2, -1)
+        db = _mT(_matmul(sr, _mT(alpha_b), at, not_b))
     return [da, db]
 
 
@@ -107,7 +122,8 @@ def _mm(sr, g, op, a, b):
 
 @register_forward([aten.mm.default, aten.bmm.default])
 def _mm_forward(sr, alphas, op, a, b):
-    return oplus(sr, _matmul_forward(sr, alphas[0], alphas[1], a, b))
+    absent = (op.absent.get(0), op.absent.get(1))
+    return oplus(sr, _matmul_forward(sr, alphas[0], alphas[1], a, b, absent=absent))
 
 
 @register(
@@ -124,7 +140,8 @@ def _addmm(sr, g, op, bias, a, b, *, beta=1, alpha=1):
 
 @register_forward([aten.addmm.default, aten.baddbmm.default])
 def _addmm_forward(sr, alphas, op, bias, a, b, *, beta=1, alpha=1):
-    parts = _matmul_forward(sr, alphas[1], alphas[2], a, b, alpha)
+    absent = (op.absent.get(1), op.absent.get(2))
+    parts = _matmul_forward(sr, alphas[1], alphas[2], a, b, alpha, absent)
     if isinstance(bias, torch.Tensor) and alphas[0] is not None:
         spread = broadcast(alphas[0], op.out.shape)
         parts.append(spread if beta == 1 else sr.times(spread, torch.full_like(op.out, beta)))

@@ -59,6 +59,13 @@ def _times(sr, value, d):
     return sr.scale(value, d) if isinstance(d, float) else sr.times(value, d)
 
 
+def _edges(sr, op, i, value):
+    """``value`` (at the output's elements) without slot ``i``'s edges that are not there
+    (``Op.absent``: a structural zero for weight)."""
+    absent = op.absent.get(i)
+    return value if absent is None else sr.without(value, absent)
+
+
 def _pointwise_rule(derivs):
     """Build a rule from one derivative function per argument slot (None: no edge)."""
 
@@ -70,7 +77,7 @@ def _pointwise_rule(derivs):
                 out.append(None)
                 continue
             d = _slot_derivative(op, d_fn, i, args, kwargs)
-            out.append(unbroadcast(sr, _times(sr, g, d), a.shape))
+            out.append(unbroadcast(sr, _edges(sr, op, i, _times(sr, g, d)), a.shape))
         return out
 
     return rule
@@ -88,7 +95,8 @@ def _pointwise_forward(derivs):
             if d_fn is None or alpha is None or not _float_tensor(a):
                 continue
             d = _slot_derivative(op, d_fn, i, args, kwargs)
-            parts.append(_times(sr, broadcast(alpha, op.out.shape, op.rows), d))
+            spread = broadcast(alpha, op.out.shape, op.rows)
+            parts.append(_edges(sr, op, i, _times(sr, spread, d)))
         return oplus(sr, parts)
 
     return rows(forward)

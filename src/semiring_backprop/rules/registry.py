@@ -283,6 +283,12 @@ class Op:
     #: a leading dim of this many rows on every semiring value a forward rule is given
     #: (0: none); only rules marked by :func:`rows` are run so
     rows: int = 0
+    #: ``{slot: bool mask}``: the edges of that argument slot that are not there, their
+    #: weight being a structural zero (``engine.structure``): a pointwise op's over its
+    #: output's elements, a contraction's over the other operand's (the weight's), a
+    #: row-wise composite's over its Jacobian's; the rule drops them (``Semiring.without``,
+    #: ``Semiring.matmul_without``)
+    absent: dict = field(default_factory=dict)
 
     def needs(self, i: int) -> bool:
         a = self.node.args[i] if i < len(self.node.args) else None

@@ -18,6 +18,11 @@ The operations (pytorch-struct style):
   transposed copy), which callers may keep across calls for a constant ``w``.
 - ``finalize(a)``: the readout users see.
 - ``tag(a, node_id)``: stamp back-pointers (selective semirings only).
+- ``without(a, absent)`` / ``matmul_without(a, w, absent)``: ``a``, or ``matmul``,
+  without the edges that are not there (a structural zero for weight, see
+  :mod:`..engine.structure`); where ``zero_weight_is_no_edge``, an edge of weight 0
+  is no path anyway (Real, the log-space semirings but PathCount), elsewhere it would
+  be one (MaxProduct: a product of 0; PathCount: a path counted).
 
 The engine calls a rule through ``enter`` / ``inner`` / ``leave``: the rule computes
 with ``inner`` on ``enter(a, node_id)`` and each result goes back through ``leave``. By
@@ -227,6 +232,28 @@ class Semiring:
             x = self.mul(tuple(f.expand(full) for f in left), tuple(f.expand(full) for f in right))
             parts.append(self.sum(x, (x[0].dim() - 2,)))
         return tuple(torch.cat(f, -2) for f in zip(*parts))
+
+    #: whether an edge of weight 0 is no edge at all (``lift(0)`` is the zero: Real, and the
+    #: log-space semirings but PathCount); where it is a path (MaxProduct: a product of 0;
+    #: PathCount: one more path), edges that are not there must be left out explicitly
+    zero_weight_is_no_edge = False
+
+    def without(self, a: Value, absent: torch.Tensor) -> Value:
+        """``a`` with the zero where ``absent`` (a bool tensor broadcast with ``a``'s
+        fields) holds: what reaches there only through edges that are not there (the
+        structural zeros of :mod:`..engine.structure`)."""
+        zero = self.zero((), a[0])
+        return tuple(torch.where(absent, z, f) for f, z in zip(a, zero, strict=True))
+
+    def matmul_without(self, a: Value, w: torch.Tensor, absent: torch.Tensor) -> Value:
+        """``matmul(a, w)`` without the edges where ``absent`` (bool, ``w``'s shape) holds:
+        ``out[..., i, k] = ⊕_j a[..., i, j] ⊗ lift(w[..., j, k])`` over the ``j`` whose
+        edge is there (no path where none is). By default a weight of 0 where that is no
+        edge, else ``contract`` with the lifted weights (the zero where absent)."""
+        if self.zero_weight_is_no_edge:
+            return tuple(self.matmul(a, w.masked_fill(absent, 0)))
+        edges = self.without(self.times(self.one(w.shape, w), w), absent)
+        return tuple(self.contract(a, edges))
 
     def finalize(self, a: Value):
         raise NotImplementedError

@@ -57,6 +57,7 @@ class Entropy(Semiring):
     """
 
     fields = ("log_z", "m")
+    zero_weight_is_no_edge = True  # (an edge of weight 0 carries no probability)
 
     def zero(self, shape, like):
         lz = torch.full(tuple(shape), -INF, dtype=like.dtype, device=like.device)

@@ -62,6 +62,7 @@ class MaxAbs(Semiring):
 
     fields = ("m", "node", "idx")
     selective = True
+    zero_weight_is_no_edge = True  # (log |0| = -inf)
 
     def zero(self, shape, like):
         m = torch.full(tuple(shape), -INF, dtype=like.dtype, device=like.device)
@@ -132,6 +133,7 @@ class LogAbs(Semiring):
     """
 
     fields = ("l",)
+    zero_weight_is_no_edge = True  # (log |0| = -inf)
 
     def zero(self, shape, like):
         return (torch.full(tuple(shape), -INF, dtype=like.dtype, device=like.device),)
@@ -185,11 +187,19 @@ class PathCount(LogAbs):
         tensor([[3., 3., 3., 3.]], dtype=torch.float64)
     """
 
+    zero_weight_is_no_edge = False  # (every edge there counts, whatever its weight)
+
     def _edge(self, w):
         return torch.zeros_like(w)
 
     def prepare(self, w):
         return None
+
+    def matmul_without(self, a, w, absent):
+        """The number of paths over the edges that are there: ``log Σ_j exp(a[i, j])`` over
+        the ``j`` whose edge to ``k`` is not ``absent``."""
+        present = (~absent).to(a[0].dtype)
+        return (shifted_logmatmul(a[0], scaled_abs(present)),)
 
     def matmul(self, a, w, prep=None):
         a0, w = batch_broadcast(a, w)

@@ -336,6 +336,20 @@ class MaxProduct(Semiring):
 
         return (out_hi, out_lo, *pick(ph, pl, jh, pos_h), *pick(pl, ph, jl, pos_l))
 
+    def without(self, a: Value, absent: torch.Tensor) -> Value:
+        out = super().without(a, absent)
+        return _Normal(out) if isinstance(a, _Normal) else out  # (normalized still)
+
+    def matmul_without(self, a: Value, w: torch.Tensor, absent: torch.Tensor) -> Value:
+        if self.neuron:
+            return super().matmul_without(a, w, absent)
+        # tensor granularity: the real sums, where a weight of 0 adds nothing; an output
+        # element has a path where some path meets an edge that is there
+        out = self.matmul(a, w.masked_fill(absent, 0))
+        live = (~self._is_zero(a)).to(w.dtype)
+        reached = torch.matmul(live, (~absent).to(w.dtype)) > 0
+        return self.without(out, ~reached)
+
     def _matmul_tensor(self, a: Value, w: torch.Tensor) -> Value:
         hi, lo, ph, pl = self._split(a)
         n = hi.shape[-2]

@@ -26,6 +26,7 @@ class Real(Semiring):
     fields = ("g",)
     rows = True
     plus_is_sum = True
+    zero_weight_is_no_edge = True
 
     def zero(self, shape, like):
         return (torch.zeros(tuple(shape), dtype=like.dtype, device=like.device),)

@@ -69,6 +69,7 @@ class TopK(Semiring):
 
     k: int = 5
     selective = True
+    zero_weight_is_no_edge = True  # (log |0| = -inf)
 
     def __post_init__(self):
         if not isinstance(self.k, int) or self.k < 1:

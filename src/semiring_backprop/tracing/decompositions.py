@@ -151,19 +151,25 @@ def scaled_dot_product_attention(
 
         k, v = widen(k), widen(v)
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    blocked = None  # the pairs the masks keep apart (read from the masks alone)
     if is_causal:
         keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, -math.inf)
+        blocked = ~keep
+        scores = scores.masked_fill(blocked, -math.inf)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, -math.inf)
+            off = ~attn_mask
         else:
             scores = scores + attn_mask
-    if not (is_causal or attn_mask is not None):
+            off = torch.isneginf(attn_mask)
+        blocked = off if blocked is None else blocked | off
+    if blocked is None:
         return torch.matmul(torch.softmax(scores, -1), v)
     # torch's safe softmax: a query that may attend to nothing (left padding) gets zeros,
-    # not NaN, and no edges
-    dead = torch.isneginf(scores).all(-1, keepdim=True)
+    # not NaN, and no edges; which queries those are is read from the masks (the scores
+    # are finite), so that their zeros are structural (engine.structure)
+    dead = blocked.all(-1, keepdim=True)
     probs = torch.softmax(scores.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
     return torch.matmul(probs, v)
 
