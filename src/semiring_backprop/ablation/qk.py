@@ -228,14 +228,14 @@ def eap_qk(p):
         a = p.base[h.pattern][0, h.index]
         g = grads[h.pattern][0, h.index]
         s = p.base[h.logits][0, h.index]
-        for d, delta in ((h.q, _query_delta), (h.k, None)):
+        for d in (h.q, h.k):
             cs = sources.get(d, [])
             if not cs:
                 continue
             mus = ones.expand(len(cs), -1, -1).clone()
             for i, c in enumerate(cs):
                 mus[i, c] = 0
-            new = _batched(p, lambda mu, d=d: _logits(p, h, {d: mu}), mus)
+            new = _batched(p, lambda mu, d=d, h=h: _logits(p, h, {d: mu}), mus)
             got = _query_delta(a, g, new) if d == h.q else _key_delta(s, a, g, new)
             for i, c in enumerate(cs):
                 fixed[(c, d)] = got[i]
