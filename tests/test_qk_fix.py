@@ -191,10 +191,11 @@ def test_query_and_key_edges_are_closer_to_patching_than_eap(name):
           f"(Σ|effect| {total:.4g}); eap_qk {seconds:.2f} s, {passes} passes")  # fmt: skip
     assert err < 0.5 * eap_err
     nodes, effects = p.node_scores_qk(), p.node_effects()
-    eap = p.eap()
-    atp = eap.groupby(["src_layer", "src_role", "src_head_index", "position"],
-                      dropna=False).score.sum()  # fmt: skip
-    keys = zip(nodes.layer, nodes.role, nodes.head_index, nodes.position)
+    atp: dict = {}  # AtP of a site: the sum of EAP over its edges
+    for row in p.eap().itertuples():
+        key = (row.src_layer, row.src_role, _plain(row.src_head_index), row.position)
+        atp[key] = atp.get(key, 0.0) + row.score
+    keys = zip(nodes.layer, nodes.role, [_plain(h) for h in nodes.head_index], nodes.position)
     first = [atp.get(k, 0.0) for k in keys]
     node_err = float(abs(nodes.score - effects.effect).sum())
     atp_err = float(abs(pd.Series(first) - effects.effect).sum())
@@ -207,6 +208,7 @@ def test_grouped_query_key_edges_patch_the_heads_own_copy():
     model = _llama(kv=1, layers=1)  # two query heads share one K/V head
     model.model.norm = nn.Identity()
     model.model.layers[0].mlp = _Zero()
+    model.eval()
     res = sbp.backprop(model, kwargs={"input_ids": IDS}, output=_hf_metric,
                        semirings=[sbp.Real()])  # fmt: skip
     p = Patching(res, {"input_ids": COR})
@@ -219,6 +221,10 @@ def test_grouped_query_key_edges_patch_the_heads_own_copy():
     assert float(abs(eap.score[qk].to_numpy() - exact).max()) > 1e-2
     k = fixed[fixed.input == "k"]
     assert set(k.dst_head_index) == {0, 1} and float(k.score.abs().max()) > 1e-3
+
+
+def _plain(v):
+    return None if pd.isna(v) else int(v)
 
 
 class _Zero(nn.Module):
