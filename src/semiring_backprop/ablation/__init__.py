@@ -7,6 +7,8 @@ faithfulness of a circuit (DESIGN §3b, last bullet).
 - :mod:`.patching_edges`: what edge patching reads (each destination, the ops that read
   its input, the residual-only region it is recomputed through);
 - :mod:`.eap`: EAP and EAP-IG, edge scores from one backward pass;
+- :mod:`.qk`: AtP*'s QK fix, edge and site scores with each head's attention pattern
+  recomputed exactly where the score enters its query or key;
 - :mod:`.faithfulness`: normalized faithfulness, its curve over circuit sizes, CPR, CMD,
   and the agreement of scores with exact effects.
 """

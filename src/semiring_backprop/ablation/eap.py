@@ -24,12 +24,12 @@ import torch
 
 from ..errors import InputError
 
-__all__ = ["eap", "eap_ig"]
+__all__ = ["eap", "eap_ig", "gradients", "edge_scores"]
 
 
 def eap(p):
     """``EDGE_KEY`` + ``score``: ``(a - a') . g`` per edge of ``p.edges()``."""
-    return _frame(p, _gradients(p))
+    return edge_scores(p, gradients(p))
 
 
 def eap_ig(p, steps: int = 5):
@@ -45,12 +45,12 @@ def eap_ig(p, steps: int = 5):
             return p.ablated[n] + t * (p.base[n] - p.ablated[n])
 
         replace = {n: (lambda v, n=n: point(v, n)) for n in emb.nodes}
-        for key, g in _gradients(p, replace).items():
+        for key, g in gradients(p, replace).items():
             total[key] = g if key not in total else total[key] + g
-    return _frame(p, {key: g / steps for key, g in total.items()})
+    return edge_scores(p, {key: g / steps for key, g in total.items()})
 
 
-def _gradients(p, replace=None) -> dict:
+def gradients(p, replace=None) -> dict:
     """``{(destination, component node): gradient of the output}`` at the value that
     destination reads of that node (one forward and one backward pass)."""
     record: list = []
@@ -67,7 +67,7 @@ def _gradients(p, replace=None) -> dict:
     return got
 
 
-def _frame(p, grads: dict):
+def edge_scores(p, grads: dict):
     """Per edge, ``Σ (a - a') ⊙ g`` over its source's columns at its position."""
     positions = p.lay.positions
     scores: dict = {}

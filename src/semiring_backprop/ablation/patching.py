@@ -114,6 +114,8 @@ class Patching:
         self.dests, self._entries, self._regions = plan.dests, plan.entries, plan.regions
         self._own = plan.own
         self._dest_index = plan.index
+        #: (layer, role, head, input) -> index into ``dests``
+        self.dest_index = plan.index
         self._comp_index = {(c.layer, c.role, c.head): i for i, c in enumerate(self.lay.components)}
         keep = set(self.lay.stops) | {b for b in self._points()}
         self.ablated = self._ablated(mode, corrupted, reference, keep)
@@ -239,6 +241,21 @@ class Patching:
         for n in sorted(region, key=self.graph.ids.__getitem__):
             local[n] = call(n, *args_of(n, local, vals))
         return {via: local[via]}
+
+    def read_input(self, d, x, mu):
+        """Destination ``d``'s value of the tensor ``x`` it reads, recomputed through the
+        residual stream from the components' values mixed with ``mu`` (components,
+        positions; 1: kept, 0: ablated)."""
+        return self._input_of(d, x, mu, self.base, None)
+
+    def projection_reads(self, d) -> list:
+        """``[(projection op, the tensor it reads, bool mask of its output columns that
+        are destination d's)]``: where head ``d``'s query, key or value is computed."""
+        out = [(op, x, cols) for op, reads in self._entries.items()
+               for dd, x, cols in reads if dd == d and x is not op]  # fmt: skip
+        for passes in self._own.values():
+            out += [(op, x, cols) for o in passes for dd, op, x, cols in o.reads if dd == d]
+        return out
 
     def output(self, **kw):
         return self._run(self._inputs, **kw)[self.graph.output_node].reshape(())
@@ -393,6 +410,20 @@ class Patching:
         from .eap import eap_ig
 
         return eap_ig(self, steps)
+
+    def eap_qk(self):
+        """``EDGE_KEY`` + ``score``: EAP with AtP*'s QK fix (each query and key edge's head
+        pattern exact, linear after it): :func:`.qk.eap_qk`."""
+        from .qk import eap_qk
+
+        return eap_qk(self)
+
+    def node_scores_qk(self):
+        """``NODE_KEY`` + ``score``: attribution patching of each site with every later
+        head's pattern exact: :func:`.qk.node_scores_qk`."""
+        from .qk import node_scores_qk
+
+        return node_scores_qk(self)
 
 
 def _check_mode(mode, corrupted, reference):
