@@ -22,7 +22,7 @@ from transformers.models.llama import modeling_llama
 import oracles
 import semiring_backprop as sbp
 from semiring_backprop.engine import relevance
-from test_oracle import K, SEMIRINGS, assert_node_matches
+from test_oracle import SEMIRINGS, assert_node_matches
 
 F64 = torch.float64
 ALL = SEMIRINGS  # (TopK(K) and TopK(1) among them)
@@ -121,8 +121,10 @@ def _mlp_rule(m):
 
 def _gpt2(impl, bias=True):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32,
-                                  bos_token_id=0, eos_token_id=0, attn_implementation=impl)  # fmt: skip
+    cfg = transformers.GPT2Config(
+        vocab_size=50, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=0,
+        eos_token_id=0, attn_implementation=impl,
+    )  # fmt: skip
     model = transformers.GPT2LMHeadModel(cfg).to(F64).eval()
     if not bias:  # every bias 0, and no position embeddings (a bias of each position)
         with torch.no_grad():
@@ -358,3 +360,91 @@ def test_relevance_paths_and_keep():
     assert math.isclose(path.value, hi[0, 2].item(), rel_tol=1e-12)
     # its steps are the relevance graph's: no step through the norm's scale or the gate
     assert not any("rsqrt" in str(s.op) or "erf" in str(s.op) for s in path.steps)
+
+
+# -- circuit, explain and the CLI ------------------------------------------------------------
+
+
+def test_circuit_under_relevance_reads_the_relevance_graph():
+    """The circuit's target (Real, seed x) is sum(x ⊙ R) of the relevance pass: its
+    forward (alpha) pass runs the same rules; on Llama (bias-free) that is the logit."""
+    model = _llama("sdpa")
+    embeds = _embeds(model)
+    kwargs = {"inputs_embeds": embeds}
+    c = sbp.circuit(model, kwargs=kwargs, output=_logit, weights="relevance")
+    score = c.to_eap_json()["nodes"]["logits"]["score"]
+    res = sbp.backprop(model, kwargs=kwargs, output=_logit, weights="relevance")
+    want = float((embeds * res.at("inputs_embeds", sbp.Real())).sum())
+    assert math.isclose(score, want, rel_tol=1e-9)
+    with torch.no_grad():
+        assert math.isclose(score, float(_logit(model(**kwargs))), rel_tol=1e-5)
+    grad = sbp.circuit(model, kwargs=kwargs, output=_logit).to_eap_json()["nodes"]["logits"]
+    assert abs(grad["score"] - score) > 1e-3
+    with pytest.raises(sbp.InputError, match="relevnce"):
+        sbp.circuit(model, kwargs=kwargs, output=_logit, weights="relevnce")
+
+
+@pytest.fixture(scope="module")
+def saved_gpt2(tmp_path_factory):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = "the keys to cabinet is are on table a dog cat".split()
+    where = tmp_path_factory.mktemp("gpt2")
+    ids = {w: i for i, w in enumerate(["[UNK]", *words])}
+    tok = tokenizers.Tokenizer(WordLevel(ids, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(
+        where
+    )
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=len(ids), n_embd=8, n_layer=1, n_head=2,
+                                  n_positions=16, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(where)
+    return str(where)
+
+
+def _cli(argv):
+    import contextlib
+    import io
+
+    from semiring_backprop import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = cli.main(argv)
+        except SystemExit as e:  # argparse's refusal
+            rc = e.code
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.mark.usefixtures("_offline_quiet")
+def test_cli_and_explain_take_weights(saved_gpt2, tmp_path):
+    scores = {}
+    for weights in ("gradient", "relevance"):
+        file = tmp_path / f"{weights}.json"
+        rc, _, err = _cli(["circuit", saved_gpt2, "--text", "the keys to the cabinet",
+                           "--target", "are", "--dtype", "float64", "--weights", weights,
+                           "--json", str(file)])  # fmt: skip
+        assert rc == 0, err
+        import json
+
+        scores[weights] = json.loads(file.read_text())["nodes"]["logits"]["score"]
+    assert abs(scores["gradient"] - scores["relevance"]) > 1e-6
+    rc, _, err = _cli(["circuit", saved_gpt2, "--text", "the keys", "--target", "are",
+                       "--weights", "relevnce"])  # fmt: skip
+    assert rc == 2 and "relevnce" in err and "relevance" in err
+    rc, text, err = _cli(["explain", saved_gpt2, "--text", "the keys to the cabinet",
+                          "--target", "are", "--weights", "relevance"])  # fmt: skip
+    assert rc == 0, err
+    from semiring_backprop.hf.explain import explain
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved_gpt2).to(F64).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(saved_gpt2)
+    ex = explain(model, "the keys to the cabinet", "are", tokenizer=tok, semirings=["real"],
+                 weights="relevance")  # fmt: skip
+    assert ex.weights == "relevance" and ex.result.graph.weights == "relevance"
+    with pytest.raises(sbp.InputError, match="paper"):
+        explain(model, "the keys", "are", tokenizer=tok, weights="relevance", paper=True)

@@ -15,8 +15,7 @@ from ._traces import (
     _kept_traces,
     _Traces,
 )
-from .engine import allocator, budget, checkpoints, forward, graphed, liveness
-from .engine import relevance
+from .engine import allocator, budget, checkpoints, forward, graphed, liveness, relevance
 from .engine.reverse import Overflow, needed_nodes, reverse
 from .errors import InputError, OutOfMemoryError, SemiringBackpropError, is_out_of_memory
 from .places import resolve_keep

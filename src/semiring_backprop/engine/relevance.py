@@ -356,9 +356,12 @@ def _is_probs(a, depth: int = 0) -> bool:
             return True
         if t is aten.div.Tensor:
             e, s = a.args[:2]
-            return _is_exp_shifted(e) and isinstance(s, Node) and s.target in (
-                aten.sum.dim_IntList, aten.sum.default
-            ) and _strip(s.args[0]) is _strip(e)
+            return (
+                _is_exp_shifted(e)
+                and isinstance(s, Node)
+                and s.target in (aten.sum.dim_IntList, aten.sum.default)
+                and _strip(s.args[0]) is _strip(e)
+            )
         if t in _PROBS_MOVES:
             a = a.args[0]
         elif t is _WHERE:  # a mask's where: whichever float branch holds the probabilities
