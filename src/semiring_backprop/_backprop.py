@@ -15,7 +15,7 @@ from ._traces import (
     _kept_traces,
     _Traces,
 )
-from .engine import allocator, budget, checkpoints, forward, graphed, liveness
+from .engine import allocator, budget, checkpoints, forward, graphed, liveness, relevance
 from .engine.reverse import Overflow, needed_nodes, reverse
 from .errors import InputError, OutOfMemoryError, SemiringBackpropError, is_out_of_memory
 from .places import resolve_keep
@@ -37,6 +37,7 @@ def backprop(
     per_example: bool = False,
     reuse: bool = True,
     paper: bool = False,
+    weights: str = "gradient",
 ) -> Result:
     """Semiring backpropagation of ``output(model(*args, **kwargs))``.
 
@@ -61,6 +62,12 @@ def backprop(
         reuse: reuse the trace of an earlier call (see below); ``False`` traces anew.
         paper: trace the graph as the paper's library (brunoflow) built it (DESIGN §1,
             paper mode): with ``MaxProduct("tensor")`` the values are brunoflow's.
+        weights: what each edge weighs (DESIGN §3c): ``"gradient"`` (default), the local
+            derivative (``Real`` is torch.autograd's gradient); ``"relevance"``, the local
+            rules of relevance propagation as RelP applies them (a norm's scale held
+            constant, activations as f(x)/x, the half rule for products, the attention
+            pattern held constant: ``semiring_backprop.engine.relevance``). Every
+            semiring reads the graph of those weights; not with ``paper=True``.
 
     A call traces the model for these inputs' shapes; a later call with the same model
     object, an output function of the same code and equal constants, the same
@@ -99,11 +106,19 @@ def backprop(
     """
     options = {"whole": tuple(whole), "allow_training": allow_training,
                "per_example": per_example, "paper": bool(paper)}  # fmt: skip
+    options.update(_weights_option(weights, options))
     traces = _kept_traces(model, output, options) if reuse else None
     return Backprop(
         model, output, semirings, keep=keep, weight_cache=0, dynamic=False, **options,
         _traces=traces,
     )(args, kwargs)  # fmt: skip
+
+
+def _weights_option(weights, options) -> dict:
+    """The trace option of the edge weights (a graph per weighting: its relevance plan is
+    kept on it); none under ``"gradient"``, so that its traces are keyed as before."""
+    weights = relevance.check(weights, options["paper"], options["whole"])
+    return {} if weights == "gradient" else {"weights": weights}
 
 
 def clear_traces() -> None:
@@ -155,6 +170,9 @@ class Backprop:
     paths and branch tables need every value (``keep=None``, the default: checkpoints,
     from which what they read is computed again, one segment of the graph at a time).
 
+    ``weights`` (``"gradient"``, the default, or ``"relevance"``): what each edge of the
+    graph weighs, as for [backprop][semiring_backprop.backprop].
+
     ``weight_cache`` (bytes, default 1 GiB; 0 turns it off): what contractions derive
     from a weight alone (``log |w|`` for ``Entropy`` and ``MaxAbs``, a transposed copy for
     ``MaxProduct``) is kept across calls, up to this size. It trades memory for time;
@@ -198,6 +216,7 @@ class Backprop:
         dynamic: bool | None = None,
         paper: bool = False,
         cuda_graphs: bool | None = None,
+        weights: str = "gradient",
         _traces: _Traces | None = None,
     ):
         if isinstance(semirings, Semiring):
@@ -221,6 +240,7 @@ class Backprop:
         self.keep = None if keep is None else tuple(keep)
         options = {"whole": tuple(whole), "allow_training": allow_training,
                    "per_example": per_example, "paper": bool(paper)}  # fmt: skip
+        options.update(_weights_option(weights, options))
         self._traces = _traces or _Traces(model, output, options, int(weight_cache), dynamic)
         self.cuda_graphs = graphed.enabled_by_default() if cuda_graphs is None else cuda_graphs
 

@@ -84,6 +84,7 @@ class _Traces:
         )  # fmt: skip
         _check_output(graph, opts["per_example"])
         graph.prepared = self.prepared
+        graph.weights = opts.get("weights", "gradient")  # (engine.relevance reads it)
         if self.limit is not None and any(part[0] == "I" for part in key[1]):
             return graph  # an argument known by identity only: not kept (ids are reused)
         kept = self.graphs.setdefault(key, [])

@@ -145,7 +145,9 @@ def _projections(res, r, block, roles) -> list:
             )
         cols = e.cols or tuple(range(res.values[proj].shape[-1]))
         out.setdefault((proj, e.role), Projection(e.role, proj, xs[0], cols))
-    if {p.role for p in out.values()} != set(QKV):
+    # (under relevance weights no path enters a query or key: CP-LRP, engine.relevance)
+    need = {"value"} if getattr(res.graph, "weights", "gradient") == "relevance" else set(QKV)
+    if not need <= {p.role for p in out.values()}:
         raise InputError(
             f"circuit edges: found {sorted({p.role for p in out.values()})} projections in "
             f"{block.layer!r}, not a query, a key and a value"

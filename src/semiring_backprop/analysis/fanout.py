@@ -271,9 +271,12 @@ def _fused_entries(r: Roles, u, via, module) -> list[Entry]:
     labels = {proj: torch.arange(width).expand(shape).contiguous()}
     parts: dict = {}  # frozenset of columns -> [(op, the node it reads)]
     todo = [proj]
+    # (every part that reads the projection, also one no path leaves under relevance
+    # weights, where the query and key carry none: engine.relevance)
+    needed = r.res.needed if getattr(r.res.graph, "weights", "gradient") == "relevance" else ()
     while todo:
         n = todo.pop(0)
-        for c in r.users(n):
+        for c in r.users(n) if not needed else [c for c in n.users if c in needed]:
             if c in labels:
                 continue
             lab = _route(c, n, labels[n], r.res.values)
@@ -366,6 +369,9 @@ def ancestors(t, stop):
 def contribution(res, v, entry: Entry, down=None) -> list:
     """⊕ over the paths from ``v`` that leave through ``entry``: one value per semiring."""
     down = down if down is not None else descendants(v)
+    if entry.op not in res._store:  # no path leaves there (a query under relevance weights)
+        x = res.values[v]
+        return [sr.zero(x.shape, x) for sr in res.semirings]
     region = ancestors(entry.via, down)
     return carry_within(res, v, entry.op, res._store[entry.op], region)
 

@@ -393,7 +393,8 @@ def _token_ids(res) -> list | None:
 
 def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=None,
             seed="x", tokens=None, heads=None, roles=None, what: str = "",
-            ig_steps: int = 0, ig_method: str = "gausslegendre") -> Circuit:  # fmt: skip
+            ig_steps: int = 0, ig_method: str = "gausslegendre",
+            weights: str = "gradient") -> Circuit:  # fmt: skip
     """Run ``sbp.backprop`` (``semirings``: default Real and MaxProduct) and build the
     :class:`Circuit` of one example (a batch of one). ``seed``: ``"x"`` (default; each
     source's own value), ``"structural"``, or with ``baseline`` the difference
@@ -404,7 +405,8 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
     ``tokens``: the token strings; ``heads``, ``roles``: as for ``layer_table``.
     ``ig_steps``, ``ig_method``: integrated-gradients steps for the seed (Real becomes
     each site's conductance; the other semirings stay at the input), as for
-    :meth:`Circuit.from_result`.
+    :meth:`Circuit.from_result`. ``weights``: the edge weights of the pass (``"gradient"``,
+    default, or ``"relevance"``: RelP's rules, as for ``backprop``).
 
     Examples:
         >>> c = sbp.circuit(model, kwargs=dict(enc), output=are_is, tokens=tokens)
@@ -414,11 +416,12 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
         'api-circuit.html'
     """
     from .._backprop import backprop
-    from ..engine import checkpoints
+    from ..engine import checkpoints, relevance
     from ..semirings import MaxProduct, Real
     from .ig import check_call
 
     check_call(ig_steps, ig_method, baseline, seed)  # (before the pass)
+    relevance.check(weights)
     if output is None and hasattr(model, "config"):  # a Hugging Face model's whole output
         raise InputError(
             "a circuit explains one number of the model's output: pass output=, a function "
@@ -430,7 +433,7 @@ def circuit(model, args=(), kwargs=None, output=None, semirings=None, baseline=N
     # of each being computed again from its checkpoints (the same peak: the stages hold
     # them all); the circuit keeps the checkpoints alone
     with checkpoints.tapped():
-        res = backprop(model, args, kwargs, output=output, semirings=srs)
+        res = backprop(model, args, kwargs, output=output, semirings=srs, weights=weights)
     mask = None
     m = (kwargs or {}).get("attention_mask")
     if m is not None and m.dim() == 2 and m.shape[0] == 1 and not bool((m != 0).all()):

@@ -26,7 +26,8 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
                     dim: int | None = None, baseline_text: str | None = None,
                     semirings=None, kind: str | None = None, dtype=torch.float32,
                     device="cpu", seed: str = "x", ig_steps: int = 0,
-                    ig_method: str = "gausslegendre", gguf_file: str | None = None):  # fmt: skip
+                    ig_method: str = "gausslegendre", gguf_file: str | None = None,
+                    weights: str = "gradient"):  # fmt: skip
     """The :class:`~semiring_backprop.circuits.Circuit` of ``task``'s scalar for
     ``text`` (the arguments as for ``explain``: ``target`` is the word of ``lm`` or the
     label of ``classification`` and ``token``; ``text_pair``, ``position``,
@@ -36,8 +37,9 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
     (else ``seed``: ``"x"``, each source's own value, or ``"structural"``, one at every
     element). ``ig_steps=N`` (with ``baseline_text``): Real summed over ``N``
     integrated-gradients steps from the baseline (``ig_method``: the quadrature), as for
-    :func:`~semiring_backprop.circuits.circuit`. These are checked before the model is
-    loaded.
+    :func:`~semiring_backprop.circuits.circuit`. ``weights``: ``"gradient"`` (default)
+    or ``"relevance"`` (RelP's rules, as for ``backprop``). These are checked before the
+    model is loaded.
 
     A circuit is read from one example: a task that needs a batch (the similarity of
     two texts; an ``lm`` word of several tokens) is refused with what to give instead.
@@ -47,6 +49,7 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
         circuit_of_text(DIR, "a fine film", "positive", task="classification")
         circuit_of_text(DIR, "a cat sat", task="similarity", dim=3, pooling="mean")
     """
+    from ..engine import relevance
     from ..hf.gguf import checkpoint
     from ..hf.loading import check_device, lm_kind, load
     from ..hf.tasks import load_task, prepare
@@ -56,6 +59,7 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
     if task not in TASKS:
         raise InputError(f"task {task!r}: choose one of {', '.join(TASKS)}")
     _check_seed(seed, baseline_text, ig_steps, ig_method)
+    relevance.check(weights)
     if task == "similarity" and text_pair is not None:
         raise InputError(
             "a circuit is read from one text, and the similarity of two texts runs the "
@@ -105,7 +109,7 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
         baseline = {"input_ids": base_ids}  # x' where the paths start: computed
     c = circuit(model, kwargs=prep.inputs, output=prep.target, semirings=semirings,
                 baseline=baseline, seed=seed, tokens=prep.examples[0], what=prep.what,
-                ig_steps=ig_steps, ig_method=ig_method)  # fmt: skip
+                ig_steps=ig_steps, ig_method=ig_method, weights=weights)  # fmt: skip
     c.model_id = model_id
     return c
 

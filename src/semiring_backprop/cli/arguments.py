@@ -55,6 +55,20 @@ def task_arguments(p, pair: str, target: str) -> None:
     )
 
 
+def weights_argument(p) -> None:
+    """--weights: what each edge of the pass weighs (DESIGN §3c), for explain and circuit."""
+    from ..engine.relevance import WEIGHTS
+
+    p.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="gradient",
+        help="edge weights: gradient (the local derivatives, default) or relevance (the "
+        "local rules of relevance propagation as RelP applies them: norms' scale and the "
+        "attention pattern held constant, activations as f(x)/x, the half rule for products)",
+    )
+
+
 def check_html_file(file) -> None:
     """Refuse an --html path that cannot be written, before any work."""
     import os

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .arguments import check_html_file, task_arguments
+from .arguments import check_html_file, task_arguments, weights_argument
 
 
 def add_parser(sub):
@@ -63,6 +63,7 @@ def add_parser(sub):
         default="gausslegendre",
         help="the steps' quadrature, Captum's names (default: gausslegendre)",
     )
+    weights_argument(c)
     c.add_argument("--top-n", type=int, help="keep the N strongest head/MLP sites (|Real|)")
     c.add_argument("--threshold", type=float, help="keep the sites of |Real| at least this")
     c.add_argument(
@@ -92,7 +93,7 @@ def command(args) -> int:
             score=args.score, dim=args.dim, baseline_text=args.baseline_text,
             kind=args.kind, dtype=getattr(torch, args.dtype), device=args.device,
             seed=args.seed, ig_steps=args.ig_steps, ig_method=args.ig_method,
-            gguf_file=args.gguf_file,
+            gguf_file=args.gguf_file, weights=args.weights,
         )  # fmt: skip
         if args.top_n is not None or args.threshold is not None or args.cumulative is not None:
             c = c.prune(top_n=args.top_n, threshold=args.threshold, cumulative=args.cumulative)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .arguments import check_html_file, directory, task_arguments, writable
+from .arguments import check_html_file, directory, task_arguments, weights_argument, writable
 
 
 def add_parser(sub):
@@ -47,6 +47,7 @@ def add_parser(sub):
         help="paper mode: trace as the paper's library (brunoflow) did, at tensor granularity, "
         "and print the paper's per-token branch table (winner-take-all, zeros kept) beside ours",
     )
+    weights_argument(e)
     e.add_argument(
         "--per-head",
         action="store_true",
@@ -95,6 +96,7 @@ def command(args) -> int:
             per_head=args.per_head,
             paper=args.paper,
             gguf_file=args.gguf_file,
+            weights=args.weights,
         )
         print(ex.report())
         if args.out:

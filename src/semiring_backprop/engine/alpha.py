@@ -16,6 +16,7 @@ import torch
 from .. import rules
 from ..errors import UnsupportedOpError, where
 from ..semirings.base import fmap
+from . import relevance
 from .reverse import make_op, reverse_plan
 
 
@@ -83,6 +84,10 @@ def apply_rule(graph, values, semirings, node_id, store, needed, rows: int = 0) 
         raise RuntimeError(f"internal error: the forward rule of {node.target} takes no rows")
     op = make_op(node, values, needed, graph)
     op.rows = rows
+    e = relevance.edit(graph, node)
+    if e is not None:  # the graph's edge weights are relevance rules
+        op.cut = e.cut
+        fn = relevance.forward_rule(fn, e)
     out_value = values[node]
     shape = (rows, *out_value.shape) if rows else tuple(out_value.shape)
     results = []

@@ -9,6 +9,7 @@ from .. import rules
 from ..errors import ForwardError, InputError, NonFiniteError, where
 from ..rules.routing import where_value
 from ..tracing.trace import Graph, input_tensors, mark_op
+from . import relevance
 from .liveness import stand_in
 
 # ops that may pass inf through or write it on purpose (masks): not an overflow
@@ -187,7 +188,10 @@ def _relevant(graph: Graph) -> frozenset:
         rule = rules.lookup(node.target) if node.op == "call_function" else None
         if rule is None:
             continue
-        out.update(node.all_input_nodes if rule.reads is None else rule.reads(node, needed))
+        if rule.reads is None:
+            out.update(node.all_input_nodes)
+        else:  # (a relevance rule may read more: engine.relevance)
+            out.update(relevance.reads(graph, node, rule.reads(node, needed)))
     return frozenset(out)
 
 

@@ -40,6 +40,7 @@ from torch.fx.node import map_arg
 from .. import rules
 from ..rules.routing import where_value
 from ..tracing.trace import mark_op
+from . import relevance
 
 _WHERE = torch.ops.aten.where.self
 
@@ -129,7 +130,7 @@ def _make_plan(graph, needed, keep) -> Plan:
         if rule is None or rule.reads is None:
             read = [*node.all_input_nodes, node]
         else:
-            read = rule.reads(node, needed)
+            read = relevance.reads(graph, node, rule.reads(node, needed))
         for v in read:
             if isinstance(v, torch.fx.Node):  # not a number argument
                 readers.setdefault(v, []).append(index[node])

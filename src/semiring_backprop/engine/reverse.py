@@ -17,7 +17,7 @@ from .. import rules
 from ..errors import InputError, NonFiniteError, UnsupportedOpError, where
 from ..rules.routing import reshape_back
 from ..semirings.base import fmap, overflowed, stack
-from . import liveness, structure
+from . import liveness, relevance, structure
 
 
 def needed_nodes(graph, start) -> frozenset:
@@ -247,13 +247,14 @@ def contributions(graph, values, semirings, node_id, d: list, needed, op=None, r
         raise _unsupported(graph, node)
     if op is None:
         op = make_op(node, values, needed, graph)
+    fn = _edited(graph, node, rule.fn, op)
     for s, sr in enumerate(semirings):
         per_input: dict = {}
         inner = sr.inner
         g = sr.enter(d[s], node_id)
         if release:
             d[s] = None
-        res = rule.fn(inner, g, op, *op.args, **op.kwargs)
+        res = fn(inner, g, op, *op.args, **op.kwargs)
         del g
         for inp, c in _pair(node.args, res):
             if inp in needed and c is not None:
@@ -274,8 +275,19 @@ def slot_values(graph, values, sr, node_id: int, g, needed, op=None):
         raise _unsupported(graph, node)
     if op is None:
         op = make_op(node, values, needed, graph)
-    res = rule.fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
+    fn = _edited(graph, node, rule.fn, op)
+    res = fn(sr, sr.tag(g, node_id), op, *op.args, **op.kwargs)
     return [(inp, c) for inp, c in _pair(node.args, res) if inp in needed and c is not None]
+
+
+def _edited(graph, node, fn, op):
+    """The rule ``fn`` of ``node`` under the graph's edge weights (``engine.relevance``);
+    the slots it cuts are marked on ``op``."""
+    e = relevance.edit(graph, node)
+    if e is None:
+        return fn
+    op.cut = e.cut
+    return relevance.reverse_rule(fn, e)
 
 
 def make_op(node, values, needed, graph=None) -> rules.Op:

@@ -22,6 +22,7 @@ from pathlib import Path as FilePath
 import torch
 
 from .._backprop import backprop
+from ..engine import relevance
 from ..errors import InputError
 from ..semirings import Entropy, LogAbs, MaxAbs, MaxProduct, PathCount, Real, TopK
 from . import gguf
@@ -107,6 +108,7 @@ def explain(
     per_head: bool = False,
     paper: bool = False,
     gguf_file: str | None = None,
+    weights: str = "gradient",
 ) -> Explanation:
     """Explain one scalar of a Hugging Face model; ``model`` is a hub id, a local
     directory, or a loaded model (then pass ``tokenizer`` too). ``task`` picks the
@@ -141,6 +143,10 @@ def explain(
     per-token table (``aggregate="paper"``: the token's best hidden unit gives its value
     to the branch that wins it, every other branch 0, zeros kept; needs ``"max"``).
 
+    ``weights``: what each edge weighs (DESIGN §3c): ``"gradient"`` (default) or
+    ``"relevance"`` (the local rules of relevance propagation as RelP applies them, as for
+    ``backprop``; not with ``paper=True``).
+
     A model given by name is kept (the last two, keyed on the name, the task, kind,
     dtype, device and, for a local directory, its files' sizes and times): a second
     call on it reuses the model, its trace and compiled kernels, and takes a fraction
@@ -158,6 +164,7 @@ def explain(
 
     if task not in targets.TASKS:
         raise InputError(f"task {task!r}: choose one of {', '.join(targets.TASKS)}")
+    relevance.check(weights, paper)  # (before the model is loaded)
     if isinstance(model, str | FilePath):
         model_id = gguf.checkpoint(model, gguf_file)
         model, tokenizer, kind = _load_kept(model_id, task, kind, dtype, check_device(device))
@@ -182,7 +189,7 @@ def explain(
     if paper:
         prep = _paper_margin(prep)
     res = backprop(model, kwargs=prep.inputs, output=prep.target, semirings=srs,
-                   paper=bool(paper))  # fmt: skip
+                   paper=bool(paper), weights=weights)  # fmt: skip
     value = float(res.values[res.graph.output_node])
     rows = prep.examples
     ex = Explanation(
@@ -199,6 +206,7 @@ def explain(
     ex.layers = layers if ex.mask is None else _without_padding(layers, ex.mask)
     maxes = [s for s in srs if isinstance(s, MaxProduct)]
     ex.paper = bool(paper)
+    ex.weights = weights
     if paper and maxes and len(layers):  # the paper's quantity, beside ours
         table = res.layer_table(semirings=maxes[:1], aggregate="paper",
                                 tokens=rows if len(rows) > 1 else rows[0], by="role",

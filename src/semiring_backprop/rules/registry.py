@@ -289,8 +289,13 @@ class Op:
     #: row-wise composite's over its Jacobian's; the rule drops them (``Semiring.without``,
     #: ``Semiring.matmul_without``)
     absent: dict = field(default_factory=dict)
+    #: argument slots with no edges at all under the pass's edge weights (a relevance
+    #: rule's, ``engine.relevance``): the rule computes nothing for them
+    cut: frozenset = frozenset()
 
     def needs(self, i: int) -> bool:
+        if i in self.cut:
+            return False
         a = self.node.args[i] if i < len(self.node.args) else None
         if isinstance(a, list | tuple):
             return any(x in self.needed for x in a)
