@@ -126,7 +126,7 @@ def test_components_in_pieces_give_the_edges_of_all_at_once(build, monkeypatch):
     """The components go forward together in pieces under a budget of held values
     (``HELD_BUDGET``): one piece for all of them on this small model; one component per
     piece (a budget of 1), or two (a group cut between pieces), gives the same edges."""
-    from semiring_backprop.analysis import circuit_edges
+    from semiring_backprop.circuits import edges as circuit_edges
 
     model = build()
     bp = sbp.Backprop(model, _lm, SEMIRINGS)
@@ -165,7 +165,7 @@ def test_a_new_length_on_a_symbolic_trace_reuses_which_columns_are_each_heads(bu
     not on the length: on a trace with symbolic sizes, a circuit at a new length reads
     it instead of passing back from each head again, and equals a circuit that found it
     anew."""
-    from semiring_backprop.analysis import circuit_edges
+    from semiring_backprop.circuits import edges as circuit_edges
 
     model = build()
     bp = sbp.Backprop(model, _lm, SEMIRINGS, dynamic=True)
@@ -192,7 +192,9 @@ def test_a_circuit_finds_its_blocks_sites_and_layout_once(monkeypatch):
     """The stages of a circuit (sites, edges, attention edges) read the blocks, sites and
     layout of one pass: each is found once per pass and options, and found anew for
     other options (``heads``) or another pass."""
-    from semiring_backprop.analysis import branches, circuit, circuit_layout
+    from semiring_backprop.analysis import branches
+    from semiring_backprop.circuits import layout as circuit_layout
+    from semiring_backprop.circuits import nodes as circuit
 
     model = _bert()
     bp = sbp.Backprop(model, _lm, SEMIRINGS[:2])

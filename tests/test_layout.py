@@ -169,7 +169,7 @@ MAX_LINES = 500
 LONG = {
     "tracing/trace.py": "pending: being split",
     "tracing/decompose.py": "pending: being split",
-    "analysis/circuit_edges.py": "pending: being split",
+    "circuits/edges.py": "pending: being split",
 }
 
 

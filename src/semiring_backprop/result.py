@@ -183,7 +183,7 @@ class Result:
             >>> torch.allclose(a[0, 1], (paths * x[0]).sum())
             True
         """
-        from .analysis import marginals
+        from .circuits import marginals
 
         self._require_all("alpha")
         _check_semiring(semiring)
@@ -206,7 +206,7 @@ class Result:
             >>> torch.allclose(best.hi[0], paths.amax(1)), torch.allclose(best.lo[0], paths.amin(1))
             (True, True)
         """
-        from .analysis import marginals
+        from .circuits import marginals
 
         self._require_all("marginal")
         node = self.node(where)

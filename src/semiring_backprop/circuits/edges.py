@@ -1,7 +1,7 @@
 """The edges of a circuit: the ⊕ over the whole paths that leave one component and enter
 the next through the residual stream alone, split by the input they enter (DESIGN §3b).
 
-Components are the sites of :func:`.circuit.circuit_nodes` other than the residual
+Components are the sites of :func:`.nodes.circuit_nodes` other than the residual
 stream: the token embedding, each attention head (its slice of the output projection's
 input), each MLP (its output) and the target. A path passes a chain of them; between two
 that follow each other it runs through the residual stream only (adds, norms, the output
@@ -33,12 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..analysis.heads import QKV, only_columns
 from ..engine.alpha import apply_rule
 from ..engine.reverse import contributions, propagate
 from ..rules import takes_rows
 from ..semirings import MaxProduct
-from .circuit import readout, site_labels
-from .circuit_layout import (
+from .layout import (
     BATCH_BUDGET,
     EDGE_COLUMNS,
     SHORT_ROLES,
@@ -53,7 +53,7 @@ from .circuit_layout import (
     residual_region,
     text_column,
 )
-from .heads import QKV, only_columns
+from .nodes import readout, site_labels
 
 
 def _layer_entry_d(res, lay: Layout, srs, layer: int) -> list:
@@ -687,7 +687,7 @@ def circuit_edges(res, semirings=None, seed="structural", baseline=None, tokens=
 
     Components (``src_role`` / ``dst_role``): ``"embedding"`` (layer -1, a source only),
     ``"head"``, ``"mlp"`` and ``"target"`` (layer = the number of layers, a destination
-    only), as in :func:`.circuit.circuit_nodes`. The value of ``u -> v`` at position ``p``
+    only), as in :func:`.nodes.circuit_nodes`. The value of ``u -> v`` at position ``p``
     is the ⊕ over the whole paths (source to output, with ``seed`` and ``baseline`` as in
     ``res.marginal``) that pass ``u`` at ``p``, then only the residual stream, then enter
     ``v`` through ``input``: ``"q"``, ``"k"``, ``"v"`` (the head's columns of that
