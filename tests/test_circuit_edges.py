@@ -205,9 +205,9 @@ def test_edges_match_enumeration_with_one_component_per_source_pass(name, monkey
     """The components go forward together, their rows padded where fewer of them reach
     a node (the other tests: one pass for all); with a budget of held values that
     fits one component (``HELD_BUDGET`` 1), one pass per component."""
-    from semiring_backprop.circuits import edges as ce
+    from semiring_backprop.circuits import edge_sources
 
-    monkeypatch.setattr(ce, "HELD_BUDGET", 1)
+    monkeypatch.setattr(edge_sources, "HELD_BUDGET", 1)
     edges = circuit_edges(tiny(name), seed="x")
     want, _ = brute(name, "x")
     got = {tuple(_plain(row[c]) for c in KEY): row for _, row in edges.iterrows()}
