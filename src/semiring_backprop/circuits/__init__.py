@@ -357,7 +357,7 @@ class Circuit:
 
     def view(self, semiring=None, max_edges: int = 300):
         """The circuit drawn (:func:`semiring_backprop.views.circuit.circuit_view`)."""
-        from ..views.circuit import circuit_view
+        from ..views.circuit import circuit_view  # (a door up: the view reads circuits)
 
         return circuit_view(self, semiring, max_edges=max_edges)
 
