@@ -105,10 +105,10 @@ def _stages(res):
     scores, the edges, the attention edges. The forward pass and the tapped pass are
     what any circuit of max-marginals needs (alpha and D): their sum over the pass is
     the least ratio such a circuit can reach here."""
-    from semiring_backprop.analysis import attention_edges as ae
-    from semiring_backprop.analysis import circuit_edges as ce
-    from semiring_backprop.analysis.circuit import circuit_nodes
-    from semiring_backprop.analysis.circuit_layout import circuit_alphas, layout, pinned
+    from semiring_backprop.circuits import attention_edges as ae
+    from semiring_backprop.circuits import edges as ce
+    from semiring_backprop.circuits.layout import circuit_alphas, layout, pinned
+    from semiring_backprop.circuits.nodes import circuit_nodes
 
     res = pinned(res)  # as Circuit.from_result: the stages share the pass's segments
     t = time.perf_counter()

@@ -27,7 +27,7 @@ import transformers
 
 import oracles
 import semiring_backprop as sbp
-from semiring_backprop.analysis.circuit import readout
+from semiring_backprop.circuits.nodes import readout
 
 pytestmark = pytest.mark.usefixtures("_offline_quiet")
 

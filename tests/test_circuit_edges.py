@@ -1,4 +1,4 @@
-"""The edges of a circuit (``analysis.circuit_edges``) against brute force.
+"""The edges of a circuit (``circuits.edges``) against brute force.
 
 Oracles:
 - enumeration: on tiny attention models (one layer, one layer with a pre-norm, two
@@ -32,8 +32,8 @@ from torch import nn
 
 import oracles
 import semiring_backprop as sbp
-from semiring_backprop.analysis.attention_edges import attention_edges
-from semiring_backprop.analysis.circuit_edges import circuit_edges
+from semiring_backprop.circuits.attention_edges import attention_edges
+from semiring_backprop.circuits.edges import circuit_edges
 
 F64 = torch.float64
 MP = sbp.MaxProduct()
@@ -205,9 +205,9 @@ def test_edges_match_enumeration_with_one_component_per_source_pass(name, monkey
     """The components go forward together, their rows padded where fewer of them reach
     a node (the other tests: one pass for all); with a budget of held values that
     fits one component (``HELD_BUDGET`` 1), one pass per component."""
-    from semiring_backprop.analysis import circuit_edges as ce
+    from semiring_backprop.circuits import edge_sources
 
-    monkeypatch.setattr(ce, "HELD_BUDGET", 1)
+    monkeypatch.setattr(edge_sources, "HELD_BUDGET", 1)
     edges = circuit_edges(tiny(name), seed="x")
     want, _ = brute(name, "x")
     got = {tuple(_plain(row[c]) for c in KEY): row for _, row in edges.iterrows()}
@@ -350,8 +350,8 @@ def test_attention_edges_by_the_matmul_equal_a_pass_from_each_position(name):
     the weights A, D at its output) equal those of a pass back from the head's slice at
     each position (the definition, run generically), under every semiring; and the
     matmul is found (GPT-2's fused q/k/v and Llama's shared K/V heads included)."""
-    from semiring_backprop.analysis import attention_edges as ae
-    from semiring_backprop.analysis import circuit_layout as cl
+    from semiring_backprop.circuits import attention_edges as ae
+    from semiring_backprop.circuits import layout as cl
 
     res = tiny(name) if name in TINY else hf_result(name)
     srs = list(res.semirings)

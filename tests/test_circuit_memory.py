@@ -126,34 +126,34 @@ def test_components_in_pieces_give_the_edges_of_all_at_once(build, monkeypatch):
     """The components go forward together in pieces under a budget of held values
     (``HELD_BUDGET``): one piece for all of them on this small model; one component per
     piece (a budget of 1), or two (a group cut between pieces), gives the same edges."""
-    from semiring_backprop.analysis import circuit_edges
+    from semiring_backprop.circuits import edge_sources
 
     model = build()
     bp = sbp.Backprop(model, _lm, SEMIRINGS)
     kw = {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])}
     _circuit(bp, kw)
     cut = []
-    real = circuit_edges._pieces
+    real = edge_sources._pieces
 
     def pieces(*args):
         out = real(*args)
         cut.append([sum(len(u.comps) for u in p) for p in out])
         return out
 
-    monkeypatch.setattr(circuit_edges, "_pieces", pieces)
+    monkeypatch.setattr(edge_sources, "_pieces", pieces)
     whole, _, _ = _circuit(bp, kw)
     assert cut == [[7]]  # the embedding, two blocks of two heads and an MLP
-    monkeypatch.setattr(circuit_edges, "HELD_BUDGET", 1)
+    monkeypatch.setattr(edge_sources, "HELD_BUDGET", 1)
     apart, _, _ = _circuit(bp, kw)
     assert cut[1] == [1] * 7
     _close(whole.edges, apart.edges)
 
     def two_rows(res, srs, units):  # (pieces of two rows: the heads of a block cut)
         per = max(res.values[n].numel() for u in units for n in u.region) * 2 * len(srs)
-        monkeypatch.setattr(circuit_edges, "HELD_BUDGET", 2 * per)
+        monkeypatch.setattr(edge_sources, "HELD_BUDGET", 2 * per)
         return pieces(res, srs, units)
 
-    monkeypatch.setattr(circuit_edges, "_pieces", two_rows)
+    monkeypatch.setattr(edge_sources, "_pieces", two_rows)
     paired, _, _ = _circuit(bp, kw)
     assert cut[2] == [2, 2, 2, 1]  # (embedding + head; head + MLP; two heads; MLP)
     _close(whole.edges, paired.edges)
@@ -165,19 +165,19 @@ def test_a_new_length_on_a_symbolic_trace_reuses_which_columns_are_each_heads(bu
     not on the length: on a trace with symbolic sizes, a circuit at a new length reads
     it instead of passing back from each head again, and equals a circuit that found it
     anew."""
-    from semiring_backprop.analysis import circuit_edges
+    from semiring_backprop.circuits import edge_entries
 
     model = build()
     bp = sbp.Backprop(model, _lm, SEMIRINGS, dynamic=True)
     _circuit(bp, {"input_ids": torch.tensor([[1, 5, 4, 8, 2, 6]])})
     found = []
-    real = circuit_edges._heads_apart
+    real = edge_entries._heads_apart
 
     def counted(*args):
         found.append(1)
         return real(*args)
 
-    monkeypatch.setattr(circuit_edges, "_heads_apart", counted)
+    monkeypatch.setattr(edge_entries, "_heads_apart", counted)
     kw = {"input_ids": torch.tensor([[3, 1, 5, 4, 8, 2, 6, 7, 9]])}
     reused, _, _ = _circuit(bp, kw)
     assert bp.traces == 1 and not found
@@ -192,7 +192,9 @@ def test_a_circuit_finds_its_blocks_sites_and_layout_once(monkeypatch):
     """The stages of a circuit (sites, edges, attention edges) read the blocks, sites and
     layout of one pass: each is found once per pass and options, and found anew for
     other options (``heads``) or another pass."""
-    from semiring_backprop.analysis import branches, circuit, circuit_layout
+    from semiring_backprop.analysis import branches
+    from semiring_backprop.circuits import layout as circuit_layout
+    from semiring_backprop.circuits import nodes as circuit
 
     model = _bert()
     bp = sbp.Backprop(model, _lm, SEMIRINGS[:2])

@@ -1,4 +1,4 @@
-"""The nodes of a circuit (``analysis.circuit.circuit_nodes``) on tiny BERTs (one and two
+"""The nodes of a circuit (``circuits.nodes.circuit_nodes``) on tiny BERTs (one and two
 layers) and a tiny GPT-2, float64, random weights.
 
 Oracles:
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import semiring_backprop as sbp
-from semiring_backprop.analysis.circuit import circuit_nodes
+from semiring_backprop.circuits.nodes import circuit_nodes
 from semiring_backprop.errors import InputError
 
 T = pytest.importorskip("transformers")

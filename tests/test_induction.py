@@ -26,8 +26,8 @@ import torch
 
 import oracles
 import semiring_backprop as sbp
-from semiring_backprop.analysis.circuit import circuit_nodes
-from semiring_backprop.analysis.circuit_edges import circuit_edges
+from semiring_backprop.circuits.edges import circuit_edges
+from semiring_backprop.circuits.nodes import circuit_nodes
 from semiring_backprop.data.induction import IGNORE, LogitDiff, induction, pairs
 from semiring_backprop.errors import InputError
 from semiring_backprop.experiments.models import attention_only

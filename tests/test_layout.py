@@ -166,11 +166,7 @@ def test_script_edges_are_read():
 
 MAX_LINES = 500
 #: modules over MAX_LINES for now, and why: each leaves this list when it is split
-LONG = {
-    "tracing/trace.py": "pending: being split",
-    "tracing/decompose.py": "pending: being split",
-    "analysis/circuit_edges.py": "pending: being split",
-}
+LONG: dict[str, str] = {}
 
 
 def test_no_module_over_500_lines():
@@ -184,3 +180,135 @@ def test_no_module_over_500_lines():
     assert not new, f"modules over {MAX_LINES} lines (split them by idea): {new}"
     done = sorted(set(LONG) - set(long))
     assert not done, f"{done} are {MAX_LINES} lines or fewer now: take them off LONG"
+
+
+# -- arrows back up ---------------------------------------------------------------------------
+
+#: the imports that run back up the layering (below), and why each is there: a function-level
+#: import, made when it is called, of a room that imports the importer's room at module
+#: level. Each leaves this list when it goes; a new one is refused until it is listed.
+DOORS = {
+    ("result.py", "views/"): "Result draws itself (view, _repr_html_, the branch and path "
+    "tables): the views read results, so a result reaches them only when asked",
+    ("result.py", "circuits/"): "Result.alpha and Result.marginal are alpha and alpha ⊗ D of "
+    "one node, computed where the circuits compute them (circuits/marginals.py)",
+    ("analysis/", "views/"): "Path prints and draws itself (__str__, view, _repr_html_) with "
+    "the views, which read analysis tables",
+    ("circuits/", "views/"): "Circuit draws itself (view, to_html, _repr_html_) and its DOT "
+    "graph takes the views' colour scale; the circuit view reads circuits",
+}
+MAX_DOORS = 4
+
+
+def _room(module: str) -> str:
+    """The room a module stands in: a subpackage of the package (``"views/"``) or a module
+    beside them (``"result.py"``)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__.py"
+    if (ROOT / parts[1]).is_dir():
+        return parts[1] + "/"
+    return parts[1] + ".py"
+
+
+def _is_shim(path: Path) -> bool:
+    """An old path kept for code that imports it: the module makes itself another one
+    (``sys.modules[__name__] = ...``), and so imports nothing of its own."""
+    return "sys.modules[__name__]" in path.read_text(encoding="utf-8")
+
+
+def _room_imports() -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """Between rooms: what each imports at module level (``{room: {room, ...}}``), and
+    the imports made inside functions (``(room, room, "module.py:line")``)."""
+    modules = _modules()
+    eager: dict[str, set[str]] = {_room(m): set() for m in modules}
+    lazy = []
+    for name, path in modules.items():
+        if _is_shim(path):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        inside = {
+            n.lineno
+            for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+            for n in ast.walk(f)
+            if isinstance(n, ast.Import | ast.ImportFrom)
+        }
+        for target, _, line in _imports(name, path, modules):
+            if target not in modules:
+                continue
+            a, b = _room(name), _room(target)
+            if a == b:
+                continue
+            if line in inside:
+                lazy.append((a, b, f"{path.relative_to(ROOT).as_posix()}:{line}"))
+            else:
+                eager[a].add(b)
+    return eager, lazy
+
+
+def _floors(eager: dict[str, set[str]]) -> dict[str, int]:
+    """A room's floor: 1 + the highest floor of the rooms it imports at module level."""
+    floors: dict[str, int] = {}
+
+    def floor(room, path=()):
+        assert room not in path, f"rooms that import each other at module level: {path}"
+        if room not in floors:
+            floors[room] = 1 + max((floor(r, (*path, room)) for r in eager[room]), default=0)
+        return floors[room]
+
+    for room in eager:
+        floor(room)
+    return floors
+
+
+def _above(eager: dict[str, set[str]], a: str, b: str) -> bool:
+    """Whether room ``a`` stands above ``b``: it imports ``b`` at module level, directly
+    or through others (then its floor is higher)."""
+    todo, seen = list(eager[a]), set()
+    while todo:
+        r = todo.pop()
+        if r == b:
+            return True
+        if r not in seen:
+            seen.add(r)
+            todo += eager[r]
+    return False
+
+
+def _arrows_back_up() -> dict[tuple[str, str], list[str]]:
+    """``{(room, room above it): [where]}``: the imports inside functions of a room that
+    stands above the importer. (A floor number alone does not say "above": a room whose
+    imports are all made inside functions, as the command line's, stands on floor 1 by
+    module-level imports and is still above what it calls.)"""
+    eager, lazy = _room_imports()
+    floors = _floors(eager)
+    up: dict[tuple[str, str], list[str]] = {}
+    for a, b, where in lazy:
+        if _above(eager, b, a):
+            assert floors[b] > floors[a]
+            up.setdefault((a, b), []).append(where)
+    return up
+
+
+def test_arrows_back_up_are_the_listed_doors():
+    """Imports run down the layering (DESIGN §3). Where one must run back up, it is a
+    function-level import (a door opened when it is called) listed in DOORS with its
+    reason; at most MAX_DOORS, and a listed door that is gone leaves the list."""
+    up = _arrows_back_up()
+    new = {k: v for k, v in up.items() if k not in DOORS}
+    assert not new, f"imports that run back up the layering (make them run down): {new}"
+    gone = sorted(set(DOORS) - set(up))
+    assert not gone, f"{gone} no longer run back up: take them off DOORS"
+    assert len(up) <= MAX_DOORS, up
+
+
+def test_arrows_back_up_are_read():
+    """The reading sees a door (or the test above would pass on no imports at all), and
+    the floors stand in the order the package is layered."""
+    eager, lazy = _room_imports()
+    floors = _floors(eager)
+    assert floors["errors.py"] == 1
+    assert floors["tracing/"] < floors["engine/"] < floors["analysis/"] < floors["circuits/"]
+    assert floors["circuits/"] < floors["views/"]
+    assert any(a == "result.py" and b == "views/" for a, b, _ in lazy)

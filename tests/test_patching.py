@@ -312,7 +312,7 @@ def test_an_attention_only_model():
     edges = p.edges()
     assert "mlp" not in set(edges.input) and "mlp" not in set(edges.src_role)
     assert p.metric(edges) == pytest.approx(clean, rel=1e-12)
-    from semiring_backprop.analysis.circuit_edges import circuit_edges  # Circuit.edges' rows
+    from semiring_backprop.circuits.edges import circuit_edges  # Circuit.edges' rows
 
     want = circuit_edges(res, seed="x")[list(EDGE_KEY)]
     pd.testing.assert_frame_equal(edges, want)

@@ -16,7 +16,8 @@ from ._traces import (
     _Traces,
 )
 from .engine import allocator, budget, checkpoints, forward, graphed, liveness, relevance
-from .engine.reverse import Overflow, needed_nodes, reverse
+from .engine.hooks import Overflow
+from .engine.reverse import needed_nodes, reverse
 from .errors import InputError, OutOfMemoryError, SemiringBackpropError, is_out_of_memory
 from .places import resolve_keep
 from .result import Result

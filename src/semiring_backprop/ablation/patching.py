@@ -8,7 +8,7 @@ The graph of ``sbp.backprop``'s Result is run again node by node (as
 - a **site** (the token embedding, a head's columns of its output projection's input, an
   MLP's output, at one position): its value for every consumer (:mod:`.sites`);
 - an **edge** ``s -> d<input>`` at position ``p`` (the edges of
-  :func:`..analysis.circuit_edges.circuit_edges`): the destination ``d`` (that head's columns of
+  :func:`..circuits.edges.circuit_edges`): the destination ``d`` (that head's columns of
   the query, key or value projection, the MLP's entry, or the output) reads its input
   recomputed through the residual stream alone (the nodes between the components and
   its entry: adds, norms, the output projections) from every component's value at each
@@ -45,9 +45,9 @@ import math
 
 import torch
 
-from ..analysis.circuit_layout import layout
 from ..analysis.fanout import ancestors, descendants
-from ..analysis.marginals import check_finite
+from ..circuits.layout import layout
+from ..circuits.marginals import check_finite
 from ..errors import InputError
 from ..tracing.trace import input_tensors
 from . import sites
@@ -283,7 +283,7 @@ class Patching:
         in their order (those some path takes, read from a MaxProduct pass; none at a
         position the attention mask pads)."""
         if self._edge_frame is None:
-            from ..analysis.circuit_edges import circuit_edges
+            from ..circuits.edges import circuit_edges
 
             src, sr = self._path_result()
             frame = circuit_edges(src, [sr], seed="structural", heads=self.heads, roles=self.roles)

@@ -1,7 +1,7 @@
 """What edge patching (:mod:`.patching`) reads: every destination of an edge, the ops that
 read its input, and the residual-only region each input is recomputed through.
 
-Destinations come in :func:`..analysis.circuit_edges.circuit_edges`' order: per layer each head's
+Destinations come in :func:`..circuits.edges.circuit_edges`' order: per layer each head's
 query, key and value (that head's columns of the projection), the MLP (its entry ops),
 then the target (the output itself). An input is recomputed from the components' nodes
 (``Layout.stops``) through the nodes between them and the input, never crossing a
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch.fx.node import map_arg
 
-from ..analysis.circuit_layout import SHORT_ROLES, Component, Layout
-from ..analysis.circuit_layout import residual_region as layout_region
 from ..analysis.fanout import ancestors, descendants
 from ..analysis.heads import QKV
+from ..circuits.layout import SHORT_ROLES, Component, Layout
+from ..circuits.layout import residual_region as layout_region
 from ..tracing.trace import mark_op
 
 __all__ = ["Destinations", "OwnPass", "destinations", "own_pass", "residual_region",
@@ -143,7 +143,7 @@ def _attention_region(res, lay: Layout, layer) -> tuple:
 def residual_region(res, lay: Layout, x):
     """``(stops, order)``: the components' nodes the residual stream before ``x`` reads,
     and the nodes between them and ``x`` in graph order (the region of
-    :func:`..analysis.circuit_layout.residual_region`)."""
+    :func:`..circuits.layout.residual_region`)."""
     region = layout_region(res, lay, [x])
     ids = res.graph.ids
     stops = sorted(region & lay.stops, key=ids.__getitem__)

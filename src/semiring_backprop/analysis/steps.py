@@ -157,7 +157,7 @@ class Path:
 
     def __str__(self) -> str:
         """One line per module the path passes: layer, branch, edge product, running."""
-        from .. import views
+        from .. import views  # (a door up: views read paths)
 
         return str(views.path(self))
 
@@ -182,7 +182,7 @@ class Path:
             >>> res.top_path("bert.embeddings.word_embeddings").view(res=res)
             <View 'top gradient path': ... characters of HTML>
         """
-        from .. import views
+        from .. import views  # (a door up: views read paths)
 
         return views.path(self, title, res)
 

@@ -54,7 +54,7 @@ def _name(sr) -> str:
 @dataclass
 class Circuit:
     """Sites, edges and attention edges of a circuit, as DataFrames (the columns of
-    ``analysis.circuit.circuit_nodes`` and ``analysis.circuit_edges``), one value
+    ``.nodes.circuit_nodes`` and ``.edges``), one value
     column per semiring. ``tokens``: the text's tokens; ``what``: the explained output
     in words; ``mask``: 1 per token, 0 per padding position (padding has no sites);
     ``model_id``: the model's name, where known; ``source``: the circuit this one was
@@ -119,7 +119,7 @@ class Circuit:
                     what: str = "", mask=None, ig_steps: int = 0,
                     ig_method: str = "gausslegendre") -> Circuit:  # fmt: skip
         """The circuit of a pass (``sbp.backprop``'s Result): sites from
-        ``analysis.circuit.circuit_nodes``, edges from ``analysis.circuit_edges`` (or
+        ``.nodes.circuit_nodes``, edges from ``.edges`` (or
         the frames given), with ``seed``, ``baseline``, ``heads`` and ``roles`` as
         there. ``semirings``: those of the pass to read (default: all).
 
@@ -128,11 +128,11 @@ class Circuit:
         quadrature, Captum's names), i.e. each site's conductance; the other semirings
         are read at the input, and each frame's ``attrs["notes"]`` says so per column
         (:mod:`.ig`). ``ig_steps=0``: the seed ``x - x'`` at the input alone."""
-        from ..analysis.circuit import circuit_nodes
-        from ..analysis.circuit_layout import pinned
-        from ..analysis.marginals import at_sources
         from ..engine.checkpoints import untap
         from .ig import check_steps, integrated
+        from .layout import pinned
+        from .marginals import at_sources
+        from .nodes import circuit_nodes
 
         check_steps(ig_steps, ig_method)
         srs = list(semirings) if semirings is not None else list(res.semirings)
@@ -147,8 +147,8 @@ class Circuit:
         else:
             nodes = circuit_nodes(res, srs, **kw)
         if edges is None or attention_edges is None:
-            from ..analysis import attention_edges as ae
-            from ..analysis import circuit_edges as ce
+            from . import attention_edges as ae
+            from . import edges as ce
 
             if edges is None:
                 edges = ce.circuit_edges(res, srs, **kw)
@@ -357,7 +357,7 @@ class Circuit:
 
     def view(self, semiring=None, max_edges: int = 300):
         """The circuit drawn (:func:`semiring_backprop.views.circuit.circuit_view`)."""
-        from ..views.circuit import circuit_view
+        from ..views.circuit import circuit_view  # (a door up: the view reads circuits)
 
         return circuit_view(self, semiring, max_edges=max_edges)
 

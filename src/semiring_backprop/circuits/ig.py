@@ -33,8 +33,6 @@ from __future__ import annotations
 import torch
 from torch.fx.node import map_arg
 
-from ..analysis.circuit import circuit_nodes, readout
-from ..analysis.marginals import seed_node
 from ..engine import budget
 from ..engine.reverse import reverse
 from ..errors import InputError
@@ -42,6 +40,8 @@ from ..result import Result
 from ..semirings import Real
 from ..tracing.trace import mark_op
 from .exports import ATTENTION_COLUMNS, EDGE_COLUMNS, NODE_COLUMNS
+from .marginals import seed_node
+from .nodes import circuit_nodes, readout
 
 #: the quadratures, by Captum's names (``method=`` of its ``IntegratedGradients``)
 METHODS = ("gausslegendre", "riemann_left", "riemann_right", "riemann_middle",
@@ -187,8 +187,8 @@ def integrated(res, semirings, baseline, ig_steps, ig_method="gausslegendre", *,
     """``(nodes, edges, attention_edges)`` of the circuit of ``res`` with Real integrated
     over ``ig_steps`` steps (the other semirings at the input); ``edges`` /
     ``attention_edges`` given are kept as they are."""
-    from ..analysis import attention_edges as ae
-    from ..analysis import circuit_edges as ce
+    from . import attention_edges as ae
+    from . import edges as ce
 
     check_call(ig_steps, ig_method, baseline, seed)
     srs = list(semirings)

@@ -5,7 +5,7 @@ element, an edge's value is the best path through that edge alone), so the paths
 read element by element, exactly, from the pass's back-pointers (``Result.top_path``
 under MaxProduct, ``Result.top_paths`` under TopK), starting from every source element
 (every non-padding position of the token embeddings), and then projected onto the sites
-of :func:`..analysis.circuit.find_sites`: a path passes a site where one of its steps is
+of :func:`.nodes.find_sites`: a path passes a site where one of its steps is
 at the site's node, at an element of the site's position (and, for a head, of the
 head's columns). Each site on the way gets
 
@@ -360,8 +360,8 @@ def _check_sites(circuit, sites):
 
 def top_paths(circuit, k: int = 1, semiring=None, seed="x", heads=None, roles=None):
     """The ``k`` best whole paths of ``circuit`` (see :meth:`Circuit.top_paths`)."""
-    from ..analysis.circuit import find_sites
-    from ..analysis.circuit_layout import layout
+    from .layout import layout
+    from .nodes import find_sites
 
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise InputError(f"top_paths: k={k!r} is the number of paths to return: 1 or more")

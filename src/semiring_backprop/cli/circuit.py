@@ -9,8 +9,8 @@ from .arguments import check_html_file, task_arguments, weights_argument
 
 
 def add_parser(sub):
-    from ..analysis.marginals import SEEDS
     from ..circuits.ig import METHODS
+    from ..circuits.marginals import SEEDS
 
     c = sub.add_parser(
         "circuit",

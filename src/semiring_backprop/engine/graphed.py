@@ -51,7 +51,8 @@ from .. import kernels
 from ..errors import SemiringBackpropError, is_out_of_memory
 from ..semirings.base import retype
 from . import checkpoints, forward
-from .reverse import check_flags, reverse
+from .hooks import check_flags
+from .reverse import reverse
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,11 @@ import torch
 from torch.fx.node import map_arg
 
 from .. import rules
-from ..errors import InputError, NonFiniteError, UnsupportedOpError, where
+from ..errors import InputError, UnsupportedOpError, where
 from ..rules.routing import reshape_back
-from ..semirings.base import fmap, overflowed, stack
+from ..semirings.base import fmap, stack
 from . import liveness, relevance, structure
+from .hooks import EVERY, Both, options
 
 
 def needed_nodes(graph, start) -> frozenset:
@@ -85,12 +86,15 @@ def reverse(
     values are checked finite), with one host sync at the end: at every node for
     semirings whose ops can hide one (``Semiring.overflow == "node"``), where paths end
     for the others. A :class:`NonFiniteError` names the first node (from the output)
-    where one appears; an :class:`Overflow` seen only where paths end asks the caller
-    to run the pass again with ``check="every"`` to find that node. With ``flags`` (a
-    list), the statistics are appended to it instead, and not read: the caller reads
-    them with :func:`check_flags` (a pass captured as a CUDA graph reads them after
-    each replay). ``store_at`` (a set of nodes): D is stored for those only, while every
-    forward value stays (unlike ``keep``).
+    where one appears; an :class:`~.hooks.Overflow` seen only where paths end asks the
+    caller to run the pass again with ``check="every"`` to find that node. With ``flags``
+    (a list), the statistics are appended to it instead, and not read: the caller reads
+    them with :func:`~.hooks.check_flags` (a pass captured as a CUDA graph reads them
+    after each replay). ``store_at`` (a set of nodes): D is stored for those only, while
+    every forward value stays (unlike ``keep``). ``snapshots`` (``{node id: None}``): at
+    each of these ids, before its node's rule runs, the partial sums are copied there
+    (the state to run the pass on from, see :mod:`checkpoints`); ``reached`` (a set)
+    collects every node that gets a D. Each option is a hook of :mod:`.hooks`.
     """
     needed = needed_nodes(graph, seed_node)
     if seed_node not in needed:
@@ -99,118 +103,69 @@ def reverse(
         )
     out = values[seed_node]
     acc = {seed_node: [sr.one(out.shape, out) for sr in semirings]}
-    return propagate(
-        graph, values, semirings, acc, needed, keep=keep, snapshots=snapshots, reached=reached,
-        check=check, flags=flags, store_at=store_at,
-    )  # fmt: skip
-
-
-class Overflow(NonFiniteError):
-    """D overflowed where paths end; the node where it first did is not known yet."""
-
-
-def _overflow(graph, node, sr, cls=NonFiniteError) -> NonFiniteError:
-    return cls(
-        f"the reverse pass overflowed under {sr.name}: D at {where(node, graph.module_of(node))} "
-        "holds inf or NaN although every forward value is finite (path products beyond "
-        "the float range). Run the model and inputs in float64 (model.double()), or use a "
-        "log-space semiring: MaxAbs for the top path's |product|, LogAbs for the total "
-        "gradient flow."
-    )
+    hooks = options(graph, values, semirings, needed, keep, snapshots, reached, check, flags)
+    if keep is not None:
+        store_at = keep if store_at is None else Both(keep, store_at)
+    return propagate(graph, values, semirings, acc, needed, hooks, store_at=store_at)
 
 
 def propagate(
-    graph, values, semirings, acc: dict, needed, within=None, keep=None, *,
-    start=None, stop=0, snapshots=None, reached=None, check=None, flags=None, store_at=None,
+    graph, values, semirings, acc: dict, needed, hooks=(), *, within=None, store_at=None,
+    start=None, stop=0,
 ) -> dict:  # fmt: skip
-    """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``).
+    """Run the pass from the partial sums ``acc`` (``{node: [value per semiring]}``):
+    micrograd's loop, with ⊕ for ``+=``. Returns ``{node: D}`` for the nodes of
+    ``store_at`` (None: every node the pass reaches).
 
     With ``within`` (a set of nodes), only paths inside it are followed: the pass then
     gives ⊕ over the paths that start at a node of ``within`` and reach a seed through
     ``within`` alone (used for the contribution of one branch). ``start`` / ``stop``:
-    only the nodes with ids ``start - 1`` down to ``stop``. ``snapshots``
-    (``{node id: None}``): at each of these ids, before its node's rule runs, the
-    partial sums are copied there (the state to run the pass on from, see
-    :mod:`checkpoints`); ``reached`` (a set) collects every node that gets a D.
-    ``check`` (None, ``"pass"``, ``"every"``): refuse an overflowed D (see
-    :func:`reverse`; ``"every"``: every semiring that can overflow, at every node);
-    ``flags``: a list to which the checks' statistics go, unread (see :func:`reverse`);
-    ``store_at``: see :func:`reverse`.
+    only the nodes with ids ``start - 1`` down to ``stop``. ``hooks``: what else the
+    pass does, each called at its fixed points (:mod:`.hooks`).
     """
-    store = {}
-    own_flags = flags is None
-    flags = [] if own_flags else flags  # (node, semiring, 0-dim statistic): read at the end
-    lean = liveness.plan(graph, needed, keep) if keep is not None else None
+    within = EVERY if within is None else within
+    store_at = EVERY if store_at is None else store_at
     plan = reverse_plan(graph, needed)
     start = len(graph.nodes) if start is None else start
+    store = {}
     for node_id in range(start - 1, stop - 1, -1):
-        if snapshots is not None and node_id in snapshots:
-            snapshots[node_id] = {n: list(slot) for n, slot in acc.items()}
-        if lean is not None:  # let go of values no rule from here reads, recompute some
-            liveness.before_rule(lean, node_id, values)
+        for hook in hooks:
+            hook.before(node_id, acc)
         node = graph.nodes[node_id]
         d = acc.pop(node, None)
         if d is None:
             continue
         inputs, reshapes = plan[node_id]
-        if within is not None:
-            inputs = [n for n in inputs if n in within]
-        if check:  # D at this node is complete: ⊕ over all its consumers
-            at = ("node", "end") if check == "every" or not inputs else ("node",)
-            for s, sr in enumerate(semirings):
-                if sr.overflow in at:
-                    flags += [(node, sr, t) for t in sr.overflow_stats(d[s])]
-        if reached is not None:
-            reached.add(node)
-        stored = (keep is None or node in keep) and (store_at is None or node in store_at)
+        inputs = [n for n in inputs if n in within]
+        for hook in hooks:  # D at this node is complete: ⊕ over all its consumers
+            hook.done(node, d, not inputs)
+        stored = node in store_at
         if stored:
             store[node] = d
         if not inputs:
             continue
         if reshapes:  # views, copies, marks: D(x) is d in x's shape (no rule call)
-            x = node.args[0]
-            shape = values[x].shape
-            slot = acc.setdefault(x, [None] * len(semirings))
-            for s, sr in enumerate(semirings):
-                moved = sr.enter(d[s], node_id)
-                if moved[0].shape != shape:  # marks and same-shape views move nothing
-                    moved = fmap(lambda f, shape=shape: f.reshape(shape), moved)
-                c = sr.leave(moved, node_id)
-                slot[s] = sr.accumulate(slot[s], c)
-            continue
-        gen = contributions(graph, values, semirings, node_id, d, needed, release=not stored)
+            gen = _reshaped(values, semirings, node, node_id, d)
+        else:
+            gen = contributions(graph, values, semirings, node_id, d, needed, release=not stored)
         for inp, s, c in gen:
-            if within is not None and inp not in within:
-                continue
-            slot = acc.setdefault(inp, [None] * len(semirings))
-            slot[s] = semirings[s].accumulate(slot[s], c)
-    if own_flags:
-        check_flags(graph, flags, check)
+            if inp in within:
+                slot = acc.setdefault(inp, [None] * len(semirings))
+                slot[s] = semirings[s].accumulate(slot[s], c)
+    for hook in hooks:
+        hook.after()
     return store
 
 
-def check_flags(graph, flags: list, check) -> None:
-    """Raise for the first overflowed statistic among ``flags`` (see :func:`reverse`)."""
-    first = _first_overflow(flags) if flags else None
-    if first is not None:
-        node, sr = first
-        late = check != "every" and sr.overflow == "end"
-        raise _overflow(graph, node, sr, Overflow if late else NonFiniteError)
-
-
-def _first_overflow(flags):
-    """The (node, semiring) of the first statistic that is +inf or NaN (one sync)."""
-    by_dtype: dict = {}
-    for i, (_, _, t) in enumerate(flags):
-        by_dtype.setdefault(t.dtype, []).append(i)
-    first = None
-    for idx in by_dtype.values():
-        stats = torch.stack([flags[i][2] for i in idx])
-        bad = overflowed(stats).nonzero()
-        if len(bad):
-            i = idx[int(bad[0, 0])]
-            first = i if first is None else min(first, i)
-    return None if first is None else flags[first][:2]
+def _reshaped(values, semirings, node, node_id, d):
+    """``(input, semiring index, value)``: D at a reshaping node, in its input's shape."""
+    x = node.args[0]
+    shape = values[x].shape
+    for s, sr in enumerate(semirings):
+        moved = sr.enter(d[s], node_id)
+        if moved[0].shape != shape:  # marks and same-shape views move nothing
+            moved = fmap(lambda f, shape=shape: f.reshape(shape), moved)
+        yield x, s, sr.leave(moved, node_id)
 
 
 def reverse_plan(graph, needed) -> list:

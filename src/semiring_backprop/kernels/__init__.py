@@ -63,7 +63,7 @@ def set_compile(enabled: bool | str) -> None:
 
 def has_storage(t: torch.Tensor) -> bool:
     """Whether ``t`` has memory of its own: not a tensor batched by ``torch.vmap``
-    (a batched pass: many values per node, see ``analysis.circuit_edges``), into which
+    (a batched pass: many values per node, see ``circuits.edges``), into which
     an unbatched tensor may not be written in place, and which runs no compiled kernel."""
     try:
         t.untyped_storage()

@@ -11,7 +11,7 @@ recurs: the nodes, their order and names, the edges, each node's module and valu
 are those ``run_decompositions`` gives (``tests/test_decompose.py`` compares the two on
 every model family the tests build). Any other graph (symbolic sizes, in-place ops,
 higher-order ops, constants made while decomposing), and any failure on the way, goes
-to ``run_decompositions``.
+to ``run_decompositions``. What decides that, and the key of an op, is :mod:`.op_keys`.
 """
 
 from __future__ import annotations
@@ -25,35 +25,28 @@ import types
 import torch
 from torch.export.graph_signature import (
     ExportGraphSignature,
-    InputKind,
-    OutputKind,
     OutputSpec,
     TensorArgument,
 )
 
 from . import ops as _ops  # noqa: F401  (defines the mark op)
+from .op_keys import DETACH_, Unsupported, check, input_order, layout, op_key, same_layouts
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
 _mark = torch.ops.semiring_backprop.mark.default
-_detach_ = torch.ops.aten.detach_.default
-_CONSTANT = 64  # constants of at most this many elements are compared by value
 _ROUNDS = 6  # batches of ops traced before the walk (an op missed then is traced alone)
 #: meta a retraced node takes from the node it came from (torch.fx.proxy's list)
 _COPIED = ("nn_module_stack", "torch_fn", "source_fn_stack", "recompute", "ac_graph_id",
            "has_backward_hook", "custom", "partitioner_tag", "stack_trace")  # fmt: skip
 
 
-class _Unsupported(Exception):
-    """This graph is decomposed by ``run_decompositions`` itself."""
-
-
 def decompose(program, table: dict):
     """The program ``program.run_decompositions(table)`` gives (see the module's doc)."""
     try:
         return _Decomposer(program, table).run()
-    except _Unsupported as e:
+    except Unsupported as e:
         log.debug("decomposing the whole graph at once: %s", e)
     except Exception as e:  # noqa: BLE001  (torch's own way says what fails, if it does)
         log.debug("decomposing the whole graph at once after %s: %s", type(e).__name__, e)
@@ -64,19 +57,19 @@ class _Decomposer:
     def __init__(self, program, table):
         self.program = program
         self.graph = program.graph_module.graph
-        _check(program)
+        check(program)
         try:
             from torch._guards import detect_fake_mode
             from torch.export.exported_program import (
                 _split_decomp_table_to_cia_and_python_decomp,
             )
         except ImportError as e:  # another torch: its own run_decompositions
-            raise _Unsupported(f"torch internals: {e}") from None
+            raise Unsupported(f"torch internals: {e}") from None
         self.cia, self.py_table = _split_decomp_table_to_cia_and_python_decomp(dict(table))
         vals = [n.meta.get("val") for n in self.graph.nodes if n.op == "placeholder"]
         self.fake = detect_fake_mode(vals)
         if self.fake is None:
-            raise _Unsupported("no fake tensors")
+            raise Unsupported("no fake tensors")
         self.templates: dict = {}
         self.detached: dict = {}  # placeholder -> its value, detached
         self.inputs: dict = {}  # placeholder -> its value without a constant's value
@@ -89,14 +82,14 @@ class _Decomposer:
         try:
             from torch.export.exported_program import _override_composite_implicit_decomp
         except ImportError as e:
-            raise _Unsupported(f"torch internals: {e}") from None
+            raise Unsupported(f"torch internals: {e}") from None
         # as run_decompositions: no fake mode of the caller's; the table's own kernels for
         # the composite ops it names (installed once: installing them takes a while)
         with _no_fake_mode(), _override_composite_implicit_decomp(self.cia):
             self._plan()
             new = torch.fx.Graph()
             env: dict = {}
-            specs = _input_order(self.program)
+            specs = input_order(self.program)
             placeholders = {n.name: n for n in self.graph.nodes if n.op == "placeholder"}
             for spec in specs:  # (in the order run_decompositions gives them)
                 node = placeholders[spec.arg.name]
@@ -118,7 +111,7 @@ class _Decomposer:
             if not items:
                 return
             self._trace_batch(items)
-            if all(_same_layouts(self.guesses[k], self.templates[k][3]) for k in items):
+            if all(same_layouts(self.guesses[k], self.templates[k][3]) for k in items):
                 self.settled = True
                 return
 
@@ -136,13 +129,13 @@ class _Decomposer:
                 continue
             elif node.target is operator.getitem:
                 vals[node] = vals[node.args[0]][node.args[1]]
-            elif node.target is _detach_:
+            elif node.target is DETACH_:
                 vals[node] = vals[node.args[0]]
             elif node.target is _mark:
                 vals[node] = self._like(vals[node.args[0]])
             else:
                 ins = {a: vals[a] for a in node.all_input_nodes}
-                key = self.keys[node] = _key(node, ins)
+                key = self.keys[node] = op_key(node, ins)
                 if key in self.templates:
                     vals[node] = self.templates[key][3]
                     continue
@@ -185,7 +178,7 @@ class _Decomposer:
 
     def _like(self, val):
         """``empty_like(val)`` (the value of a mark), one per layout."""
-        key = _layout(val)
+        key = layout(val)
         if key not in self.likes:
             with self.fake:
                 self.likes[key] = torch.empty_like(val)
@@ -242,7 +235,7 @@ class _Decomposer:
                 _ignore_backend_decomps,
             )
         except ImportError as e:
-            raise _Unsupported(f"torch internals: {e}") from None
+            raise Unsupported(f"torch internals: {e}") from None
         with contextlib.ExitStack() as stack:
             stack.enter_context(self.fake)
             stack.enter_context(tracing(TracingContext(self.fake)))
@@ -256,7 +249,7 @@ class _Decomposer:
             )  # fmt: skip
         made = any(n.op == "get_attr" for n in traced.graph.nodes)
         if made or len(sig.user_inputs) != len(args):
-            raise _Unsupported("a decomposition made constants")
+            raise Unsupported("a decomposition made constants")
         return traced
 
     def _split(self, traced, order) -> None:
@@ -294,12 +287,12 @@ class _Decomposer:
             return out
         if node.target is operator.getitem:
             return env[node.args[0]][node.args[1]]
-        if node.target is _detach_:  # traced under no_grad, it leaves no node
+        if node.target is DETACH_:  # traced under no_grad, it leaves no node
             return env[node.args[0]]
         if node.target is _mark:  # an identity of ours, kept as it is: no need to trace it
             return self._copy(new, node, env, node)
         vals = {a: env[a].meta["val"] for a in node.all_input_nodes}
-        key = self.keys[node] if self.settled else _key(node, vals)
+        key = self.keys[node] if self.settled else op_key(node, vals)
         if key not in self.templates:
             self._trace_batch({key: (node, vals)})
         inputs, body, outputs, _ = self.templates[key]
@@ -342,7 +335,7 @@ class _Decomposer:
             return val
         if node not in self.inputs:
             if val.storage_offset():
-                raise _Unsupported("a constant at an offset")
+                raise Unsupported("a constant at an offset")
             with self.fake:
                 self.inputs[node] = torch.empty_strided(
                     val.shape, val.stride(), dtype=val.dtype, device=val.device,
@@ -400,128 +393,6 @@ class _Decomposer:
         return out
 
 
-def _check(program) -> None:
-    """Raise :class:`_Unsupported` unless every op is functional and every size fixed."""
-    sig = program.graph_signature
-    if any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs):
-        raise _Unsupported("the graph writes into inputs or buffers")
-    if any(s.kind not in (InputKind.USER_INPUT, InputKind.PARAMETER, InputKind.BUFFER,
-                          InputKind.CONSTANT_TENSOR) for s in sig.input_specs):  # fmt: skip
-        raise _Unsupported("inputs other than tensors")
-    for node in program.graph_module.graph.nodes:
-        if node.op == "output":
-            continue
-        if node.op == "call_function" and node.target is operator.getitem:
-            if not isinstance(node.args[0].meta.get("val"), tuple | list):
-                raise _Unsupported("getitem on a non-tuple")
-            continue
-        if node.op == "call_function":
-            if not isinstance(node.target, torch._ops.OpOverload):
-                raise _Unsupported(f"{node.target}")
-            schema = node.target._schema
-            if node.target is _detach_ and node.args[0].op == "call_function":
-                continue  # (an intermediate's requires_grad: no op once traced, see _emit)
-            if schema.is_mutable or any(
-                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments
-            ):
-                raise _Unsupported(f"in-place {node.target}")
-        elif node.op != "placeholder":
-            raise _Unsupported(f"a {node.op} node")
-        vals = node.meta.get("val")
-        if vals is None and node.op == "call_function" and not node.target._schema.returns:
-            continue  # an op returning nothing (a check on a tensor's metadata)
-        for v in vals if isinstance(vals, tuple | list) else [vals]:
-            if not isinstance(v, torch.Tensor) or not all(isinstance(d, int) for d in v.shape):
-                raise _Unsupported(f"{node.name}'s value is not a tensor of fixed size")
-
-
-def _input_order(program) -> list:
-    """The inputs in the order ``run_decompositions`` puts them: the parameters, then the
-    buffers and constants, each in the order of the module tree that
-    ``ExportedProgram.module()`` builds (the modules in the order they were called, then
-    any others as their buffers, parameters and constants are assigned; constants are
-    registered as buffers after), then the user's inputs."""
-    sig = program.graph_signature
-    kinds = {InputKind.PARAMETER: 0, InputKind.BUFFER: 1, InputKind.CONSTANT_TENSOR: 1}
-    by_kind = {k: [s for s in sig.input_specs if s.kind == k] for k in kinds}
-    children: dict = {"": []}  # module path -> its submodules, in order of creation
-    own: dict = {}  # module path -> ([parameters], [buffers and constants])
-
-    def create(path):
-        parts = path.split(".") if path else []
-        for i in range(len(parts)):
-            parent, child = ".".join(parts[:i]), ".".join(parts[: i + 1])
-            if child not in children:
-                children[child] = []
-                children[parent].append(child)
-        return path
-
-    def place(spec, group):
-        own.setdefault(create(spec.target.rpartition(".")[0]), ([], []))[group].append(spec)
-
-    for entry in program.module_call_graph:
-        create(entry.fqn)
-    for spec in by_kind[InputKind.BUFFER]:
-        place(spec, 1)
-    for spec in by_kind[InputKind.PARAMETER]:
-        place(spec, 0)
-    for spec in by_kind[InputKind.CONSTANT_TENSOR]:
-        place(spec, 1)
-    params, buffers, stack = [], [], [""]
-    while stack:  # pre-order, children in order of creation
-        path = stack.pop()
-        p, b = own.get(path, ([], []))
-        params += p
-        buffers += b
-        stack.extend(reversed(children[path]))
-    users = [s for s in sig.input_specs if s.kind not in kinds]
-    return params + buffers + users
-
-
-def _layout(v):
-    """What of a tensor input may decide what an op becomes: its layout, and the value
-    of a fake tensor that carries a real one (a constant, which fake kernels may read)."""
-    if not isinstance(v, torch.Tensor):
-        raise _Unsupported(f"an input of type {type(v).__name__}")
-    const = getattr(v, "constant", None)
-    if const is not None:
-        if const.numel() > _CONSTANT:
-            raise _Unsupported("a large constant")
-        const = (const.dtype, tuple(const.flatten().tolist()))
-    return (
-        tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, v.device, v.layout,
-        v.requires_grad, const,
-    )  # fmt: skip
-
-
-def _key(node, vals: dict):
-    """What decides what ``node`` becomes: its op, its non-tensor arguments and the
-    layout of each of its distinct tensor inputs (``vals``)."""
-    slots: dict = {}
-
-    def enc(a):
-        if isinstance(a, torch.fx.Node):
-            if a not in slots:
-                slots[a] = (len(slots), _layout(vals[a]))
-            return ("n", slots[a])
-        if isinstance(a, list | tuple):
-            return (type(a).__name__, tuple(enc(x) for x in a))
-        if isinstance(a, dict):
-            return ("d", tuple((k, enc(v)) for k, v in a.items()))
-        if isinstance(a, float):
-            return ("f", repr(a))
-        if a is None or isinstance(a, bool | int | str | torch.dtype | torch.device
-                                   | torch.layout | torch.memory_format):  # fmt: skip
-            return (type(a).__name__, a)
-        raise _Unsupported(f"an argument of type {type(a).__name__}")
-
-    key = (node.target, enc(node.args), enc(node.kwargs))
-    order = tuple(slots)
-    if order != tuple(node.all_input_nodes):  # inputs numbered as all_input_nodes lists them
-        raise _Unsupported("input order")
-    return key
-
-
 #: view ops functionalization keeps as they are
 _VIEWS = frozenset({
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.slice.Tensor,
@@ -537,15 +408,6 @@ def _as_is(node, val) -> tuple:
     op = mini.call_function(node.target, *_map((node.args, node.kwargs), slots))
     op.meta = {"val": val, "original_aten": node.target, "seq_nr": node.meta.get("seq_nr")}
     return list(slots.values()), [op], op, val
-
-
-def _same_layouts(a, b) -> bool:
-    """Whether two values (tensors, or tuples and lists of them) have one layout."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return _layout(a) == _layout(b)
-    if isinstance(a, tuple | list) and isinstance(b, tuple | list) and len(a) == len(b):
-        return all(_same_layouts(x, y) for x, y in zip(a, b))
-    return a is None and b is None
 
 
 def _map(value, env):

@@ -1,4 +1,4 @@
-"""What the circuit's edges are read from (:mod:`.circuit_edges`, :mod:`.attention_edges`):
+"""What the circuit's edges are read from (:mod:`.edges`, :mod:`.attention_edges`):
 the components of a model and the entries of each block (:func:`layout`), one call's
 values and D held for the call (:func:`pinned`), each head's plan (the region between
 its slice and the projections), and the forward pass's alpha where the circuit reads
@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..analysis.branches import blocks, on_result
+from ..analysis.fanout import Roles, ancestors, descendants, entries, first_contraction
+from ..analysis.heads import QKV, only_columns
 from ..engine import checkpoints
 from ..errors import InputError, NotFoundError
-from .branches import blocks, on_result
-from .circuit import alpha_upto, find_sites
-from .fanout import Roles, ancestors, descendants, entries, first_contraction
-from .heads import QKV, only_columns
 from .marginals import alphas
+from .nodes import alpha_upto, find_sites
 
 #: the ``input`` column: how a path enters its destination
 INPUTS = ("q", "k", "v", "mlp", "target")
@@ -43,7 +43,7 @@ def text_column(values, at):
 
 @dataclass(frozen=True)
 class Component:
-    """A site of :func:`.circuit.find_sites` that a path passes between two residual
+    """A site of :func:`.nodes.find_sites` that a path passes between two residual
     segments: ``nodes`` (⊕-ed together) per position, ``cols`` of the columns."""
 
     role: str
@@ -382,7 +382,7 @@ def at_positions(sr, value, like, positions, keep):
 
 def circuit_alphas(res, srs, seed, baseline, lay: Layout) -> dict:
     """``{semiring: {node: alpha}}``: one forward pass per semiring, up to the last
-    nodes the circuit reads (:func:`.circuit.alpha_upto`)."""
+    nodes the circuit reads (:func:`.nodes.alpha_upto`)."""
     return {sr: alphas(res, sr, seed, baseline, lay.upto) for sr in srs}
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import torch
 
 from .. import rules
+from ..analysis.fanout import ancestors
+from ..analysis.heads import only_columns
 from ..engine import structure
 from ..engine.alpha import apply_rule
 from ..engine.reverse import propagate
-from .circuit import readout, site_labels
-from .circuit_layout import (
+from .layout import (
     ATTENTION_COLUMNS,
     BATCH_BUDGET,
     HeadPlan,
@@ -28,8 +29,7 @@ from .circuit_layout import (
     pinned,
     text_column,
 )
-from .fanout import ancestors
-from .heads import only_columns
+from .nodes import readout, site_labels
 
 aten = torch.ops.aten
 

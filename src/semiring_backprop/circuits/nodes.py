@@ -6,8 +6,8 @@ embeddings at one position, one attention head's slice of the attention output a
 position, the MLP's output at one position, the residual stream at one position, the
 target. Its score is the ⊕ over its elements of ``alpha ⊗ D`` (:mod:`.marginals`):
 the ⊕ over the whole paths (source to output) through it. Sites are found the way
-the branch tables find branches (:func:`.branches.blocks`: the attention blocks and
-their fan-out points; :mod:`.heads`: the head counts).
+the branch tables find branches (:func:`..analysis.branches.blocks`: the attention blocks and
+their fan-out points; :mod:`..analysis.heads`: the head counts).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..analysis.branches import blocks, on_result
+from ..analysis.fanout import CONTRACTIONS, Roles, entries
+from ..analysis.heads import head_counts
 from ..engine.alpha import sources
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxProduct
-from .branches import blocks, on_result
-from .fanout import CONTRACTIONS, Roles, entries
-from .heads import head_counts
 from .marginals import marginal_value, seed_values
 
 #: the ``role`` column, in the order rows come
@@ -255,6 +255,6 @@ def readout(sr, value) -> torch.Tensor:
 def site_labels(tokens, positions) -> list[str]:
     if tokens is None:
         return [str(p) for p in range(positions)]
-    from .tokens import per_example
+    from ..analysis.tokens import per_example
 
     return per_example(tokens, 1, positions)[0]
