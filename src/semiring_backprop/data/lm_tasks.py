@@ -279,8 +279,8 @@ def lm_pairs(task: str, tokenizer, n: int = 16, seed: int = 0, half: int = 8,
         if len(a) != len(b):
             dropped += 1
             continue
-        out.append(LMPair(clean, corrupted, answer, foil, tuple(a), tuple(b),
-                          single_token(tokenizer, answer), single_token(tokenizer, foil)))  # fmt: skip
+        ids = single_token(tokenizer, answer), single_token(tokenizer, foil)
+        out.append(LMPair(clean, corrupted, answer, foil, tuple(a), tuple(b), *ids))
     if len(out) < n:
         raise InputError(
             f"lm task {task!r}: only {len(out)} of {n} pairs found in {tries * n} draws "

@@ -37,8 +37,7 @@ from .._threads import threads
 from ..ablation.faithfulness import FRACTIONS, agreement, curve
 from ..errors import InputError
 from ..runner.records import Records, same_settings
-from .faithfulness import (EDGE_KEY, NODE_KEY, complete, edge_scores, forward_seconds,
-                           node_scores, per_source)  # fmt: skip
+from .faithfulness import EDGE_KEY, complete, edge_scores, forward_seconds, node_scores, per_source
 
 __all__ = ["Config", "Method", "methods", "explain_pair", "run"]
 
@@ -363,6 +362,6 @@ def run(out, config: Config | None = None, progress: bool = True, model=None) ->
                     _check_pair(rec, row, made.pairs[row["key"]])
             todo = [i for i in range(config.pairs) if not rec.has(i)]
             for i in tqdm(todo, desc=task, disable=not progress):
-                rec.add(explain_pair(net, made.pairs[i], i, config, out / task))
+                rec.add(explain_pair(net, made.pairs[i], i, config, out / task, progress))
             records[task, config.seed] = [r for r in rec.rows if r["key"] < config.pairs]
         return report.write(out, config, records, tasks)

@@ -103,8 +103,11 @@ def write(out, config, records: dict, tasks: dict) -> dict:
     s = result["summary"]
     s["model"], s["tasks"], s["cost"] = config.model, tasks, _cost(records)
     s["lm_methods"] = table.to_dict("records") if len(table) else []
-    s["notes"] = [] if relevance_available() else [
-        "Real-relevance left out: sbp.circuit takes no weights= (relevance weights) here"]
+    s["notes"] = (
+        []
+        if relevance_available()
+        else ["Real-relevance left out: sbp.circuit takes no weights= (relevance weights) here"]
+    )
     if len(table):
         result["files"].append(str(write_csv(table, out / "lm_methods.csv")))
         text = _markdown(table)
