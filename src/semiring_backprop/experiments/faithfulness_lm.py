@@ -274,7 +274,9 @@ def explain_pair(model, lm_pair, index: int, config: Config, where=None,
     t = time.perf_counter()
     p.pt = pt = Patching(cm.result, p.corrupted, batch=config.batch)
     p.setup = (pt.evaluations, time.perf_counter() - t)
+    t = time.perf_counter()
     universe = pt.edges()[list(EDGE_KEY)]
+    listing = time.perf_counter() - t
     forward = forward_seconds(pt)
     before, t = pt.evaluations, time.perf_counter()
     node_effects = pt.node_effects(progress=progress)
@@ -287,6 +289,7 @@ def explain_pair(model, lm_pair, index: int, config: Config, where=None,
     edge_cost = [pt.evaluations - before, time.perf_counter() - t]
     exact_heads = _heads(node_effects, "effect", "")
     rows, site_table, edge_table = [], node_effects.copy(), edge_effects.copy()
+    curves = 0.0
     for name, (_, nodes, evaluations, secs) in scores.items():
         row = {"method": name, "evaluations": evaluations, "seconds": secs}
         nodes = complete(nodes, node_effects)
@@ -296,7 +299,9 @@ def explain_pair(model, lm_pair, index: int, config: Config, where=None,
         heads = _heads(nodes, "score", name)
         _agree(row, "heads", heads, exact_heads, config.top_n)
         _agree(row, "edges", complete(edges[name], sample), edge_effects, config.top_n)
+        t = time.perf_counter()
         points = curve(edges[name], pt.metric, config.fractions)
+        curves += time.perf_counter() - t
         row["curve"] = points[["fraction", "n_edges", "f"]].values.tolist()
         rows.append(row)
     if where is not None:
@@ -312,6 +317,7 @@ def explain_pair(model, lm_pair, index: int, config: Config, where=None,
             "edges": len(universe), "sites": len(node_effects), "sampled_edges": len(sample),
             "methods": rows, "heads": None, "forward_seconds": forward,
             "node_patching": node_cost, "edge_patching": edge_cost,
+            "edge_list_seconds": listing, "curve_seconds": curves,
             "seconds": time.perf_counter() - start}  # fmt: skip
 
 

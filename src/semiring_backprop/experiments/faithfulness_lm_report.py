@@ -70,6 +70,8 @@ def _cost(records: dict) -> dict:
                      "edge_patching_forwards": mean("edge_patching", 0),
                      "edge_patching_seconds": mean("edge_patching", 1),
                      "forward_seconds": sum(r["forward_seconds"] for r in recs) / n,
+                     "edge_list_seconds": sum(r.get("edge_list_seconds", 0) for r in recs) / n,
+                     "curve_seconds": sum(r.get("curve_seconds", 0) for r in recs) / n,
                      "pair_seconds": sum(r["seconds"] for r in recs) / n,
                      "margin_clean": [r["model_clean"] for r in recs],
                      "margin_corrupted": [r["model_corrupted"] for r in recs]}  # fmt: skip
