@@ -26,6 +26,7 @@ EXPERIMENTS = {  # CLI name -> module
     "entropy-sanity": "entropy_sanity",
     "sva": "sva",
     "faithfulness": "faithfulness",
+    "faithfulness-lm": "faithfulness_lm",
 }
 
 

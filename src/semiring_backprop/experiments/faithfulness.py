@@ -146,20 +146,20 @@ def patching_class():
 # -- one pair ----------------------------------------------------------------------------
 
 
-def _edge_scores(frame, column):
+def edge_scores(frame, column):
     out = frame[list(EDGE_KEY)].copy()
     out["score"] = frame[column].astype(float).to_numpy()
     return out
 
 
-def _node_scores(nodes, column):
+def node_scores(nodes, column):
     sites = nodes[nodes.role.isin(("embedding", "head", "mlp"))]
     out = sites[list(NODE_KEY)].copy()
     out["score"] = sites[column].astype(float).to_numpy()
     return out.reset_index(drop=True)
 
 
-def _per_source(edges):
+def per_source(edges):
     """A node score from edge scores: the sum over the node's out-edges (attribution
     patching of a node is the sum over its consumers: the stream adds them)."""
     key = ["src_layer", "position", "src_head_index", "src_role"]
@@ -167,7 +167,7 @@ def _per_source(edges):
     return summed.rename(columns=dict(zip(key, NODE_KEY)))
 
 
-def _complete(scores, universe):
+def complete(scores, universe):
     """``scores`` on every row of ``universe`` (every edge, or every site, the ablation
     knows), in its order: a row a method gives no score (no path reaches it under that
     seed) gets NaN, which ranks last and counts as 0 in the correlations."""
@@ -193,34 +193,34 @@ def _scores(c, cm, pt, config: Config, bench: Bench, baseline, pair: int, second
     from ..semirings import Real
 
     out = {}
-    out["Real"] = (_edge_scores(c.edges, "Real"), _node_scores(c.nodes, "Real"), None,
+    out["Real"] = (edge_scores(c.edges, "Real"), node_scores(c.nodes, "Real"), None,
                    seconds["Real"])  # fmt: skip
     for n in config.ig_steps:
         t = time.perf_counter()
         ig = Circuit.from_result(c.result, [Real()], "x", baseline, ig_steps=n)
-        out[f"Real-IG{n}"] = (_edge_scores(ig.edges, "Real"), _node_scores(ig.nodes, "Real"), None,
+        out[f"Real-IG{n}"] = (edge_scores(ig.edges, "Real"), node_scores(ig.nodes, "Real"), None,
                               seconds["Real"] + time.perf_counter() - t)  # fmt: skip
     mp = cm.column("MaxProduct")
-    out["MaxProduct"] = (_edge_scores(cm.edges, mp), _node_scores(cm.nodes, mp), None,
+    out["MaxProduct"] = (edge_scores(cm.edges, mp), node_scores(cm.nodes, mp), None,
                          seconds["MaxProduct"])  # fmt: skip
     steps = config.eap_ig_steps
     for name, call in (("EAP", pt.eap), (f"EAP-IG{steps}", lambda: pt.eap_ig(steps))):
         before, t = pt.evaluations, time.perf_counter()
         e = call()[[*EDGE_KEY, "score"]]
-        out[name] = (e, _per_source(e), pt.evaluations - before + setup[0],
+        out[name] = (e, per_source(e), pt.evaluations - before + setup[0],
                      time.perf_counter() - t + setup[1])  # fmt: skip
     # every edge and site the ablation knows (a circuit lists only those its paths take)
     rng = np.random.default_rng([config.seed, bench.seed, pair])
     rand = pt.edges()[list(EDGE_KEY)].copy()
     rand["score"] = rng.standard_normal(len(rand))
-    nodes = _node_scores(cm.nodes, mp)
+    nodes = node_scores(cm.nodes, mp)
     nodes["score"] = rng.standard_normal(len(nodes))
     out["random"] = (rand, nodes, 0, 0.0)
     return out
 
 
 @torch.no_grad()
-def _forward_seconds(pt, repeats: int = 5) -> float:
+def forward_seconds(pt, repeats: int = 5) -> float:
     """The seconds of one forward pass of the traced graph (the unit of the ablations'
     evaluations): the median of ``repeats`` runs of the clean input."""
     times = []
@@ -261,12 +261,12 @@ def explain_pair(bench: Bench, pair: int, config: Config) -> dict:
     pt = Patching(res, corrupted)
     setup = (pt.evaluations, time.perf_counter() - t)  # the clean and corrupted forwards
     universe = pt.edges()[list(EDGE_KEY)]  # (the edge list every method ranks: not timed)
-    forward = _forward_seconds(pt)
+    forward = forward_seconds(pt)
     before, t = pt.evaluations, time.perf_counter()
     node_effects = pt.node_effects()
     node_cost = (pt.evaluations - before + setup[0], time.perf_counter() - t + setup[1])
     before, t = pt.evaluations, time.perf_counter()
-    edge_effects = _complete(pt.edge_effects().rename(columns={"effect": "score"}), universe)
+    edge_effects = complete(pt.edge_effects().rename(columns={"effect": "score"}), universe)
     edge_effects = edge_effects.rename(columns={"score": "effect"})
     exact = (pt.evaluations - before + setup[0], time.perf_counter() - t + setup[1])
     scores = _scores(c, cm, pt, config, bench, baseline, pair, seconds, setup)
@@ -277,11 +277,11 @@ def explain_pair(bench: Bench, pair: int, config: Config) -> dict:
     for name in methods(config):
         edges, nodes, evaluations, secs = scores[name]
         row = {"method": name, "evaluations": evaluations, "seconds": secs}
-        edges = _complete(edges, universe)
+        edges = complete(edges, universe)
         for what, s, e in (("edges", edges, edge_effects), ("nodes", nodes, node_effects)):
             if s is None:
                 continue
-            s = _complete(s, e)
+            s = complete(s, e)
             a = agreement(s["score"], e["effect"], top_n=config.top_n)
             row.update({f"{what}_{k}": a[k] for k in ("pearson", "kendall", "top_n_overlap")})
         points = curve(edges, pt.metric, config.fractions)
