@@ -262,14 +262,11 @@ def test_site_effects_are_patching_by_hooks(tiny_run, tiny_dir, tok):
         assert abs(want) > 1e-6, (role, layer, head, position)  # a site that does something
 
 
-def test_methods_are_one_entry_each(monkeypatch):
+def test_methods_are_one_entry_each():
     cfg = experiments.config("faithfulness-lm", quick=True)
     names = [m.name for m in faithfulness_lm.methods(cfg)]
-    assert names == ["Real", "Real-IG2", "MaxProduct", "EAP", "EAP-IG2", "random"]
-    # relevance weights join where sbp.circuit takes weights= (DESIGN §3c)
-    monkeypatch.setattr(faithfulness_lm, "relevance_available", lambda: True)
-    names = [m.name for m in faithfulness_lm.methods(cfg)]
-    assert names[-2:] == ["Real-relevance", "random"]
+    assert names == ["Real", "Real-IG2", "MaxProduct", "EAP", "EAP-IG2", "EAP-QK",
+                     "Real-relevance", "random"]  # fmt: skip
 
 
 # -- the real model (slow tier: tests/slow.txt) ------------------------------------------

@@ -25,7 +25,6 @@ benchmark = task), ``lm_methods.csv`` (per task and method, means over the pairs
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -37,7 +36,15 @@ from .._threads import threads
 from ..ablation.faithfulness import FRACTIONS, agreement, curve
 from ..errors import InputError
 from ..runner.records import Records, same_settings
-from .faithfulness import EDGE_KEY, complete, edge_scores, forward_seconds, node_scores, per_source
+from .faithfulness import (
+    EDGE_KEY,
+    NODE_KEY,
+    complete,
+    edge_scores,
+    forward_seconds,
+    node_scores,
+    per_source,
+)
 
 __all__ = ["Config", "Method", "methods", "explain_pair", "run"]
 
@@ -179,6 +186,17 @@ def _eap(steps: int | None):
     return score
 
 
+def _eap_qk(p: Pair) -> Scores:
+    """EAP with AtP*'s QK fix (:mod:`..ablation.qk`): each query and key edge's head
+    pattern computed exactly, linear after it; sites by ``node_scores_qk``."""
+    pt = p.pt
+    before, t = pt.evaluations, time.perf_counter()
+    e = pt.eap_qk()[[*EDGE_KEY, "score"]]
+    n = pt.node_scores_qk()
+    return (e, n[[*NODE_KEY, "score"]], pt.evaluations - before + p.setup[0],
+            time.perf_counter() - t + p.setup[1])  # fmt: skip
+
+
 def _random(p: Pair) -> Scores:
     import numpy as np
 
@@ -191,37 +209,29 @@ def _random(p: Pair) -> Scores:
     return edges, nodes, 0, 0.0
 
 
-def relevance_available() -> bool:
-    """Whether ``sbp.circuit`` takes ``weights=`` (relevance weights, DESIGN §3c)."""
-    import semiring_backprop as sbp
-
-    return "weights" in inspect.signature(sbp.circuit).parameters
-
-
 def methods(config: Config) -> list[Method]:
     """The methods compared, in the tables' order; each is one entry (a new scoring,
     e.g. exact attention for queries and keys, is one more ``Method``)."""
     out = [Method("Real", _real),
            *(Method(f"Real-IG{n}", _real_ig(n)) for n in config.ig_steps),
            Method("MaxProduct", _maxproduct), Method("EAP", _eap(None)),
-           Method(f"EAP-IG{config.eap_ig_steps}", _eap(config.eap_ig_steps))]  # fmt: skip
-    if relevance_available():
-        out.append(Method("Real-relevance", _relevance))
-    out.append(Method("random", _random))
+           Method(f"EAP-IG{config.eap_ig_steps}", _eap(config.eap_ig_steps)),
+           Method("EAP-QK", _eap_qk)]  # fmt: skip
+    out += [Method("Real-relevance", _relevance), Method("random", _random)]
     return out
 
 
 # -- one pair ----------------------------------------------------------------------------
 
 
-def _output(pair):
+def output_of(pair):
     from ..targets import WordChoice
 
     last = len(pair.clean_ids) - 1
     return WordChoice(((0, last, pair.answer_id, 1), (0, last, pair.foil_id, -1)), logits=True)
 
 
-def _heads(frame, column, method: str):
+def head_totals(frame, column, method: str):
     """Per head (layer, head_index), positions summed (MaxProduct: its ⊕, the value of
     largest size)."""
     from ..circuits.exports import oplus
@@ -268,7 +278,7 @@ def explain_pair(model, lm_pair, index: int, config: Config, where=None,
     from ..semirings import MaxProduct
 
     start = time.perf_counter()
-    p = Pair(model, lm_pair.kwargs(), lm_pair.kwargs(corrupted=True), _output(lm_pair), config,
+    p = Pair(model, lm_pair.kwargs(), lm_pair.kwargs(corrupted=True), output_of(lm_pair), config,
              index)  # fmt: skip
     cm, _ = p.circuit("MaxProduct", [MaxProduct()])
     t = time.perf_counter()
@@ -287,7 +297,7 @@ def explain_pair(model, lm_pair, index: int, config: Config, where=None,
     before, t = pt.evaluations, time.perf_counter()
     edge_effects = pt.edge_effects(sample, progress=progress)
     edge_cost = [pt.evaluations - before, time.perf_counter() - t]
-    exact_heads = _heads(node_effects, "effect", "")
+    exact_heads = head_totals(node_effects, "effect", "")
     rows, site_table, edge_table = [], node_effects.copy(), edge_effects.copy()
     curves = 0.0
     for name, (_, nodes, evaluations, secs) in scores.items():
@@ -296,7 +306,7 @@ def explain_pair(model, lm_pair, index: int, config: Config, where=None,
         site_table[name] = nodes["score"].to_numpy()
         edge_table[name] = complete(edges[name], sample)["score"].to_numpy()
         _agree(row, "nodes", nodes, node_effects, config.top_n)
-        heads = _heads(nodes, "score", name)
+        heads = head_totals(nodes, "score", name)
         _agree(row, "heads", heads, exact_heads, config.top_n)
         _agree(row, "edges", complete(edges[name], sample), edge_effects, config.top_n)
         t = time.perf_counter()

@@ -94,9 +94,8 @@ def _markdown(table) -> str:
 
 def write(out, config, records: dict, tasks: dict) -> dict:
     """The toy report's files, then ``lm_methods.csv`` / ``lm_table.md`` and the
-    summary with the model, the per-task table, the costs and the pairs' notes."""
+    summary with the model, the per-task table and the costs."""
     from .._files import atomic_write
-    from .faithfulness_lm import relevance_available
 
     out = Path(out)
     result = toy.write(out, config, records, [])
@@ -105,11 +104,6 @@ def write(out, config, records: dict, tasks: dict) -> dict:
     s = result["summary"]
     s["model"], s["tasks"], s["cost"] = config.model, tasks, _cost(records)
     s["lm_methods"] = table.to_dict("records") if len(table) else []
-    s["notes"] = (
-        []
-        if relevance_available()
-        else ["Real-relevance left out: sbp.circuit takes no weights= (relevance weights) here"]
-    )
     if len(table):
         result["files"].append(str(write_csv(table, out / "lm_methods.csv")))
         text = _markdown(table)
