@@ -69,6 +69,8 @@ class Config:
     dtype: str = "float32"
     batch: int = 64  #: patched forwards run at once
     threads: int = 1  #: torch's threads during the run (0: leave torch's count)
+    #: the methods scored, by name (``--set methods=Real,EAP-QK``); empty: every one
+    methods: tuple[str, ...] = ()
 
     @classmethod
     def quick(cls) -> Config:
@@ -92,6 +94,11 @@ class Config:
                              "increasing fractions in (0, 1]")  # fmt: skip
         if self.half < 2:
             raise InputError(f"faithfulness-lm: half={self.half}; give 2 words or more")
+        names = [m.name for m in all_methods(self)]
+        bad = [m for m in self.methods if m not in names]
+        if bad or len(set(self.methods)) != len(self.methods):
+            raise InputError(f"faithfulness-lm: methods={self.methods!r}; give some of "
+                             f"{', '.join(names)}, each once (none: all)")  # fmt: skip
         if not self.model.strip():
             raise InputError("faithfulness-lm: model=''; give a hub id, a directory, a .gguf "
                              "file or smol")  # fmt: skip
@@ -210,8 +217,14 @@ def _random(p: Pair) -> Scores:
 
 
 def methods(config: Config) -> list[Method]:
-    """The methods compared, in the tables' order; each is one entry (a new scoring,
-    e.g. exact attention for queries and keys, is one more ``Method``)."""
+    """The methods compared (``config.methods``, or every one), in the tables' order."""
+    chosen = set(config.methods)
+    return [m for m in all_methods(config) if not chosen or m.name in chosen]
+
+
+def all_methods(config: Config) -> list[Method]:
+    """Every method, in the tables' order; each is one entry (a new scoring is one more
+    ``Method``)."""
     out = [Method("Real", _real),
            *(Method(f"Real-IG{n}", _real_ig(n)) for n in config.ig_steps),
            Method("MaxProduct", _maxproduct), Method("EAP", _eap(None)),
