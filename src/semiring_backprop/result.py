@@ -183,7 +183,7 @@ class Result:
             >>> torch.allclose(a[0, 1], (paths * x[0]).sum())
             True
         """
-        from .circuits import marginals  # (a door up: alpha is computed with the circuits)
+        from .engine import marginals
 
         self._require_all("alpha")
         _check_semiring(semiring)
@@ -206,7 +206,7 @@ class Result:
             >>> torch.allclose(best.hi[0], paths.amax(1)), torch.allclose(best.lo[0], paths.amin(1))
             (True, True)
         """
-        from .circuits import marginals  # (a door up: alpha is computed with the circuits)
+        from .engine import marginals
 
         self._require_all("marginal")
         node = self.node(where)
@@ -315,7 +315,7 @@ class Result:
 
         self._require_all("branches")
         _check_roles(roles)
-        from .views.table import branch_table  # (a door up: views read results)
+        from .views.table import branch_table  # (imported when a result is drawn)
 
         table = branches.branches(self, where, semiring, aggregate, roles, by=by,
                                   per_head=per_head, heads=heads)  # fmt: skip
@@ -348,7 +348,7 @@ class Result:
                 f"sublayers={sublayers!r}: give some of {SUBLAYERS_SHOWN} as a tuple, e.g. "
                 "sublayers=('attention',)"
             )
-        from .views.table import branch_table  # (a door up: views read results)
+        from .views.table import branch_table  # (imported when a result is drawn)
 
         table = branches.layer_table(self, semirings, aggregate, tokens, roles, sublayers, by,
                                      per_head, heads)  # fmt: skip
@@ -384,7 +384,7 @@ class Result:
             <BLANKLINE>
             top path ...
         """
-        from . import views  # (a door up: views read results)
+        from . import views  # (imported when a result is drawn)
 
         return views.result(self, quantity, source=source, tokens=tokens)
 

@@ -47,7 +47,7 @@ import torch
 
 from ..analysis.fanout import ancestors, descendants
 from ..circuits.layout import layout
-from ..circuits.marginals import check_finite
+from ..engine.marginals import check_finite
 from ..errors import InputError
 from ..tracing.trace import input_tensors
 from . import sites

@@ -129,9 +129,9 @@ class Circuit:
         are read at the input, and each frame's ``attrs["notes"]`` says so per column
         (:mod:`.ig`). ``ig_steps=0``: the seed ``x - x'`` at the input alone."""
         from ..engine.checkpoints import untap
+        from ..engine.marginals import at_sources
         from .ig import check_steps, integrated
         from .layout import pinned
-        from .marginals import at_sources
         from .nodes import circuit_nodes
 
         check_steps(ig_steps, ig_method)
@@ -356,8 +356,8 @@ class Circuit:
     # -- views ------------------------------------------------------------------------
 
     def view(self, semiring=None, max_edges: int = 300):
-        """The circuit drawn (:func:`semiring_backprop.views.circuit.circuit_view`)."""
-        from ..views.circuit import circuit_view  # (a door up: the view reads circuits)
+        """The circuit drawn (:func:`semiring_backprop.circuits.view.circuit_view`)."""
+        from .view import circuit_view
 
         return circuit_view(self, semiring, max_edges=max_edges)
 

@@ -174,7 +174,7 @@ def to_dot(circuit, semiring=None) -> str:
     positive, blue negative; its token as people read it), an edge per edge row (pen
     width by |value|), layers as ranks from the embeddings (bottom) to the target (top);
     residual sites left out."""
-    from ..views.colors import Scale  # (a door up: one colour scale, the views')
+    from ..views.colors import Scale  # (one colour scale, the views')
 
     col = circuit.column(semiring)
     rows = [(n, a) for n, a in graph_nodes(circuit) if a["role"] != "residual"]

@@ -117,8 +117,8 @@ def circuit_of_text(model, text: str, target: str | None = None, foil: str | Non
 def _check_seed(seed, baseline_text, ig_steps, ig_method) -> None:
     """Refuse what ``circuit`` would refuse after the pass (``check_call``), before the
     model is loaded, naming the arguments and the command line's flags."""
+    from ..engine.marginals import SEEDS
     from .ig import check_steps
-    from .marginals import SEEDS
 
     if seed not in SEEDS:
         raise InputError(f"seed={seed!r} (--seed): use one of {', '.join(SEEDS)}")

@@ -34,13 +34,13 @@ import torch
 from torch.fx.node import map_arg
 
 from ..engine import budget
+from ..engine.marginals import seed_node
 from ..engine.reverse import reverse
 from ..errors import InputError
 from ..result import Result
 from ..semirings import Real
 from ..tracing.trace import mark_op
 from .exports import ATTENTION_COLUMNS, EDGE_COLUMNS, NODE_COLUMNS
-from .marginals import seed_node
 from .nodes import circuit_nodes, readout
 
 #: the quadratures, by Captum's names (``method=`` of its ``IntegratedGradients``)

@@ -16,8 +16,8 @@ from ..analysis.branches import blocks, on_result
 from ..analysis.fanout import Roles, ancestors, descendants, entries, first_contraction
 from ..analysis.heads import QKV, only_columns
 from ..engine import checkpoints
+from ..engine.marginals import alphas
 from ..errors import InputError, NotFoundError
-from .marginals import alphas
 from .nodes import alpha_upto, find_sites
 
 #: the ``input`` column: how a path enters its destination

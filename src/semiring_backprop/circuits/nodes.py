@@ -20,9 +20,9 @@ from ..analysis.branches import blocks, on_result
 from ..analysis.fanout import CONTRACTIONS, Roles, entries
 from ..analysis.heads import head_counts
 from ..engine.alpha import sources
+from ..engine.marginals import marginal_value, seed_values
 from ..errors import InputError, NotFoundError
 from ..semirings import MaxProduct
-from .marginals import marginal_value, seed_values
 
 #: the ``role`` column, in the order rows come
 SITE_ROLES = ("embedding", "head", "mlp", "residual", "target")

@@ -10,7 +10,7 @@ from .arguments import check_html_file, task_arguments, weights_argument
 
 def add_parser(sub):
     from ..circuits.ig import METHODS
-    from ..circuits.marginals import SEEDS
+    from ..engine.marginals import SEEDS
 
     c = sub.add_parser(
         "circuit",

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.alpha import alpha as alpha_pass
-from ..engine.alpha import sources
-from ..engine.reverse import contributions
 from ..errors import InputError
 from ..tracing.trace import mark_op
+from .alpha import alpha as alpha_pass
+from .alpha import sources
+from .reverse import contributions
 
 SEEDS = ("structural", "x")
 
@@ -343,7 +343,7 @@ def _hashable_in(key, d) -> bool:
 
 
 def _run_from_inputs(res, given: dict) -> dict:
-    from ..engine import forward
+    from . import forward
 
     graph = res.graph
     if res.kept is not None:
