@@ -187,3 +187,26 @@ def test_an_edges_effect_is_the_model_with_only_that_destinations_input_moved():
         assert row.effect == pytest.approx(want, rel=1e-9, abs=1e-13), (src, dst, pos)
         nonzero += abs(want) > 1e-6
     assert nonzero > 5
+
+
+def test_eap_ig_with_gauss_legendre_points():
+    """Two Gauss-Legendre points on [0, 1]: (1 -/+ 1/sqrt(3)) / 2, each weighed 1/2 (the
+    rule's nodes and weights written out here, not read from the library)."""
+    p = patching()
+    scores = p.eap_ig(2, method="gausslegendre")
+    wte = model().transformer.wte
+    with torch.no_grad():
+        x, x0 = wte(IDS), wte(COR)
+    points = [(1 - 3**-0.5) / 2, (1 + 3**-0.5) / 2]
+    diff = {k: a - b for (k, a), b in zip(_captured(IDS).items(), _captured(COR).values())}
+    grads = {}
+    for row in scores.itertuples():
+        src, dst, pos = _key(row)
+        if dst not in grads:
+            grads[dst] = sum(0.5 * _gradient(dst, x0 + t * (x - x0)) for t in points)
+        want = float(diff[src][pos] @ grads[dst][pos])
+        assert row.score == pytest.approx(want, rel=1e-9, abs=1e-13), (src, dst, pos)
+    right = p.eap_ig(2)
+    assert not (abs(right.score - scores.score) < 1e-9).all()
+    with pytest.raises(sbp.InputError, match="ig_method"):
+        p.eap_ig(2, method="simpson")

@@ -266,12 +266,14 @@ def test_site_effects_are_patching_by_hooks(tiny_run, tiny_dir, tok):
 def test_methods_are_one_entry_each():
     cfg = experiments.config("faithfulness-lm", quick=True)
     names = [m.name for m in faithfulness_lm.methods(cfg)]
-    assert names == ["Real", "Real-IG2", "MaxProduct", "EAP", "EAP-IG2", "EAP-QK",
-                     "Real-relevance", "random"]  # fmt: skip
+    assert names == ["Real", "Real-IG2", "MaxProduct", "EAP", "EAP-IG2", "EAP-IG-GL2",
+                     "EAP-QK", "Real-relevance", "random"]  # fmt: skip
     cfg = replace(cfg, methods=("EAP-QK", "Real"))
     assert [m.name for m in faithfulness_lm.methods(cfg)] == ["Real", "EAP-QK"]  # table order
     with pytest.raises(InputError, match="methods=.*give some of Real, Real-IG2"):
         replace(cfg, methods=("EAP-Q",)).check()
+    with pytest.raises(InputError, match="eap_ig_gl"):
+        replace(cfg, eap_ig_gl=(0,)).check()
 
 
 # -- the real model (slow tier: tests/slow.txt) ------------------------------------------

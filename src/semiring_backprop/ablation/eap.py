@@ -12,7 +12,10 @@ tensor per destination and component node), from one backward pass for all edges
   ``x' + (k / steps) (x - x')``, ``k = 1 .. steps`` (as EAP-IG's ``get_scores_eap_ig``
   places them, ``for step in range(1, steps + 1)``: the right Riemann sum from the
   ablated embeddings to the clean ones, the last point the clean input itself), times
-  the same ``a - a'``. With ``steps=1`` it is EAP.
+  the same ``a - a'``. With ``steps=1`` it is EAP. (Earlier versions of that code ran
+  ``range(0, steps)``: the left sum, from the ablated input itself, never the clean
+  one.) ``method="gausslegendre"`` places the points as Gauss-Legendre quadrature does
+  instead (the integrated-gradients rule of ``Circuit``'s ``ig_steps``).
 
 A score approximates the edge's effect ``m(M) - m(that edge ablated)``
 (:meth:`.patching.Patching.edge_effects`), with the same sign.
@@ -32,22 +35,27 @@ def eap(p):
     return edge_scores(p, gradients(p))
 
 
-def eap_ig(p, steps: int = 5):
-    """``EDGE_KEY`` + ``score``: EAP-IG (inputs) with ``steps`` points."""
+def eap_ig(p, steps: int = 5, method: str = "riemann_right"):
+    """``EDGE_KEY`` + ``score``: EAP-IG (inputs) with ``steps`` points, placed and weighed
+    by ``method`` (Captum's names, :func:`..circuits.ig.quadrature`): ``riemann_right``
+    (the default) as EAP-IG's own code places them, ``gausslegendre`` where few points
+    must integrate well (2 points: exact for a cubic along the line)."""
+    from ..circuits.ig import check_steps, quadrature
+
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise InputError(f"steps={steps!r}: give the number of interpolation points, 1 or more")
+    check_steps(steps, method)
     (emb,) = [c for c in p.lay.components if c.role == "embedding"]
     total: dict = {}
-    for k in range(1, steps + 1):
-        t = k / steps
+    for t, w in zip(*quadrature(steps, method)):
 
         def point(value, n, t=t):  # the ablated embeddings moved toward the clean ones
             return p.ablated[n] + t * (p.base[n] - p.ablated[n])
 
         replace = {n: (lambda v, n=n: point(v, n)) for n in emb.nodes}
         for key, g in gradients(p, replace).items():
-            total[key] = g if key not in total else total[key] + g
-    return edge_scores(p, {key: g / steps for key, g in total.items()})
+            total[key] = w * g if key not in total else total[key] + w * g
+    return edge_scores(p, total)
 
 
 def gradients(p, replace=None) -> dict:

@@ -405,11 +405,12 @@ class Patching:
 
         return eap(self)
 
-    def eap_ig(self, steps: int = 5):
-        """``EDGE_KEY`` + ``score``: EAP-IG (inputs), ``steps`` points: :func:`.eap.eap_ig`."""
+    def eap_ig(self, steps: int = 5, method: str = "riemann_right"):
+        """``EDGE_KEY`` + ``score``: EAP-IG (inputs), ``steps`` points placed by ``method``
+        (riemann_right: as EAP-IG's code; gausslegendre): :func:`.eap.eap_ig`."""
         from .eap import eap_ig
 
-        return eap_ig(self, steps)
+        return eap_ig(self, steps, method)
 
     def eap_qk(self):
         """``EDGE_KEY`` + ``score``: EAP with AtP*'s QK fix (each query and key edge's head

@@ -60,6 +60,8 @@ class Config:
     seed: int = 0
     ig_steps: tuple[int, ...] = (5, 10, 30)  #: Real's integrated-gradients steps
     eap_ig_steps: int = 5
+    #: EAP-IG with Gauss-Legendre points (``EAP-IG-GL{n}``: n passes, as few as a budget allows)
+    eap_ig_gl: tuple[int, ...] = (2,)
     edge_top: int = 100  #: each method's top edges patched exactly
     edge_random: int = 1000  #: random edges patched exactly
     fractions: tuple[float, ...] = FRACTIONS
@@ -92,6 +94,9 @@ class Config:
         if len(fr) < 2 or any(not 0 < f <= 1 for f in fr) or list(fr) != sorted(set(fr)):
             raise InputError(f"faithfulness-lm: fractions={fr!r}; give at least two "
                              "increasing fractions in (0, 1]")  # fmt: skip
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in self.eap_ig_gl):
+            raise InputError(f"faithfulness-lm: eap_ig_gl={self.eap_ig_gl!r}; give numbers of "
+                             "Gauss-Legendre points, each 1 or more")  # fmt: skip
         if self.half < 2:
             raise InputError(f"faithfulness-lm: half={self.half}; give 2 words or more")
         names = [m.name for m in all_methods(self)]
@@ -182,11 +187,11 @@ def _relevance(p: Pair) -> Scores:
     return edge_scores(c.edges, "Real"), node_scores(c.nodes, "Real"), None, s
 
 
-def _eap(steps: int | None):
+def _eap(steps: int | None, method: str = "riemann_right"):
     def score(p: Pair) -> Scores:
         pt = p.pt
         before, t = pt.evaluations, time.perf_counter()
-        e = (pt.eap() if steps is None else pt.eap_ig(steps))[[*EDGE_KEY, "score"]]
+        e = (pt.eap() if steps is None else pt.eap_ig(steps, method))[[*EDGE_KEY, "score"]]
         return (e, per_source(e), pt.evaluations - before + p.setup[0],
                 time.perf_counter() - t + p.setup[1])  # fmt: skip
 
@@ -229,6 +234,7 @@ def all_methods(config: Config) -> list[Method]:
            *(Method(f"Real-IG{n}", _real_ig(n)) for n in config.ig_steps),
            Method("MaxProduct", _maxproduct), Method("EAP", _eap(None)),
            Method(f"EAP-IG{config.eap_ig_steps}", _eap(config.eap_ig_steps)),
+           *(Method(f"EAP-IG-GL{n}", _eap(n, "gausslegendre")) for n in config.eap_ig_gl),
            Method("EAP-QK", _eap_qk)]  # fmt: skip
     out += [Method("Real-relevance", _relevance), Method("random", _random)]
     return out
