@@ -42,11 +42,23 @@ def factorize(values) -> tuple[np.ndarray, np.ndarray]:
     values = np.asarray(values)
     if len(values) < 2:
         return pd.factorize(values)
-    new = np.empty(len(values), dtype=bool)
-    new[0] = True
-    np.not_equal(values[1:], values[:-1], out=new[1:])
-    codes, uniques = pd.factorize(values[new])
-    return codes[np.cumsum(new) - 1], uniques
+    first, run = runs(values)
+    codes, uniques = pd.factorize(values[first])
+    return codes[run], uniques
+
+
+def runs(*columns) -> tuple[np.ndarray, np.ndarray]:
+    """``(first, run)``: the first row of each run of neighbouring rows equal in every one
+    of ``columns`` (arrays of one length), and each row's run. An edge's rows into one
+    destination (its q, k and v) lie side by side: work done once a run is a third of
+    that done once a row."""
+    n = len(columns[0])
+    new = np.zeros(n, dtype=bool)
+    if n:
+        new[0] = True
+    for c in columns:
+        new[1:] |= c[1:] != c[:-1]
+    return np.flatnonzero(new), np.cumsum(new) - 1
 
 
 def interleaved(*columns) -> list[str]:

@@ -106,9 +106,11 @@ def _add_edges(g, e, codes, names: list) -> None:
     n = len(e)
     if not n:
         return
-    names, u, v = _ends(g, e, codes, names)
+    rows, run = bulk.runs(e.src, e.dst)  # (ends found once a run: a third of the rows)
+    names, u, v = _ends(g, e.src[rows], e.dst[rows], codes, names)
     m = len(names)
     pair, first = bulk.factorize(u * m + v)
+    pair = pair[run]
     keys = e.key
     with bulk.gc_paused():
         keydicts = [{} for _ in range(len(first))]
@@ -116,7 +118,7 @@ def _add_edges(g, e, codes, names: list) -> None:
         for at in sites.chunks(n, "networkx edges"):
             _store_attributes(e, of_edge[at].tolist(), keys, at)
         if sum(map(len, keydicts)) != n:  # a repeated edge updates its first's attributes
-            g.add_edges_from(_edge_tuples(e, names[u], names[v]))
+            g.add_edges_from(_edge_tuples(e, names[u][run], names[v][run]))
             return
         succ, pred = g._succ, g._pred  # (pairs in order: each key dict touched once)
         for u, v, kd in zip(names[first // m].tolist(), names[first % m].tolist(), keydicts):
@@ -124,18 +126,19 @@ def _add_edges(g, e, codes, names: list) -> None:
             pred[v][u] = kd
 
 
-def _ends(g, e, codes, names: list):
-    """``(names, u, v)``: the index in ``names`` (an object array) of each edge's source
-    and destination, the graph's nodes found by their ``codes``; the ends that are none
-    of them added to ``g`` and ``names`` in the order ``add_edge`` meets them."""
+def _ends(g, src, dst, codes, names: list):
+    """``(names, u, v)``: the index in ``names`` (an object array) of each source and
+    destination (site codes ``src`` and ``dst`` of the edges in order), the graph's nodes
+    found by their ``codes``; the ends that are none of them added to ``g`` and ``names``
+    in the order ``add_edge`` meets them."""
     import pandas as pd
 
-    found_u, u = sites.lookup(e.src, codes)
-    found_v, v = sites.lookup(e.dst, codes)
+    found_u, u = sites.lookup(src, codes)
+    found_v, v = sites.lookup(dst, codes)
     if not (found_u.all() and found_v.all()):
-        ends = np.empty(2 * len(e), dtype=np.int64)
-        ends[0::2], ends[1::2] = e.src, e.dst
-        found = np.empty(2 * len(e), dtype=bool)
+        ends = np.empty(2 * len(src), dtype=np.int64)
+        ends[0::2], ends[1::2] = src, dst
+        found = np.empty(2 * len(src), dtype=bool)
         found[0::2], found[1::2] = found_u, found_v
         new = pd.unique(ends[~found])
         added = [sites.name_of(c) for c in new.tolist()]
@@ -143,7 +146,7 @@ def _ends(g, e, codes, names: list):
             g.add_node(name)
         names = [*names, *added]
         codes = np.concatenate([codes, new])
-        u, v = sites.lookup(e.src, codes)[1], sites.lookup(e.dst, codes)[1]
+        u, v = sites.lookup(src, codes)[1], sites.lookup(dst, codes)[1]
     return np.array(names, dtype=object), u, v
 
 
