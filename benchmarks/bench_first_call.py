@@ -93,7 +93,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", nargs="+", default=["tiny"], choices=["tiny", "smol"])
     p.add_argument("--tokens", nargs="+", type=int, default=[20, 128, 512])
-    p.add_argument("--repeat", type=int, default=1, help="runs of each; the least is kept")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each; the least is kept, every run printed")
     p.add_argument("--against", metavar="DIR", help="another checkout's src to compare with")
     p.add_argument("--threads", type=int, default=0,
                    help="torch's threads (1 on a busy machine: timings steadier)")  # fmt: skip
@@ -107,9 +107,11 @@ def main(argv=None) -> None:
         print(head + ("  against/this" if args.against else ""))
         for tokens in args.tokens:
             best: dict = {}
+            firsts: dict = {name: [] for name, _ in trees}
             for _ in range(args.repeat):
                 for name, src in trees:  # (in turn: a drift of the machine hits both)
                     r = run(case, tokens, src, args.threads)
+                    firsts[name].append(r["first"])
                     if name not in best or r["first"] < best[name]["first"]:
                         best[name] = r
             for name, _ in trees:
@@ -118,6 +120,8 @@ def main(argv=None) -> None:
                         f"{r['trace']:7.2f} {r['second']:7.2f}")  # fmt: skip
                 if name == "against":
                     line += f"  {r['first'] / best['this']['first']:12.2f}"
+                if args.repeat > 1:  # (every run's first call, not only the least)
+                    line += "  runs: " + " ".join(f"{t:.2f}" for t in firsts[name])
                 print(line, flush=True)
 
 
