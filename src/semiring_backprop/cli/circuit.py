@@ -39,7 +39,10 @@ def add_parser(sub):
     c.add_argument(
         "--baseline-text",
         help="a corrupted text of as many tokens: the seed is the difference of the two "
-        "texts' token embeddings (x - x'), as in activation patching",
+        "texts' token embeddings (x - x'): attribution patching, a first-order estimate of "
+        "activation patching, not equal to it (on SmolLM2 its site scores agreed with exact "
+        "patching at Pearson 0.38-0.76 over two pairs; --ig-steps 5 at 0.93: "
+        "docs/faithfulness.md)",
     )
     c.add_argument(
         "--seed",
