@@ -52,6 +52,7 @@ from ..errors import InputError
 from ..tracing.trace import input_tensors
 from . import sites
 from .patching_edges import args_of, assignment, call, call_order, destinations, own_pass
+from .remainder import Remainder
 from .sites import BRANCHES, NODE_KEY
 
 __all__ = ["EDGE_KEY", "NODE_KEY", "MODES", "BRANCHES", "Patching"]
@@ -259,6 +260,11 @@ class Patching:
 
     def output(self, **kw):
         return self._run(self._inputs, **kw)[self.graph.output_node].reshape(())
+
+    def remainder(self, nodes) -> Remainder:
+        """The forward from ``nodes`` on (:class:`.remainder.Remainder`): call it with
+        ``(self.base, {node: replacement})``."""
+        return Remainder(self._order, nodes, self.graph.output_node)
 
     def batched(self, fn, variants) -> list[float]:
         """``fn(variant)`` (a scalar tensor) for each row of ``variants``, ``batch`` at a

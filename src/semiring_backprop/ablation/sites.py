@@ -28,7 +28,9 @@ BRANCHES = ("skip", "query", "key", "value", "mlp")
 
 def node_effects(p, progress: bool = False):
     """``NODE_KEY`` + ``effect``: m(M) - m(that site ablated for every consumer), one
-    forward pass per site (component and position), ``p.batch`` at a time."""
+    patched forward per site (component and position), ``p.batch`` at a time: the sites
+    of one node (a block's heads) in one batch, each forward from that node on
+    (:class:`.remainder.Remainder`: the clean run's values before it)."""
     import pandas as pd
 
     lay = p.lay
@@ -53,8 +55,10 @@ def node_effects(p, progress: bool = False):
                 rows.append({"layer": comp.layer, "position": pos, "head_index": comp.head,
                              "role": comp.role})  # fmt: skip
 
-        def run(k, nodes=nodes):
-            return p.output(replace={n: _site_patch(p.ablated[n], k) for n in nodes})
+        rest = p.remainder(nodes)
+
+        def run(k, nodes=nodes, rest=rest):
+            return rest(p.base, {n: _site_patch(p.ablated[n], k) for n in nodes}).reshape(())
 
         for r, m in zip(rows[len(rows) - len(keeps) :], p.batched(run, torch.stack(keeps))):
             r["effect"] = p.clean - m
