@@ -52,7 +52,7 @@ from ..errors import InputError
 from ..tracing.trace import input_tensors
 from . import sites
 from .patching_edges import args_of, assignment, call, call_order, destinations, own_pass
-from .remainder import Remainder
+from .remainder import Remainder, tail
 from .sites import BRANCHES, NODE_KEY
 
 __all__ = ["EDGE_KEY", "NODE_KEY", "MODES", "BRANCHES", "Patching"]
@@ -123,6 +123,7 @@ class Patching:
         self.assign = {n: assignment(self.lay, self.base[n], n) for n in self.lay.stops}
         self._edge_frame = None
         self._empty = None
+        self._tail = None
         #: positions the attention mask pads (0 there): no site, no edge is read there
         self.padding = _padding(self._inputs.get("attention_mask"), self.lay.positions)
 
@@ -264,7 +265,9 @@ class Patching:
     def remainder(self, nodes) -> Remainder:
         """The forward from ``nodes`` on (:class:`.remainder.Remainder`): call it with
         ``(self.base, {node: replacement})``."""
-        return Remainder(self._order, nodes, self.graph.output_node)
+        if self._tail is None:
+            self._tail = (tail(self._order, self.graph.output_node, self.base),)
+        return Remainder(self._order, nodes, self.graph.output_node, self._tail[0])
 
     def batched(self, fn, variants) -> list[float]:
         """``fn(variant)`` (a scalar tensor) for each row of ``variants``, ``batch`` at a
