@@ -27,9 +27,9 @@ import time
 import torch
 
 
-def _seconds(fn):
+def _seconds(fn, *args):
     t = time.perf_counter()
-    out = fn()
+    out = fn(*args)
     return time.perf_counter() - t, out
 
 
@@ -83,7 +83,7 @@ def bench_nodes(p, groups: int):
           f"{len(chosen)} nodes, all {len(frame)} sites {all_s:.0f} s by extrapolation | "
           f"{all_s / new_s:.1f}x faster | largest difference {diff:.2e} (the whole "
           f"forward's own: {floor:.2e}, m(M) batched against m(M))", flush=True)  # fmt: skip
-    return frame
+    return new_s
 
 
 def _noise(p) -> float:
@@ -103,6 +103,77 @@ def _none(v):
     import pandas as pd
 
     return None if v is pd.NA or v is None else int(v)
+
+
+def old_head_deltas(p, h, cs, positions, grads):
+    """The code before: one run of the projections and the logits per site, per head:
+    ``(len(cs), len(positions))`` of ``Σ (A - A')·G``."""
+    from semiring_backprop.ablation.patching_edges import args_of, call
+
+    def logits(mu):
+        local: dict = {}
+        for d in (h.q, h.k):
+            for proj, x, cols in p.projection_reads(d):
+                xd = p.read_input(d, x, mu)
+                alt = call(proj, *args_of(proj, {x: xd}, p.base))
+                local[proj] = torch.where(cols, alt, local.get(proj, p.base[proj]))
+        for n in h.order:
+            local[n] = call(n, *args_of(n, local, p.base))
+        return local[h.logits][0, h.index]
+
+    a = p.base[h.pattern][0, h.index]
+    g = grads[h.pattern][0, h.index]
+    sites = [(c, q) for c in cs for q in positions]
+    mus = p.all_kept().expand(len(sites), -1, -1).clone()
+    for i, (c, q) in enumerate(sites):
+        mus[i, c, q] = 0
+    new = []
+    with torch.no_grad():
+        for chunk in mus.split(p.batch):
+            new.append(torch.vmap(logits)(chunk))
+    a2 = torch.softmax(torch.cat(new), -1)
+    a2 = torch.where(torch.isnan(a2), a, a2)
+    return ((a - a2) * g).sum((-1, -2)).reshape(len(cs), len(positions))
+
+
+def bench_qk(p, layers: int, nodes_s: float | None):
+    from semiring_backprop.ablation import qk
+
+    heads = qk.attention_heads(p)
+    grads = qk._pattern_gradients(p, heads)
+    sources = qk._sources(p, p.edges())
+    positions = [q for q in range(p.lay.positions) if q not in p.padding]
+    total_s, frame = _seconds(p.node_scores_qk)
+    blocks: dict = {}
+    for h in heads:
+        blocks.setdefault(h.layer, []).append(h)
+    srcs = {h: sorted(set(sources.get(h.q, [])) | set(sources.get(h.k, []))) for h in heads}
+    units = sum(len(cs) * len(positions) for cs in srcs.values())
+    new_s, ref_s, ref_units, diff = 0.0, 0.0, 0, 0.0
+    last = max(blocks)
+    picked = {round(i * last / max(layers - 1, 1)) for i in range(layers)}
+    for layer, hs in blocks.items():
+        cs = sorted(set().union(*(srcs[h] for h in hs)))
+        if not cs:
+            continue
+        s, got = _seconds(qk._site_deltas, p, hs, cs, positions, grads[hs[0].pattern])
+        new_s += s
+        if layer not in picked:
+            continue
+        for k, h in enumerate(hs):
+            s, old = _seconds(old_head_deltas, p, h, srcs[h], positions, grads)
+            ref_s += s
+            ref_units += len(srcs[h]) * len(positions)
+            mine = got[[cs.index(c) for c in srcs[h]], :, k]
+            diff = max(diff, float((mine - old).abs().max()))
+    all_s = ref_s / ref_units * units
+    print(f"node_scores_qk: {len(frame)} sites in {total_s:.1f} s, its heads' patterns "
+          f"{new_s:.1f} s | before (one run of the projections and logits per head and "
+          f"site): {ref_s / ref_units * 1e3:.2f} ms per head and site over {ref_units} of "
+          f"layers {sorted(picked)}, all {units} {all_s:.0f} s by extrapolation | "
+          f"{all_s / new_s:.1f}x faster | largest difference {diff:.2e}"
+          + (f" | {total_s / nodes_s:.2f}x node_effects' time" if nodes_s else ""),
+          flush=True)  # fmt: skip
 
 
 def main(argv=None) -> None:
@@ -138,8 +209,11 @@ def main(argv=None) -> None:
             f"{len(p.lay.components)} components, {len(p.dests)} destinations)",
             flush=True,
         )
+        nodes_s = None
         if "nodes" in parts:
-            bench_nodes(p, args.groups)
+            nodes_s = bench_nodes(p, args.groups)
+        if "qk" in parts:
+            bench_qk(p, args.qk_layers, nodes_s)
 
 
 if __name__ == "__main__":

@@ -267,22 +267,19 @@ def node_scores_qk(p):
     sources = _sources(p, p.edges())
     positions = [q for q in range(lay.positions) if q not in p.padding]
     total = first.clone()
+    layers: dict = {}
     for h in heads:
-        a = p.base[h.pattern][0, h.index]
-        g = grads[h.pattern][0, h.index]
-        cs = sorted(set(sources.get(h.q, [])) | set(sources.get(h.k, [])))
+        layers.setdefault(h.logits, []).append(h)
+    for hs in layers.values():
+        mine = [set(sources.get(h.q, [])) | set(sources.get(h.k, [])) for h in hs]
+        cs = sorted(set().union(*mine))
         if not cs:
             continue
-        sites = [(c, q) for c in cs for q in positions]
-        mus = p.all_kept().expand(len(sites), -1, -1).clone()
-        for i, (c, q) in enumerate(sites):
-            mus[i, c, q] = 0
-        new = _batched(p, lambda mu, h=h: _logits(p, h, {h.q: mu, h.k: mu}), mus)
-        a2 = torch.softmax(new, -1)
-        a2 = torch.where(torch.isnan(a2), a, a2)
-        got = ((a - a2) * g).sum((-1, -2))
-        for i, (c, q) in enumerate(sites):
-            total[c, q] += got[i]
+        got = _site_deltas(p, hs, cs, positions, grads[hs[0].pattern])
+        for k, srcs in enumerate(mine):
+            for i, c in enumerate(cs):
+                if c in srcs:
+                    total[c, positions] += got[i, :, k]
     rows = []
     for c, comp in enumerate(lay.components):
         for q in positions:
@@ -291,3 +288,85 @@ def node_scores_qk(p):
     for col in ("layer", "position", "head_index"):
         frame[col] = frame[col].astype("Int64")
     return frame
+
+
+def _site_deltas(p, hs, cs, positions, grad):
+    """``Σ_{t, j} (A - A')[t, j] G[t, j]`` (sources ``cs``, ``positions``, heads ``hs`` of
+    one block): each head's pattern with its query and key at one position recomputed
+    from one source ablated there (one batched run of the logits per site).
+
+    The residual stream is read position by position, so a source ablated at every
+    position at once gives each position's query and key input as ablating it there
+    alone does: one recomputation of the block's input and its projections per source;
+    a site's projections are the clean ones with that position's row taken from them.
+    The heads' rows are taken at once (each head's logits read its own columns alone, or
+    with shared K/V columns the whole role's, as :func:`_logits` takes them)."""
+    reads = _block_reads(p, hs)
+    positions_t = torch.tensor(positions, device=grad.device)
+    mus = p.all_kept().expand(len(cs), -1, -1).clone()
+    for i, c in enumerate(cs):
+        mus[i, c] = 0
+    inputs: dict = {}
+    rows = []
+    for d, proj, x, cols in reads:
+        if x not in inputs:
+            inputs[x] = _batched(p, lambda mu, d=d, x=x: p.read_input(d, x, mu), mus)
+        alt = _batched(p, lambda xd, proj=proj, x=x: call(proj, *args_of(proj, {x: xd}, p.base)),
+                       inputs[x])  # fmt: skip
+        width = _width(p, proj, cols)
+        rows.append(alt.reshape(len(cs), p.lay.positions, width)[:, positions_t])
+    h0 = hs[0]
+    index = [h.index for h in hs]
+    a = p.base[h0.pattern][0, index]
+    g = grad[0, index]
+
+    def logits(q, *new):
+        local = {}
+        at = torch.arange(p.lay.positions, device=q.device) == q
+        for (_, proj, _, cols), row in zip(reads, new):
+            base = p.base[proj]
+            flat = base.reshape(p.lay.positions, -1)
+            local[proj] = torch.where(at[:, None] & cols, row, flat).reshape(base.shape)
+        for n in h0.order:
+            local[n] = call(n, *args_of(n, local, p.base))
+        return local[h0.logits][0, index]
+
+    qs = positions_t.expand(len(cs), -1).reshape(-1)
+    flat = [r.reshape(len(cs) * len(positions), -1) for r in rows]
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(qs), p.batch):
+            part = slice(start, start + p.batch)
+            new = torch.vmap(logits)(qs[part], *(r[part] for r in flat))
+            p.evaluations += len(new)
+            a2 = torch.softmax(new, -1)
+            a2 = torch.where(torch.isnan(a2), a, a2)
+            out.append(((a - a2) * g).sum((-1, -2)))
+    return torch.cat(out).reshape(len(cs), len(positions), len(hs))
+
+
+def _block_reads(p, hs) -> list:
+    """``[(a destination, projection, the tensor it reads, bool mask of its output
+    columns)]``: where the query and key of the heads ``hs`` are computed, one row per
+    projection, its columns all those the heads' queries and keys read there."""
+    out: dict = {}
+    for h in hs:
+        for d in (h.q, h.k):
+            for proj, x, cols in p.projection_reads(d):
+                _, _, _, before = out.get(proj, (d, proj, x, torch.zeros_like(cols)))
+                out[proj] = (d, proj, x, before | cols)
+    return list(out.values())
+
+
+def _width(p, proj, cols) -> int:
+    """The columns of projection ``proj``'s output, checked position-major: (positions,
+    columns) with ``cols`` a mask of its last dim."""
+    value = p.base[proj]
+    width = value.shape[-1]
+    if cols.numel() != width or value.numel() != p.lay.positions * width:
+        raise InputError(
+            f"{proj.name}: the projection's output has shape {tuple(value.shape)}, not "
+            f"(positions, columns) with {p.lay.positions} positions; node_scores_qk reads "
+            "a site's query and key row by row"
+        )
+    return width
