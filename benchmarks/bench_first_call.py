@@ -93,7 +93,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", nargs="+", default=["tiny"], choices=["tiny", "smol"])
     p.add_argument("--tokens", nargs="+", type=int, default=[20, 128, 512])
-    p.add_argument("--repeat", type=int, default=1, help="runs of each; the least is kept, every run printed")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs of each; the least is kept, every run printed")  # fmt: skip
     p.add_argument("--against", metavar="DIR", help="another checkout's src to compare with")
     p.add_argument("--threads", type=int, default=0,
                    help="torch's threads (1 on a busy machine: timings steadier)")  # fmt: skip
