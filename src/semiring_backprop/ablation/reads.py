@@ -133,6 +133,7 @@ class LastQueryReads:
         hooks = []
         for i, attn in enumerate(self.attention):
             for branch, proj in (("key", attn.k_proj), ("value", attn.v_proj)):
+
                 def save(_m, _a, out, i=i, branch=branch):
                     got[branch][i] = out[:, source].detach().clone()
 

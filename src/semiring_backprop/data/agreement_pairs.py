@@ -187,8 +187,9 @@ def counterpart(ex):
     words = list(ex.words)
     words[ex.subject] = other
     # the attractors of the original are of the counterpart's number: none are listed
-    return replace(ex, words=tuple(words), good=ex.bad, bad=ex.good, attractors=None,
-                   attractor_positions=None)
+    return replace(
+        ex, words=tuple(words), good=ex.bad, bad=ex.good, attractors=None, attractor_positions=None
+    )
 
 
 def is_plural(word: str) -> bool | None:

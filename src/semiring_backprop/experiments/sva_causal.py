@@ -83,7 +83,9 @@ def run(out, config, progress: bool = True) -> dict:
         _explain(model, out / "runner", examples, ready, config, progress,
                  semirings=("max", "entropy"), granularity=config.granularity,
                  aggregation=config.aggregation, logits=True)  # fmt: skip
-        paper_error = _paper(model, out, examples, ready, config, progress) if config.paper else None
+        paper_error = None
+        if config.paper:
+            paper_error = _paper(model, out, examples, ready, config, progress)
         records, patch_skips = None, {}
         if config.ablation:
             records, patch_skips = _ablate(model, located, tokenizer, model_config, out, progress)
@@ -170,4 +172,3 @@ def _skips(run_dir: Path, order: dict, prepared: dict) -> dict:
 
     return {i: (why, prepared[i][1] if i in prepared else "failed")
             for i, why in skipped_examples(run_dir).items() if i in order}  # fmt: skip
-

@@ -24,6 +24,7 @@ ACCURACY = (
 
 def accuracy(examples) -> dict:
     """``{"all": {...}, "by_attractors": {count: {"pairs", "correct", "accuracy"}}}``."""
+
     def one(part) -> dict:
         correct = int((part["score"] > 0).sum())
         return {"pairs": int(len(part)), "correct": correct,

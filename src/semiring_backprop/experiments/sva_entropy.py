@@ -152,14 +152,13 @@ def _prepare(located, tokenizer, model_config, kind: str):
         examples.append(runner_ex)
         if kind == "causal":
             got = causal_inputs.prefix_inputs(ex, tokenizer, causal_inputs.max_length(model_config))
-            ready[base.id] = got["skipped"] if "skipped" in got else causal_inputs.item(runner_ex,
-                                                                                       got)
+            make = causal_inputs.item
         else:
             if tokenizer.mask_token is None:
                 raise InputError(f"{type(tokenizer).__name__}: a masked LM without a mask token")
             got = sva_inputs.prepare(ex, tokenizer, causal_inputs.max_length(model_config))
-            ready[base.id] = got["skipped"] if "skipped" in got else sva_inputs.item(runner_ex,
-                                                                                    got)
+            make = sva_inputs.item
+        ready[base.id] = got["skipped"] if "skipped" in got else make(runner_ex, got)
     return examples, ready
 
 
@@ -191,8 +190,10 @@ def _summary(frame, config: Config, kind: str, examples: int, data) -> dict:
     step = config.length_step
     lo = int(frame["tokens"].min()) // step * step
     edges = list(range(lo, int(frame["tokens"].max()) + step + 1, step))
-    frame = frame.assign(length_bin=_bins(frame["tokens"], edges),
-                         attractor_bin=_bins(frame["tokens"], list(config.length_bins)))  # fmt: skip
+    frame = frame.assign(
+        length_bin=_bins(frame["tokens"], edges),
+        attractor_bin=_bins(frame["tokens"], list(config.length_bins)),
+    )
     by_length = {label: {"sentences": int(len(p)), "entropy": float(p["entropy"].mean())}
                  for label, p in frame.groupby("length_bin", sort=False)}  # fmt: skip
     by_length = dict(sorted(by_length.items(), key=lambda kv: int(kv[0].split("-")[0])))
@@ -201,8 +202,8 @@ def _summary(frame, config: Config, kind: str, examples: int, data) -> dict:
         label = f"{lo_}-{hi_}"
         part = frame[frame["attractor_bin"] == label]
         means = part.groupby("attractors")["entropy"].mean()
-        attractors[label] = {**spearman(part["attractors"].tolist(), part["entropy"].tolist()),
-                             "mean_entropy": {int(k): float(v) for k, v in means.items()}}  # fmt: skip
+        rho = spearman(part["attractors"].tolist(), part["entropy"].tolist())
+        attractors[label] = {**rho, "mean_entropy": {int(k): float(v) for k, v in means.items()}}
     out = {
         "data": config.data or "generated pairs",
         "model_kind": kind,

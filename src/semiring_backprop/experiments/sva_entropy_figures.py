@@ -66,7 +66,7 @@ def attractor_figure(frame, summary: dict, path) -> str:
                      f"n = {stats['n']}", fontsize=9)  # fmt: skip
         ax.set_xlabel("attractors")
         ax.set_ylabel("mean path entropy")
-    for ax in list(axes.flat)[len(bins):]:
+    for ax in list(axes.flat)[len(bins) :]:
         ax.axis("off")
     fig.suptitle("Entropy against attractors, by sentence length", fontsize=10)
     fig.tight_layout()
