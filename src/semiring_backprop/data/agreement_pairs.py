@@ -20,7 +20,7 @@ Examples:
     >>> from semiring_backprop.data import agreement_pairs
     >>> lines = agreement_pairs.agreement_pairs(5, seed=0)
     >>> [line["attractors"] for line in lines]
-    [[], [4], [4, 7], [4, 7, 10], [4, 7, 10, 13]]
+    [[], [13], [9, 14], [4, 8, 11], [5, 8, 14, 18]]
 """
 
 from __future__ import annotations
