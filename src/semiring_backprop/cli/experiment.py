@@ -22,6 +22,12 @@ def add_parsers(sub):
     x.add_argument("--quick", action="store_true", help="reduced size, minutes on a CPU")
     x.add_argument("--out", type=directory, help="output directory (default: runs/NAME[-quick])")
     x.add_argument(
+        "--model",
+        metavar="MODEL",
+        help="the LM explained: a hub id, a directory, a .gguf file or smol (SmolLM2-135M); "
+        "the same as --set model=MODEL",
+    )
+    x.add_argument(
         "--set",
         nargs="+",
         default=[],
@@ -48,6 +54,8 @@ def command(args) -> int:
             demo(args.out)
             return 0
         given = options(args.name, args.set)
+        if getattr(args, "model", None) is not None:
+            given = {**given, **_model_option(args.name, args.model, given)}
         out = args.out or f"runs/{args.name}{'-quick' if args.quick else ''}"
         result = experiments.run(args.name, out, quick=args.quick, **given)
     except SemiringBackpropError as e:
@@ -57,6 +65,19 @@ def command(args) -> int:
     files = result.get("files", [])
     print(f"\nwrote {len(files)} files to {out}: " + ", ".join(f.rsplit("/", 1)[-1] for f in files))
     return 0
+
+
+def _model_option(name: str, model: str, given: dict) -> dict:
+    import dataclasses
+
+    from ..errors import InputError
+    from ..experiments import module
+
+    if "model" not in {f.name for f in dataclasses.fields(module(name).Config)}:
+        raise InputError(f"--model: the experiment {name} takes no model (it trains its own)")
+    if "model" in given and given["model"] != model:
+        raise InputError(f"--model {model} and --set model={given['model']}: give one of them")
+    return {"model": model}
 
 
 def options(name, pairs) -> dict:

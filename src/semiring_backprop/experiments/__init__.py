@@ -25,6 +25,7 @@ EXPERIMENTS = {  # CLI name -> module
     "entropy-vs-mdl": "entropy_mdl",
     "entropy-sanity": "entropy_sanity",
     "sva": "sva",
+    "entropy": "sva_entropy",
     "faithfulness": "faithfulness",
     "faithfulness-lm": "faithfulness_lm",
 }
@@ -58,7 +59,7 @@ def config(name: str, quick: bool = False, **options):
 #: other float above 0; fractions lie in (0, 1] and min_accuracy in [0, 1]
 _MAY_BE_ZERO = {"seed", "seeds", "length_bins", "workers", "threads"}
 _FRACTIONS = {"mdl_fractions"}
-_HEADS = (("hidden", "heads"), ("bert_hidden", "bert_heads"))
+_HEADS = (("hidden", "heads"), ("bert_hidden", "bert_heads"), ("llama_hidden", "llama_heads"))
 
 
 def check(name: str, cfg) -> None:

@@ -45,6 +45,11 @@ branch), written as they are computed, so a run that stops resumes where it stop
 numbers. The tables, summary and figures are read from those shards
 (:mod:`~semiring_backprop.experiments.sva_report`).
 
+A causal LM (``model``: a Llama, GPT-2, ..., ``smol`` for SmolLM2-135M) reads the
+sentence cut before the verb and explains ``logit(correct) - logit(wrong)`` at its last
+position, with the accuracy by attractor count and an ablation of the subject's key and
+value edges into that position: :mod:`.sva_causal`.
+
 With ``data=None`` a small synthetic set ("the N1 of the N2 ***mask*** ...", positions
 given) is written to the output directory; with ``model=None`` the model is a random
 small BERT over the data's words, saved in ``out/model``: a smoke run, whose numbers
@@ -70,12 +75,13 @@ AGGREGATIONS = ("oplus", "bucket_sum")
 #: settings that choose how (or how much) is computed or reported, not what: a rerun
 #: into the same directory may change them (``paper`` adds or leaves out a pass with its
 #: own directory, ``runner_paper``, whose runner refuses other settings itself)
-FREE = ("limit", "length_bins", "workers", "batch_size", "threads", "paper")
+FREE = ("limit", "length_bins", "workers", "batch_size", "threads", "paper", "ablation")
 
 
 @dataclass(frozen=True)
 class Config:
-    model: str | None = None  #: masked LM id or directory; None: a random small BERT
+    #: masked or causal LM: an id, directory, GGUF file or ``smol``; None: a random small BERT
+    model: str | None = None
     data: str | None = None  #: BLiMP .jsonl or Linzen .tsv; None: a built-in synthetic set
     limit: int | None = None  #: explain only the first examples
     length_bins: tuple[int, ...] = (0, 10, 20, 40, 1000)  #: sentence length (words) bins
@@ -94,6 +100,8 @@ class Config:
     threads: int = 0  #: torch threads; 0: one for the random BERT, the caller's for a model
     #: also the paper's quantity (paper mode, MaxProduct("tensor"), aggregation "paper")
     paper: bool = True
+    #: a causal LM only: ablate the subject's key and value edges into the verb's position
+    ablation: bool = True
 
     @classmethod
     def quick(cls) -> Config:
@@ -114,8 +122,9 @@ class Config:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise InputError(f"{name} must be a whole number >= {low}, got {v!r}")
-        if not isinstance(self.paper, bool):
-            raise InputError(f"paper must be True or False, got {self.paper!r}")
+        for name in ("paper", "ablation"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.nlp.strip():
             raise InputError(
                 "nlp must name a spaCy pipeline (e.g. en_core_web_sm) or its directory"
@@ -212,6 +221,11 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
 
     config = config or Config()
     config.check()
+    if config.model is not None:
+        from . import sva_causal
+
+        if sva_causal.is_causal(config.model):  # the sentence cut before the verb
+            return sva_causal.run(out, config, progress)
     if config.workers:
         from ..runner.workers import require_ray
 

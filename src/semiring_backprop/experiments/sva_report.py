@@ -218,7 +218,7 @@ def _data_name(summary: dict) -> str:
     return data.replace("\\", "/").rsplit("/", 1)[-1]
 
 
-def branch_plot(summary: dict):
+def branch_plot(summary: dict, target: str = TARGET):
     """Fig. 4 as a matplotlib figure: per layer and sublayer, the mean top path value of
     each branch the sublayer has (its bars centred on the tick; an x at 0 where no path
     leaves through the branch), one panel per token group; the legend sits right of the
@@ -258,7 +258,7 @@ def branch_plot(summary: dict):
     sr, _, agg = summary["branches_setting"].partition(", ")
     fig.suptitle(
         f"Branches per layer: {_data_name(summary)}, {summary['explained']} sentences\n"
-        f"target: {TARGET}; semiring: {sr}, hidden units read by {agg or 'oplus'}",
+        f"target: {target}; semiring: {sr}, hidden units read by {agg or 'oplus'}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -270,14 +270,14 @@ def _place(place: str) -> str:
     return f"layer {layer}\n{sublayer}"
 
 
-def branch_figure(summary: dict, path) -> str:
+def branch_figure(summary: dict, path, target: str = TARGET) -> str:
     """:func:`branch_plot` saved to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig = branch_plot(summary)
+    fig = branch_plot(summary, target)
     from .._files import atomic_write
 
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, bbox_inches="tight"))
@@ -285,7 +285,7 @@ def branch_figure(summary: dict, path) -> str:
     return str(path)
 
 
-def attractor_figure(entropy, summary: dict, path) -> str:
+def attractor_figure(entropy, summary: dict, path, target: str = TARGET) -> str:
     """Fig. 7: mean embedding path entropy vs number of attractors, per length bin."""
     import matplotlib
 
@@ -302,7 +302,7 @@ def attractor_figure(entropy, summary: dict, path) -> str:
     ax.set_ylabel("mean path entropy of the word embeddings")
     ax.set_title(
         f"Entropy vs attractors by sentence length: {_data_name(summary)}\n"
-        f"target: {TARGET}; semiring: Entropy",
+        f"target: {target}; semiring: Entropy",
         fontsize=9,
     )
     if len(entropy):

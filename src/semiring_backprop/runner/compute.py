@@ -131,15 +131,18 @@ def _masks(item: Item) -> list:
 class Explainer:
     """One model, one :class:`~semiring_backprop.Backprop` (one trace for all lengths).
     ``paper``: paper mode (the paper's graph; the score as the difference of the logits,
-    see :class:`Score`)."""
+    see :class:`Score`); ``logits``: that score on our own graph; ``branches=False``: the
+    branches table left empty (its columns only)."""
 
     def __init__(self, model, tokenizer, semirings: list, top_path: bool = False,
-                 pairs: bool = True, aggregation=("oplus",), paper: bool = False):  # fmt: skip
+                 pairs: bool = True, aggregation=("oplus",), paper: bool = False,
+                 logits: bool = False, branches: bool = True):  # fmt: skip
         from .._backprop import Backprop
 
         self.model, self.tokenizer = model.eval(), tokenizer
         self.aggregation = tuple(aggregation)
-        self.wrapper = Score(self.model, logits=paper).eval()
+        self.wrapper = Score(self.model, logits=paper or logits).eval()
+        self.branches = branches
         self.semirings, self.top_path, self.pairs = list(semirings), top_path, pairs
         self.bp = Backprop(self.wrapper, output=lambda y: y, semirings=self.semirings,
                            per_example=True, paper=paper, dynamic=True)  # fmt: skip
@@ -159,7 +162,8 @@ class Explainer:
         scores = res.values[res.graph.output_node].detach().double().cpu().tolist()
         examples = pd.DataFrame([_example_row(it, s) for it, s in zip(items, scores)])
         tokens = self._tokens(res, items)
-        branches = self._branches(res, items)
+        branches = self._branches(res, items) if self.branches else pd.DataFrame(
+            columns=BRANCH_COLUMNS)  # fmt: skip
         if self.top_path:
             top = next(s for s in self.semirings if isinstance(s, MaxProduct | MaxAbs | TopK))
             paths = [res.top_path((self.source, (b,)), top) for b in range(len(items))]
@@ -216,6 +220,11 @@ class Explainer:
                      [raws[e][t] for e, t in keys])  # fmt: skip
         table.insert(0, "example_id", [ids[e] for e in table["example"]])
         return table.drop(columns=["example", "consumer"])
+
+
+#: the columns of the branches table (what an empty one holds)
+BRANCH_COLUMNS = ["example_id", "layer", "sublayer", "token", "token_text", "token_raw",
+                  "branch", "value", "winner", "path", "semiring", "aggregation"]  # fmt: skip
 
 
 def readouts(res, source: str, sr) -> dict:

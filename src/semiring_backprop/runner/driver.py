@@ -64,6 +64,10 @@ class Settings:
     top_path: bool = False
     aggregation: tuple = ("oplus",)
     paper: bool = False  #: paper mode: the paper's graph, score and aggregation
+    #: the score read as the margin of the two logits (the same number as the difference
+    #: of the log-probabilities, without the log-softmax's paths); paper mode reads it so
+    logits: bool = False
+    branches: bool = True  #: the branches table (False: examples and tokens only)
     limit: int | None = None
     batch_size: int = 8
     workers: int = 0
@@ -102,8 +106,9 @@ class Settings:
         self._check_paper(selective)
 
     def _check_paper(self, selective) -> None:
-        if not isinstance(self.paper, bool):
-            raise InputError(f"paper must be True or False, got {self.paper!r}")
+        for name in ("paper", "logits", "branches"):
+            if not isinstance(getattr(self, name), bool):
+                raise InputError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.paper and self.granularity != "tensor":
             raise InputError(
                 "paper=True computes what the paper's library (brunoflow) did, at tensor "
@@ -130,7 +135,8 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         columns: dict | None = None, split: str | None = None, top_path: bool = False,
         aggregation=None, paper: bool = False, batch_size: int = 8, limit: int | None = None,
         workers: int = 0, address: str | None = None, threads: int = 0, figures: bool = True,
-        progress: bool = True, prepare=prepare, gguf_file: str | None = None) -> dict:  # fmt: skip
+        progress: bool = True, prepare=prepare, gguf_file: str | None = None,
+        logits: bool = False, branches: bool = True) -> dict:  # fmt: skip
     """Explain ``log p(target) - log p(foil)`` for every example of ``data`` (a file, a
     saved Hugging Face data set, a data set name) or of ``examples`` (an iterable of
     ``semiring_backprop.runner.Example`` objects or dicts with ``text``, ``target``,
@@ -151,6 +157,10 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
     ``paper=True``: the paper's quantity (paper mode, see the module's docstring):
     granularity ``"tensor"`` (its default; ``"neuron"`` is refused) and aggregation
     ``"paper"`` by default (which is refused without ``paper``).
+    ``logits=True``: the score read as ``logit(target) - logit(foil)`` (the same number,
+    without the log-softmax's paths, whose normalizer reaches every logit; paper mode
+    always reads it so). ``branches=False``: no branch table (its shards hold no rows),
+    for runs that read the tokens' values only: the table is most of a pass's time.
     ``prepare``: how an example becomes an ``Item`` or the reason it is skipped
     (``prepare(example, tokenizer, model_config, kind) -> Item | str``; default
     ``semiring_backprop.runner.prepare``): how an experiment tokenizes its own way
@@ -181,7 +191,8 @@ def run(model, data=None, out="runs/data", *, examples: Iterable | None = None,
         columns=tuple(sorted((columns or {}).items())), split=split,
         semirings=(semirings,) if isinstance(semirings, str) else tuple(semirings),
         granularity=granularity, kind=kind, dtype=dtype,
-        top_path=top_path, aggregation=_names(aggregation), paper=paper, limit=limit,
+        top_path=top_path, aggregation=_names(aggregation), paper=paper, logits=logits,
+        branches=branches, limit=limit,
         batch_size=batch_size, workers=workers,
         threads=threads,
     )  # fmt: skip
@@ -286,7 +297,8 @@ class _Source:
         return Explainer(self.model, self.tokenizer, srs, self.settings.top_path,
                          pairs=self.settings.batch_size > 1,
                          aggregation=self.settings.aggregation,
-                         paper=self.settings.paper)  # fmt: skip
+                         paper=self.settings.paper, logits=self.settings.logits,
+                         branches=self.settings.branches)  # fmt: skip
 
 
 def load_tokenizer(model_id: str, kind=None):

@@ -37,7 +37,9 @@ class Worker:
         self.explainer = Explainer(model, tokenizer, srs, settings.top_path,
                                    pairs=settings.batch_size > 1,
                                    aggregation=settings.aggregation,
-                                   paper=getattr(settings, "paper", False))  # fmt: skip
+                                   paper=getattr(settings, "paper", False),
+                                   logits=getattr(settings, "logits", False),
+                                   branches=getattr(settings, "branches", True))  # fmt: skip
 
     def explain(self, job):
         """``job``: (batch number, items); the tables carry the number back."""
