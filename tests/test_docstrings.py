@@ -137,7 +137,8 @@ def test_examples_run(name, namespace):
 #: private modules whose examples need nothing from docs/api.md: run as they are
 SELF_CONTAINED = ("semiring_backprop.analysis.tokens", "semiring_backprop.data.synthetic",
                   "semiring_backprop.circuits.ig", "semiring_backprop.tokens",
-                  "semiring_backprop.analysis.faithfulness")  # fmt: skip
+                  "semiring_backprop.analysis.faithfulness",
+                  "semiring_backprop.data.agreement_pairs")  # fmt: skip
 #: modules whose examples read a model built first: the test named runs every one of them
 RUN_BY = {
     "semiring_backprop.data.induction": "test_induction.py::test_module_examples_run",
