@@ -180,9 +180,19 @@ def _is_int(token: str) -> bool:
     return not any(c in token for c in ".eE")
 
 
+def _last_place(token: str) -> float:
+    """One unit in the last printed place of a number: ``0.000373`` -> 1e-6, ``2.5e-4`` ->
+    1e-5 (two values that round apart on either side of a half differ by that much)."""
+    mantissa, _, exponent = token.lower().partition("e")
+    decimals = len(mantissa.partition(".")[2])
+    return 10.0 ** (int(exponent or 0) - decimals)
+
+
 def line_difference(expected: str, actual: str) -> str | None:
     """Why two (normalized) lines differ, or None when they match: the same text between
-    numbers, integers equal, other numbers within the tolerance."""
+    numbers, integers equal, other numbers within the tolerance (relative ``RTOL``,
+    absolute ``ATOL``, or one unit in the last place both print, the most rounding moves a
+    number by)."""
     e_parts, a_parts = _NUMBER.split(expected), _NUMBER.split(actual)
     if len(e_parts) != len(a_parts):
         return f"different text or count of numbers: {expected!r} vs {actual!r}"
@@ -193,9 +203,11 @@ def line_difference(expected: str, actual: str) -> str | None:
         elif _is_int(e) and _is_int(a):
             if int(e) != int(a):
                 return f"integer {e} vs {a}"
-        elif abs(float(e) - float(a)) > max(ATOL, RTOL * abs(float(e))):
-            rel = abs(float(e) - float(a)) / max(abs(float(e)), 1e-300)
-            return f"number {e} vs {a} (relative difference {rel:.1e} > {RTOL:g})"
+        else:
+            rounding = 1.01 * min(_last_place(e), _last_place(a))
+            if abs(float(e) - float(a)) > max(ATOL, RTOL * abs(float(e)), rounding):
+                rel = abs(float(e) - float(a)) / max(abs(float(e)), 1e-300)
+                return f"number {e} vs {a} (relative difference {rel:.1e} > {RTOL:g})"
     return None
 
 

@@ -169,6 +169,8 @@ def test_page(page, quickstart):
     [
         ("p = 0.5", "p = 0.5004"),  # relative 8e-4 < 1e-3
         ("tiny 1e-9", "tiny 1.5e-9"),  # absolute 5e-10 < 1e-6
+        ("key 0.000373", "key 0.000372"),  # one unit in the last place: rounding
+        ("q 2.51e-02", "q 2.52e-02"),  # the same, written with an exponent
         ("a   b\n\n c", "a b\nc  "),  # whitespace and blank lines
         ("first\n...\nlast", "first\nx\ny\nlast"),
         ("first\n...\nlast", "first\nlast"),  # ... may stand for no line
@@ -186,6 +188,8 @@ def test_compare_accepts(expected, printed):
         ("p = 0.5", "p = 0.5006", "relative difference"),  # 1.2e-3 > 1e-3
         ("n = 1000", "n = 1001", "integer 1000 vs 1001"),  # integers exactly
         ("tiny 1e-5", "tiny 3e-5", "number"),
+        ("key 0.000373", "key 0.000371", "number"),  # two units in the last place
+        ("q 2.51e-02", "q 2.53e-02", "number"),
         ("query wins", "key wins", "text"),
         ("a\nb", "a\nb\nc", "expected 2 lines, printed 3"),
         ("layer.0", "layer.1", "text"),  # digits in names are text
