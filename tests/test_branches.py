@@ -20,6 +20,7 @@ import functools
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -716,6 +717,29 @@ def test_bucket_sum_needs_a_selective_semiring_and_aggregate_is_checked():
         res.layer_table(aggregate="bad")
     with pytest.raises(sbp.InputError):
         res.branches(place, sbp.MaxProduct("tensor"))  # not computed in this pass
+
+
+@pytest.mark.parametrize("key", ["bert", "llama"])
+def test_several_aggregates_at_once_equal_each_alone(key):
+    """A tuple of aggregates (the contributions computed once) gives, row for row, what
+    each aggregate gives alone: ``oplus`` for every semiring, the others for the
+    selective ones."""
+    res = result_of(key)
+    aggs = ("oplus", "bucket_sum", "paper")
+    both = res.layer_table(aggregate=aggs, by="role")
+    assert list(both.columns).index("aggregation") == list(both.columns).index("value") - 1
+    for agg in aggs:
+        alone = res.layer_table(aggregate=agg, by="role")
+        got = both[both["aggregation"] == agg].drop(columns="aggregation")
+        keys = ["layer", "sublayer", "token", "branch", "semiring"]
+        got, alone = (t.sort_values(keys).reset_index(drop=True) for t in (got, alone))
+        pd.testing.assert_frame_equal(got, alone)
+    selective = {sr.name for sr in res.semirings if sr.selective}
+    assert set(both.loc[both["aggregation"] == "paper", "semiring"]) == selective
+    with pytest.raises(sbp.InputError, match="aggregate"):
+        res.layer_table(aggregate=("oplus", "bad"))
+    with pytest.raises(sbp.InputError, match="selective"):
+        res.layer_table(semirings=[sbp.Real()], aggregate=("bucket_sum",))
 
 
 # -- 5. batches ---------------------------------------------------------------------------

@@ -49,13 +49,13 @@ def _rank(sr, value, aggregate="bucket_sum") -> torch.Tensor:
 def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_dim=-1,
              by="consumer", per_head=False, heads=None):  # fmt: skip
     """Tidy DataFrame: the contribution through each consumer of ``where``, per token
-    (with ``per_head``, the query, key and value branches per head: :func:`head_parts`)."""
+    (with ``per_head``, the query, key and value branches per head: :func:`head_parts`).
+    ``aggregate`` a tuple: the contributions computed once, read by each aggregate (an
+    ``aggregation`` column; the aggregates other than ``oplus`` for the selective
+    semirings only)."""
     import pandas as pd
 
-    if aggregate not in AGGREGATES:
-        raise InputError(
-            f"aggregate must be one of {', '.join(map(repr, AGGREGATES))}, got {aggregate!r}"
-        )
+    aggs = _aggregates(aggregate)
     if heads is not None and not per_head:
         raise InputError("heads= gives the head counts of per-head tables: add per_head=True")
     if semiring is None:
@@ -80,12 +80,31 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
         ents, parts = _by_role(res, ents, parts)
     elif by != "consumer":
         raise InputError(f"by must be 'consumer' or 'role', got {by!r}")
-    frames = [
-        _per_token(res, sr, [p[res.semirings.index(sr)] for p in parts], ents, aggregate,
-                   hidden_dim, per_head)
-        for sr in srs
-    ]  # fmt: skip
+    frames = []
+    for agg in aggs:
+        use = srs if agg == "oplus" or isinstance(aggregate, str) else [
+            sr for sr in srs if sr.selective]  # fmt: skip
+        if not use:
+            _rank(srs[0], None, agg)  # says which semirings it needs
+        for sr in use:
+            f = _per_token(res, sr, [p[res.semirings.index(sr)] for p in parts], ents, agg,
+                           hidden_dim, per_head)  # fmt: skip
+            if not isinstance(aggregate, str):
+                f.insert(f.columns.get_loc("value"), "aggregation", agg)
+            frames.append(f)
     return pd.concat(frames, ignore_index=True)
+
+
+def _aggregates(aggregate) -> tuple[str, ...]:
+    """``aggregate`` (one name or a tuple of names) as a tuple, each checked."""
+    aggs = (aggregate,) if isinstance(aggregate, str) else tuple(aggregate)
+    bad = [a for a in aggs if a not in AGGREGATES]
+    if bad or not aggs:
+        raise InputError(
+            f"aggregate must be one of {', '.join(map(repr, AGGREGATES))} (or a tuple of "
+            f"them), got {aggregate!r}"
+        )
+    return aggs
 
 
 def _by_role(res, ents, parts):
@@ -328,9 +347,10 @@ def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
             if sub not in b.points:
                 continue
             srs = list(semirings or res.semirings)
-            if aggregate != "oplus":
+            if isinstance(aggregate, str) and aggregate != "oplus":
                 srs = [sr for sr in srs if getattr(sr, "selective", False)]
-            if not srs:
+            if not srs or ("oplus" not in _aggregates(aggregate)
+                           and not any(getattr(sr, "selective", False) for sr in srs)):  # fmt: skip
                 raise InputError(
                     f"aggregate={aggregate!r} needs a selective semiring (MaxProduct…)"
                 )

@@ -15,6 +15,8 @@ traceback that names its own internals; these helpers turn both into one
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import os
 import pickle
@@ -255,10 +257,11 @@ def config_and_tokenizer(model_id: str, where: str | None = None):
     transformers = need_transformers()
     where, how = gguf.parts(model_id if where is None else where)
     try:  # never code from the model's directory (and so never a prompt asking)
-        config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=False, **how)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            where, trust_remote_code=False, **how
-        )
+        if how:  # a GGUF file: its metadata (the vocabulary too) read once per process
+            config, tokenizer = _gguf_config_and_tokenizer(where, how["gguf_file"])
+        else:
+            config = transformers.AutoConfig.from_pretrained(where, trust_remote_code=False)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=False)
     except Exception as e:
         said = gguf.error(model_id, e)
         if said is not None:
@@ -270,12 +273,35 @@ def config_and_tokenizer(model_id: str, where: str | None = None):
     return config, tokenizer
 
 
+def _gguf_config_and_tokenizer(folder: str, name: str):
+    """A GGUF file's config and tokenizer, copies of those read the first time (parsing
+    the file's metadata, its vocabulary included, takes seconds, and a run reads them
+    for the tokenizer, the config and every model it loads); read again where the file
+    changed (its size or modification time)."""
+    st = os.stat(os.path.join(folder, name))
+    config, tokenizer = _gguf_read(folder, name, st.st_size, st.st_mtime_ns)
+    return copy.deepcopy(config), copy.deepcopy(tokenizer)
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_read(folder: str, name: str, _size: int, _mtime: int):
+    transformers = need_transformers()
+    config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=False,
+                                                     gguf_file=name)  # fmt: skip
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=False,
+                                                           gguf_file=name)  # fmt: skip
+    return config, tokenizer
+
+
 def from_pretrained(cls, where: str, model_id: str, dtype):
     """``cls.from_pretrained(where)`` with its loading info; a file that cannot be read is a
     :class:`LoadError` naming ``model_id`` (never code from the directory: no prompt). A
-    GGUF file (``where`` its path) is dequantized to ``dtype``."""
+    GGUF file (``where`` its path) is dequantized to ``dtype``, with the config read once
+    (:func:`_gguf_config_and_tokenizer`)."""
     where, how = gguf.parts(where)
     try:
+        if how:
+            how["config"] = _gguf_config_and_tokenizer(where, how["gguf_file"])[0]
         return cls.from_pretrained(
             where, dtype=dtype, output_loading_info=True, trust_remote_code=False, **how
         )

@@ -199,15 +199,9 @@ class Explainer:
         return pd.DataFrame(rows)
 
     def _branches(self, res, items):
-        import pandas as pd
-
-        frames = []
-        for agg in self.aggregation:
-            srs = [s for s in self.semirings if agg == "oplus" or getattr(s, "selective", False)]
-            frame = res.layer_table(semirings=srs, aggregate=agg, by="role")
-            frame.insert(frame.columns.get_loc("value"), "aggregation", agg)
-            frames.append(frame)
-        table = pd.concat(frames, ignore_index=True)
+        # the branches' contributions computed once, read by every aggregation
+        table = res.layer_table(semirings=list(self.semirings),
+                                aggregate=tuple(self.aggregation), by="role")  # fmt: skip
         if "example" not in table.columns:  # a batch of one
             table.insert(0, "example", 0)
         table = table[table["example"] < len(items)].reset_index(drop=True)
