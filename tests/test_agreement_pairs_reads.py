@@ -143,6 +143,22 @@ def _by_hand(model, ids, layer, source, branch, vector):
         handle.remove()
 
 
+def test_states_are_the_projections_outputs_at_the_source(llama):
+    reads = LastQueryReads(llama)
+    seen = {}
+    attn = llama.model.layers[1].self_attn
+    hooks = [attn.k_proj.register_forward_hook(lambda m, a, o: seen.update(key=o)),
+             attn.v_proj.register_forward_hook(lambda m, a, o: seen.update(value=o))]  # fmt: skip
+    with torch.no_grad():
+        llama(IDS[None])
+    for h in hooks:
+        h.remove()
+    for source in (0, 3, len(IDS) - 1):
+        got = reads.states(IDS, source)
+        for b in ("key", "value"):
+            assert torch.allclose(got[b][1], seen[b][0, source], rtol=0, atol=1e-12)
+
+
 def test_nothing_replaced_gives_the_models_own_logits(llama):
     reads = LastQueryReads(llama)
     own = reads.states(IDS, 2)
@@ -155,17 +171,19 @@ def test_nothing_replaced_gives_the_models_own_logits(llama):
     assert torch.equal(got[1], got[0]) and torch.equal(got[2], got[0])
 
 
+@pytest.mark.parametrize("source", [2, len(IDS) - 1])  # an earlier token; the query's own
 @pytest.mark.parametrize("layer", [0, 2])
 @pytest.mark.parametrize("branch", ["key", "value"])
 def test_replacing_the_sources_key_or_value_for_the_last_query_matches_by_hand(
-    llama, layer, branch
+    llama, layer, branch, source
 ):
     reads = LastQueryReads(llama)
-    other = reads.states(OTHER, 2)[branch][layer]
+    other = reads.states(OTHER, source)[branch][layer]
     mean = torch.randn_like(other)
-    got = reads.logits(IDS, 2, [Variant(layer, branch, other), Variant(layer, branch, mean)])
+    got = reads.logits(IDS, source, [Variant(layer, branch, other),
+                                     Variant(layer, branch, mean), Variant()])  # fmt: skip
     for row, vector in zip(got, (other, mean)):
-        want = _by_hand(llama, IDS, layer, 2, branch, vector)
+        want = _by_hand(llama, IDS, layer, source, branch, vector)
         assert torch.allclose(row, want, rtol=0, atol=1e-10)
     with torch.no_grad():
         assert not torch.allclose(got[1], llama(IDS[None]).logits[0, -1], atol=1e-6)
@@ -173,8 +191,10 @@ def test_replacing_the_sources_key_or_value_for_the_last_query_matches_by_hand(
 
 def test_reads_refuse_what_they_cannot_cut(llama):
     reads = LastQueryReads(llama)
-    with pytest.raises(InputError, match="earlier position"):
-        reads.logits(IDS, len(IDS) - 1, [Variant()])
+    with pytest.raises(InputError, match="source position in it"):
+        reads.logits(IDS, len(IDS), [Variant()])
+    with pytest.raises(InputError, match="at least two"):
+        reads.states(IDS[:1], 0)
     with pytest.raises(InputError, match="layer in 0..2"):
         reads.logits(IDS, 1, [Variant(3, "key", torch.zeros(12))])
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2))

@@ -18,6 +18,11 @@ embedding): a key is rotated at ``t``'s position as the model rotates its own, s
 over sentences (where ``t`` differs) is a mean of the keys' content, not of rotations.
 A variant that replaces nothing gives the model's own next-token logits.
 
+The source may be the last position itself (the subject just before the verb): its
+key and value are then the last query's own, computed in the last token's run, so
+there they are replaced at the projections' outputs of that run, row by row (the model
+rotates the key as its own); no other query reads them.
+
 Models: attention modules with ``k_proj`` and ``v_proj`` and a rotary embedding applied
 by their module's ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2 and their kin).
 
@@ -30,6 +35,7 @@ For example::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from dataclasses import dataclass
@@ -91,28 +97,38 @@ class LastQueryReads:
     def states(self, ids, source: int) -> dict:
         """``{"key": (layers, kv_dim), "value": (layers, kv_dim)}``: the projections'
         outputs at position ``source`` of the token ids ``ids`` (a 1-d sequence)."""
-        got = self._prefix(torch.as_tensor(ids)[None], source, keep=False)[1]
-        return {b: torch.stack([g[0] for g in got[b]]) for b in BRANCHES}
+        ids = _checked(ids, source)
+        got: dict = {b: [None] * self.layers for b in BRANCHES}
+
+        def save(i, branch):
+            def hook(_m, _a, out):
+                got[branch][i] = out[0, source].detach().clone()
+
+            return hook
+
+        with _hooks(self._projections(), save):
+            self.model(input_ids=ids[None, : source + 1], use_cache=False)
+        return {b: torch.stack(got[b]) for b in BRANCHES}
 
     @torch.no_grad()
     def logits(self, ids, source: int, variants: list[Variant]) -> torch.Tensor:
         """The last position's logits, ``(len(variants), vocab)``, of the token ids ``ids``
-        (1-d), one row per variant: its layer's key or value at ``source`` replaced for
-        the last query."""
-        ids = torch.as_tensor(ids)
-        if not 0 <= source < len(ids) - 1:
-            raise InputError(
-                f"source {source}: the last query reads positions 0..{len(ids) - 2} of a "
-                f"{len(ids)}-token sequence (its own is not an earlier position)"
-            )
+        (1-d, at least two), one row per variant: its layer's key or value at ``source``
+        replaced for the last query."""
+        ids = _checked(ids, source)
         for v in variants:
             if v.layer is not None and not (0 <= v.layer < self.layers and v.branch in BRANCHES):
                 raise InputError(f"{v}: layer in 0..{self.layers - 1}, branch one of {BRANCHES}")
-        cache, _ = self._prefix(ids[None], source, keep=True)
+        out = self.model(input_ids=ids[None, :-1], use_cache=True)
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
         cache.batch_repeat_interleave(len(variants))
+        own: dict = {}  # (layer, branch) -> [(row, vector)]: the last position's own
         cos, sin = self._rotation(source, ids.device)
         for row, v in enumerate(variants):
             if v.layer is None:
+                continue
+            if source == len(ids) - 1:
+                own.setdefault((v.layer, v.branch), []).append((row, v.vector))
                 continue
             keys, values = _layer(cache, v.layer)
             heads, dim = keys.shape[1], keys.shape[-1]
@@ -122,37 +138,62 @@ class LastQueryReads:
                 keys[row, :, source] = vec[0, :, 0]
             else:
                 values[row, :, source] = vec[0, :, 0]
+
+        def swap(i, branch):
+            rows = own.get((i, branch))
+            if rows is None:
+                return None
+
+            def hook(_m, _a, out):
+                out = out.clone()
+                for row, vec in rows:
+                    out[row, -1] = vec.to(out.dtype)
+                return out
+
+            return hook
+
         last = ids[-1:].expand(len(variants), 1)
-        out = self.model(input_ids=last, use_cache=True, **{self.cache_name: cache})
+        with _hooks(self._projections(), swap):
+            out = self.model(input_ids=last, use_cache=True, **{self.cache_name: cache})
         return out.logits[:, -1]
 
-    def _prefix(self, ids, source: int, keep: bool):
-        """Run every token but the last: the model's cache and the projections' outputs
-        at ``source`` (per branch, per layer)."""
-        got: dict = {b: [None] * self.layers for b in BRANCHES}
-        hooks = []
+    def _projections(self):
+        """``(layer, branch, module)``: every layer's key and value projection."""
         for i, attn in enumerate(self.attention):
-            for branch, proj in (("key", attn.k_proj), ("value", attn.v_proj)):
-
-                def save(_m, _a, out, i=i, branch=branch):
-                    got[branch][i] = out[:, source].detach().clone()
-
-                hooks.append(proj.register_forward_hook(save))
-        try:
-            out = self.model(input_ids=ids[:, :-1], use_cache=keep)
-        finally:
-            for h in hooks:
-                h.remove()
-        if not keep:
-            return None, got
-        cache = out["cache"] if "cache" in out else out["past_key_values"]
-        return cache, got
+            yield i, "key", attn.k_proj
+            yield i, "value", attn.v_proj
 
     def _rotation(self, position: int, device):
         """``(cos, sin)`` of the rotary embedding at one position, as the model makes it."""
         dtype = next(self.model.parameters()).dtype
         probe = torch.zeros(1, 1, 1, dtype=dtype, device=device)
         return self.rotary(probe, torch.tensor([[position]], device=device))
+
+
+def _checked(ids, source: int) -> torch.Tensor:
+    ids = torch.as_tensor(ids)
+    if ids.dim() != 1 or len(ids) < 2 or not 0 <= source < len(ids):
+        raise InputError(
+            f"ids of shape {tuple(ids.shape)}, source {source}: give one sequence of at least "
+            "two token ids (the last one the query) and a source position in it"
+        )
+    return ids
+
+
+@contextlib.contextmanager
+def _hooks(projections, make):
+    """Forward hooks ``make(layer, branch)`` (None: no hook there) on the projections,
+    removed on leaving."""
+    handles = []
+    try:
+        for i, branch, proj in projections:
+            hook = make(i, branch)
+            if hook is not None:
+                handles.append(proj.register_forward_hook(hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _has_kv(layer) -> bool:
