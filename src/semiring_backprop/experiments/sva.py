@@ -215,7 +215,6 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
 
         run("runs/sva", Config(model="bert-base-uncased", data="agreement.tsv", workers=2))
     """
-    from ..data import locate, read_agreement
     from ..runner import load_results
     from ..runner import run as explain_data
 
@@ -232,18 +231,9 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
         require_ray()  # before reading or parsing anything
     out = Path(out)
     same_settings(out, config, free=FREE)
-    if config.data is None:
-        data = synthetic_agreement(out / "synthetic.jsonl", config.synthetic, config.seed)
-    else:
-        data = Path(config.data)
-    every = read_agreement(data)
-    if not every:
-        raise InputError(
-            f"{data}: no examples (the file is empty or holds only blank lines); give a "
-            "BLiMP JSON-lines or Linzen/Goldberg TSV file with at least one example"
-        )
-    # an InputError if positions are needed and spaCy or its pipeline is missing
-    located = locate(every[: config.limit], nlp=config.nlp, progress=progress)
+    data, every, located = sva_inputs.agreement_data(
+        config, progress, lambda: synthetic_agreement(out / "synthetic.jsonl", config.synthetic,
+                                                      config.seed))  # fmt: skip
     model = _model(config, out, every, progress)
     examples, ready, skips = _prepare(located, model, config)
     passes = [("runner", dict(semirings=("max", "entropy"), granularity=config.granularity,

@@ -34,6 +34,7 @@ from ..runner.records import same_settings
 from . import sva_ablation, sva_causal_report
 from .causal_inputs import item, max_length, prefix_inputs
 from .entropy_sanity import lm_threads, quiet
+from .sva_inputs import agreement_data
 
 #: settings that choose how much is computed or reported, not what (see :mod:`.sva`)
 FREE = ("limit", "length_bins", "workers", "batch_size", "threads", "paper", "ablation")
@@ -57,7 +58,6 @@ def run(out, config, progress: bool = True) -> dict:
     """The causal path of :func:`~semiring_backprop.experiments.sva.run` (same
     ``Config``): the files of the masked path, with ``accuracy`` and ``ablation`` in the
     summary and ``ablation.csv`` and ``ablation.png`` beside them."""
-    from ..data import locate, read_agreement
     from ..data.agreement_pairs import write_agreement_pairs
     from ..hf.gguf import checkpoint
     from ..runner.driver import load_tokenizer
@@ -68,14 +68,9 @@ def run(out, config, progress: bool = True) -> dict:
         require_ray()
     out = Path(out)
     same_settings(out, config, free=FREE)
-    if config.data is None:
-        data = write_agreement_pairs(out / "synthetic.jsonl", config.synthetic, config.seed)
-    else:
-        data = Path(config.data)
-    every = read_agreement(data)
-    if not every:
-        raise InputError(f"{data}: no examples (the file is empty or holds only blank lines)")
-    located = locate(every[: config.limit], nlp=config.nlp, progress=progress)
+    data, every, located = agreement_data(
+        config, progress, lambda: write_agreement_pairs(out / "synthetic.jsonl",
+                                                        config.synthetic, config.seed))  # fmt: skip
     model = checkpoint(config.model)
     tokenizer, model_config, _ = load_tokenizer(model)
     examples, ready, skips = _prepare(located, tokenizer, model_config)

@@ -34,6 +34,7 @@ from ..errors import InputError
 from ..runner.records import same_settings, write_json
 from .common import spearman, write_csv
 from .entropy_sanity import lm_threads, quiet
+from .sva_inputs import agreement_data
 
 FREE = ("limit", "workers", "batch_size", "threads", "length_bins", "length_step")
 RANDOM_NOTE = ("model=None: a random, untrained Llama. These numbers check that the pipeline "
@@ -78,7 +79,6 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     """Explain every sentence (``out/runner``); write ``entropy.csv`` (one row per
     sentence), ``summary.json`` and the figures ``length.png`` (Fig. 6a) and
     ``attractors.png`` (Fig. 7)."""
-    from ..data import locate, read_agreement
     from ..data.agreement_pairs import write_agreement_pairs
     from ..runner import load_results
     from ..runner import run as explain_data
@@ -88,15 +88,10 @@ def run(out, config: Config | None = None, progress: bool = True) -> dict:
     config.check()
     out = Path(out)
     same_settings(out, config, free=FREE)
-    if config.data is None:
-        data = write_agreement_pairs(out / "synthetic.jsonl", config.synthetic, config.seed,
-                                     attractors=config.attractors, words=config.words)  # fmt: skip
-    else:
-        data = Path(config.data)
-    every = read_agreement(data)
-    if not every:
-        raise InputError(f"{data}: no examples (the file is empty or holds only blank lines)")
-    located = locate(every[: config.limit], nlp=config.nlp, progress=progress)
+    data, every, located = agreement_data(
+        config, progress, lambda: write_agreement_pairs(
+            out / "synthetic.jsonl", config.synthetic, config.seed,
+            attractors=config.attractors, words=config.words))  # fmt: skip
     model = _model(config, out, every, progress)
     tokenizer, model_config, kind = load_tokenizer(model)
     examples, ready = _prepare(located, tokenizer, model_config, kind)

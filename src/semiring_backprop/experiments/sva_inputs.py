@@ -10,6 +10,8 @@ the runner.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..errors import InputError
 from .entropy_sanity import with_special_tokens
 
@@ -142,3 +144,23 @@ def item(example, prepared: dict):
     masks = tuple(zip(p["positions"][1:], p["good"][1:], p["bad"][1:]))
     return Item(example, p["ids"], p["positions"][0], p["good"][0], p["bad"][0], p["words"],
                 masks=masks)  # fmt: skip
+
+
+def agreement_data(config, progress: bool, synthetic) -> tuple[Path, list, list]:
+    """``(data, every, located)`` for an agreement experiment's ``config`` (``data``,
+    ``limit``, ``nlp``): the file read (``config.data``, or the generated one
+    ``synthetic()`` writes and returns), every example in it, and the first ``limit``
+    with their subject and attractor positions (:func:`~semiring_backprop.data.locate`:
+    an :class:`InputError` where positions are needed and spaCy or its pipeline is
+    missing)."""
+    from ..data import locate, read_agreement
+
+    data = synthetic() if config.data is None else Path(config.data)
+    every = read_agreement(data)
+    if not every:
+        raise InputError(
+            f"{data}: no examples (the file is empty or holds only blank lines); give a "
+            "BLiMP JSON-lines or Linzen/Goldberg TSV file with at least one example"
+        )
+    located = locate(every[: config.limit], nlp=config.nlp, progress=progress)
+    return data, every, located
