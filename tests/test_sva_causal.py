@@ -174,3 +174,30 @@ def test_entropy_experiment_refuses_bad_settings(tmp_path):
         experiments.run("entropy", tmp_path, words=(10, 5), progress=False)
     with pytest.raises(InputError, match="attractors"):
         experiments.run("entropy", tmp_path, attractors=(5,), progress=False)
+
+
+def test_the_docs_tables_are_the_runs_numbers(causal_run, capsys):
+    """docs/paper_tables.py prints the run's files: the accuracy rows of the summary, a
+    branch cell of branches.csv, each ablation cell of ablation.csv."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "docs" / "paper_tables.py"
+    spec = importlib.util.spec_from_file_location("paper_tables", path)
+    tables = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tables)
+    out, result = causal_run
+    tables.main([str(out)])
+    printed = capsys.readouterr().out
+    acc = result["summary"]["accuracy"]["all"]
+    assert f"| all | {acc['pairs']} | {acc['correct']} | {acc['accuracy']:.3f} |" in printed
+    b = pd.read_csv(out / "branches.csv")
+    cell = b[(b.semiring == "MaxProduct(neuron)") & (b.aggregation == "oplus")
+             & (b.sublayer == "attention") & (b.token_group == "subject") & (b.layer == 1)
+             & (b.branch == "key")]["value"]  # fmt: skip
+    assert len(cell) == 1
+    row = next(line for line in printed.split("## Branches at the attention input, subject")[1]
+               .splitlines() if line.startswith("| 1 |"))  # fmt: skip
+    assert row.split(" | ")[3] == f"{cell.iloc[0]:.3g}"  # layer, skip, query, key
+    for r in pd.read_csv(out / "ablation.csv").itertuples():
+        assert f"{r.margin_change:+.3f}" in printed
