@@ -199,8 +199,11 @@ def _summary(frame, config: Config, kind: str, examples: int, data) -> dict:
         means = part.groupby("attractors")["entropy"].mean()
         rho = spearman(part["attractors"].tolist(), part["entropy"].tolist())
         attractors[label] = {**rho, "mean_entropy": {int(k): float(v) for k, v in means.items()}}
+    from ..hf.explanation import model_name
+
     out = {
         "data": config.data or "generated pairs",
+        "model": "a random Llama" if config.model is None else model_name(config.model),
         "model_kind": kind,
         "examples": examples,
         "explained": int(len(frame)),

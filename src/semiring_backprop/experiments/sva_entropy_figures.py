@@ -34,7 +34,8 @@ def length_figure(frame, summary: dict, path) -> str:
     rho = summary["length"].get("spearman_rho")
     ax.set_xlabel("tokens in the sentence (before the verb)")
     ax.set_ylabel("mean path entropy (nats)")
-    ax.set_title(f"Entropy against length: {summary['explained']} sentences, Spearman ρ = "
+    ax.set_title(f"{summary.get('model', 'the model')}: entropy against length, "
+                 f"{summary['explained']} sentences, Spearman ρ = "
                  f"{'n/a' if rho is None else f'{rho:.2f}'}", fontsize=10)  # fmt: skip
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -68,6 +69,7 @@ def attractor_figure(frame, summary: dict, path) -> str:
         ax.set_ylabel("mean path entropy")
     for ax in list(axes.flat)[len(bins) :]:
         ax.axis("off")
-    fig.suptitle("Entropy against attractors, by sentence length", fontsize=10)
+    fig.suptitle(f"{summary.get('model', 'the model')}: entropy against attractors, by "
+                 f"sentence length ({summary['explained']} sentences)", fontsize=10)  # fmt: skip
     fig.tight_layout()
     return _save(fig, path)

@@ -231,7 +231,12 @@ class Explanation:
 
 
 def model_name(model_id: str) -> str:
-    """A model's name for a caption: a local directory's last part, else the hub id."""
+    """A model's name for a caption: a local directory's (or file's) last part, else the
+    hub id; ``smol``: SmolLM2-135M-Instruct."""
+    from .gguf import SMOL
+
+    if model_id == SMOL:
+        return "SmolLM2-135M-Instruct"
     where = os.path.expanduser(str(model_id))
     if os.path.isdir(where) or where.startswith(("/", "./", "../")):
         return os.path.basename(os.path.normpath(where)) or str(model_id)
