@@ -144,7 +144,8 @@ def ablation_figure(table, summary: dict, path) -> str:
     bottom.set_yscale("symlog", linthresh=1e-6)
     bottom.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     n = summary.get("ablation", {}).get("pairs", 0)
-    fig.suptitle(f"Ablation against the top path, {n} pairs\ntarget: {TARGET}", fontsize=10)
+    fig.suptitle(f"Ablation against the top path: {summary.get('model', 'the model')}, {n} "
+                 f"pairs\ntarget: {TARGET}", fontsize=10)  # fmt: skip
     fig.tight_layout()
     from .._files import atomic_write
 

@@ -167,8 +167,11 @@ def summary(branches, entropy, skips: dict, multi_explained: int, config, malfor
     for reason, kind in skips.values():
         reasons[reason] = reasons.get(reason, 0) + 1
         kinds[kind] = kinds.get(kind, 0) + 1
+    from ..hf.explanation import model_name
+
     out = {
         "data": config.data or "synthetic",
+        "model": "a random BERT" if config.model is None else model_name(config.model),
         "branches": table,
         "branches_setting": f"{top['semiring'].iloc[0] if len(top) else 'MaxProduct'}, {first}",
         "branches_quantity": OURS.format(
@@ -246,7 +249,15 @@ def branch_plot(summary: dict, target: str = TARGET):
                                                          linestyle="none"))  # fmt: skip
                 else:
                     handles.setdefault(branch, ax.bar(x, v, width, color=COLORS.get(branch)))
-        ax.set_xticks(range(len(places)), [_place(p) for p in places])
+        if len(places) <= 12:
+            ax.set_xticks(range(len(places)), [_place(p) for p in places])
+        else:  # a deep model: every few layers named, at its attention input
+            step = -(-len(places) // 24) * 2
+            ticks = [k for k, p in enumerate(places) if p.endswith(".attention")][:: step // 2]
+            ax.set_xticks(ticks, [f"layer {places[k].partition('.')[0]}" for k in ticks],
+                          fontsize=8)  # fmt: skip
+            ax.set_xlabel("each layer: its attention input's branches, then its MLP input's",
+                          fontsize=8)  # fmt: skip
         ax.set_xlim(-0.5, len(places) - 0.5)
         ax.set_title(f"{group} tokens", fontsize=10)
         ax.set_ylabel("mean top path value", fontsize=9)
@@ -257,7 +268,8 @@ def branch_plot(summary: dict, target: str = TARGET):
                           loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)  # fmt: skip
     sr, _, agg = summary["branches_setting"].partition(", ")
     fig.suptitle(
-        f"Branches per layer: {_data_name(summary)}, {summary['explained']} sentences\n"
+        f"Branches per layer: {summary.get('model', 'the model')}, {_data_name(summary)}, "
+        f"{summary['explained']} sentences\n"
         f"target: {target}; semiring: {sr}, hidden units read by {agg or 'oplus'}",
         fontsize=10,
     )
