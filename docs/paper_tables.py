@@ -54,16 +54,24 @@ def branches(table: pd.DataFrame, group: str, semiring="MaxProduct(neuron)",
     return _md(wide, "{:.3g}")
 
 
-def ablation(table: pd.DataFrame) -> str:
+def ablation(table: pd.DataFrame, branches_table: pd.DataFrame) -> str:
     """Per layer, the mean change of the margin (ablated - clean, ± its standard error)
-    for each method and branch, and the branch the subject's top path takes there."""
+    for each method and branch, beside the top path's reading of the same two edges:
+    the subject's key and value values (MaxProduct(neuron), oplus) and the key's share."""
+    t = branches_table[(branches_table["semiring"] == "MaxProduct(neuron)")
+                       & (branches_table["aggregation"] == "oplus")
+                       & (branches_table["sublayer"] == "attention")
+                       & (branches_table["token_group"] == "subject")]  # fmt: skip
+    top = t.pivot_table(index="layer", columns="branch", values="value")
     rows = []
     for layer, part in table.groupby("layer", sort=True):
         row = {"layer": int(layer)}
         for _, r in part.iterrows():
             se, cell = r["margin_change_se"], f"{r['margin_change']:+.3f}"
             row[f"{r['method']} {r['branch']}"] = f"{cell} ± {se:.3f}" if pd.notna(se) else cell
-        row["subject's top branch"] = part["top_path_branch"].iloc[0]
+        k, v = top.loc[layer, "key"], top.loc[layer, "value"]
+        row["top path: key"], row["top path: value"] = f"{k:.3g}", f"{v:.3g}"
+        row["key / (key + value)"] = f"{k / (k + v):.2f}"
         rows.append(row)
     return _md(pd.DataFrame(rows))
 
@@ -104,7 +112,7 @@ def main(argv=None) -> None:
         print(f"## Branches at the attention input, {group}\n\n" + branches(table, group) + "\n")
     if (args.sva / "ablation.csv").exists():
         abl = pd.read_csv(args.sva / "ablation.csv")
-        print("## Ablation, margin change per layer\n\n" + ablation(abl) + "\n")
+        print("## Ablation, margin change per layer\n\n" + ablation(abl, table) + "\n")
         print("## Ablation, the strongest layers\n\n" + ablation_accuracy(abl) + "\n")
     print("## The paper's quantity\n\n" + json.dumps(summary.get("paper"), indent=1) + "\n")
     if args.entropy is not None:

@@ -305,7 +305,10 @@ def attractor_figure(entropy, summary: dict, path, target: str = TARGET) -> str:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    for label, part in entropy.groupby("length_bin", sort=False):
+    parts = sorted(
+        entropy.groupby("length_bin", sort=False), key=lambda kv: int(str(kv[0]).split("-")[0])
+    )  # the bins in order
+    for label, part in parts:
         means = part.groupby("attractors")["entropy"].mean()
         rho = summary["attractors"].get(label, {}).get("spearman_rho")
         tag = "n/a" if rho is None else f"{rho:.2f}"
@@ -313,7 +316,8 @@ def attractor_figure(entropy, summary: dict, path, target: str = TARGET) -> str:
     ax.set_xlabel("number of attractors")
     ax.set_ylabel("mean path entropy of the word embeddings")
     ax.set_title(
-        f"Entropy vs attractors by sentence length: {_data_name(summary)}\n"
+        f"Entropy vs attractors by sentence length: {summary.get('model', 'the model')}, "
+        f"{_data_name(summary)}, {summary['explained']} sentences\n"
         f"target: {target}; semiring: Entropy",
         fontsize=9,
     )
