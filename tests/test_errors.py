@@ -343,6 +343,21 @@ def test_reverse_pass_overflow_names_the_first_node(semirings, keep):
     torch.testing.assert_close(res.at(0, sbp.MaxAbs()).log, want.log().float())
 
 
+class _NarrowInside(nn.Module):
+    """A float64 input computed in float32 inside (as LlamaRMSNorm casts), then widened:
+    the overflow is in float32 nodes, which float64 weights would not widen."""
+
+    def forward(self, x):
+        return _Scales()(x.float()).double()
+
+
+def test_overflow_inside_a_float64_model_does_not_advise_float64():
+    x = torch.full((2, 3), 1e-30, dtype=torch.float64)
+    with raises(sbp.NonFiniteError, "overflowed", "computes this node in torch.float32",
+                "although it runs in float64", "MaxAbs"):  # fmt: skip
+        sbp.backprop(_NarrowInside().eval(), args=(x,), output=total)
+
+
 def test_an_overflow_that_reaches_no_input_is_refused_where_it_is_read():
     """Every element masked: D at the input is 0 (no path) and finite, D at the masked
     tensor overflowed (1e40 in float32); reading it there is the error."""

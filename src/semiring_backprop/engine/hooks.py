@@ -132,12 +132,22 @@ class Overflow(NonFiniteError):
 
 
 def _overflow(graph, node, sr, cls=NonFiniteError) -> NonFiniteError:
+    dtype = getattr(node.meta.get("val"), "dtype", None)
+    wide = any(getattr(n.meta.get("val"), "dtype", None) == torch.float64
+               for n in graph.nodes if n.op == "placeholder")  # fmt: skip
+    if dtype == torch.float64:
+        fix = "Use a log-space semiring"
+    elif wide:  # a float64 model that computes this node in a narrower type itself
+        fix = (f"The model computes this node in {dtype} although it runs in float64 (a "
+               "norm that casts to float32, as LlamaRMSNorm does), so float64 weights do "
+               "not widen it: use a log-space semiring")  # fmt: skip
+    else:
+        fix = "Run the model and inputs in float64 (model.double()), or use a log-space semiring"
     return cls(
         f"the reverse pass overflowed under {sr.name}: D at {where(node, graph.module_of(node))} "
         "holds inf or NaN although every forward value is finite (path products beyond "
-        "the float range). Run the model and inputs in float64 (model.double()), or use a "
-        "log-space semiring: MaxAbs for the top path's |product|, LogAbs for the total "
-        "gradient flow."
+        f"the float range). {fix}: MaxAbs for the top path's |product|, LogAbs for the "
+        "total gradient flow."
     )
 
 
