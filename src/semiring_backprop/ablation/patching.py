@@ -114,7 +114,6 @@ class Patching:
         plan = destinations(res, self.lay, self.base)
         self.dests, self._entries, self._regions = plan.dests, plan.entries, plan.regions
         self._own = plan.own
-        self._dest_index = plan.index
         #: (layer, role, head, input) -> index into ``dests``
         self.dest_index = plan.index
         self._comp_index = {(c.layer, c.role, c.head): i for i, c in enumerate(self.lay.components)}
@@ -328,7 +327,7 @@ class Patching:
             if len(key) != len(EDGE_KEY):
                 raise InputError(f"edge {row!r}: give the {len(EDGE_KEY)} values {EDGE_KEY}")
             c = self._comp_index.get((key[0], key[1], key[2]))
-            d = self._dest_index.get((key[3], key[4], key[5], key[6]))
+            d = self.dest_index.get((key[3], key[4], key[5], key[6]))
             p = key[7]
             if c is None or d is None or not isinstance(p, int) or not 0 <= p < self.lay.positions:
                 raise InputError(
