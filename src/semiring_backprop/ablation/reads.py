@@ -106,8 +106,11 @@ class LastQueryReads:
 
             return hook
 
+        # the run :meth:`logits` keeps the cache of (all but the last token), so that a
+        # position's own states are its cache's bit for bit; the last token: all of them
+        end = max(source + 1, len(ids) - 1)
         with _hooks(self._projections(), save):
-            self.model(input_ids=ids[None, : source + 1], use_cache=False)
+            self.model(input_ids=ids[None, :end], use_cache=False)
         return {b: torch.stack(got[b]) for b in BRANCHES}
 
     @torch.no_grad()
