@@ -39,15 +39,20 @@ def accuracy(summary: dict) -> str:
     return _md(pd.DataFrame(rows), "{:.3f}")
 
 
-def branches(table: pd.DataFrame, group: str, semiring="MaxProduct(neuron)",
-             aggregation="oplus") -> str:  # fmt: skip
+def _attention(table: pd.DataFrame, group: str) -> pd.DataFrame:
+    """Layer x branch: the attention input's branch values for ``group`` (ours:
+    ``MaxProduct(neuron)``, ⊕ over the hidden units)."""
+    t = table[(table["semiring"] == "MaxProduct(neuron)") & (table["aggregation"] == "oplus")
+              & (table["sublayer"] == "attention") & (table["token_group"] == group)]  # fmt: skip
+    return t.pivot_table(index="layer", columns="branch", values="value").reindex(
+        columns=list(ATTENTION))
+
+
+def branches(table: pd.DataFrame, group: str) -> str:
     """Per layer, the attention input's four branches for ``group`` (the mean over pairs
     of the ⊕ of the group's paths leaving through each), the winner, and the key's share
     of key + value."""
-    t = table[(table["semiring"] == semiring) & (table["aggregation"] == aggregation)
-              & (table["sublayer"] == "attention") & (table["token_group"] == group)]  # fmt: skip
-    wide = t.pivot_table(index="layer", columns="branch", values="value").reindex(
-        columns=list(ATTENTION))
+    wide = _attention(table, group)
     wide["top"] = wide.idxmax(axis=1)
     wide["key / (key + value)"] = wide["key"] / (wide["key"] + wide["value"])
     wide = wide.reset_index()
@@ -58,11 +63,7 @@ def ablation(table: pd.DataFrame, branches_table: pd.DataFrame) -> str:
     """Per layer, the mean change of the margin (ablated - clean, ± its standard error)
     for each method and branch, beside the top path's reading of the same two edges:
     the subject's key and value values (MaxProduct(neuron), oplus) and the key's share."""
-    t = branches_table[(branches_table["semiring"] == "MaxProduct(neuron)")
-                       & (branches_table["aggregation"] == "oplus")
-                       & (branches_table["sublayer"] == "attention")
-                       & (branches_table["token_group"] == "subject")]  # fmt: skip
-    top = t.pivot_table(index="layer", columns="branch", values="value")
+    top = _attention(branches_table, "subject")
     rows = []
     for layer, part in table.groupby("layer", sort=True):
         row = {"layer": int(layer)}

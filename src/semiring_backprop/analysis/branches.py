@@ -85,7 +85,10 @@ def branches(res, where, semiring=None, aggregate="oplus", roles=None, hidden_di
         use = srs if agg == "oplus" or isinstance(aggregate, str) else [
             sr for sr in srs if sr.selective]  # fmt: skip
         if not use:
-            _rank(srs[0], None, agg)  # says which semirings it needs
+            raise InputError(
+                f"aggregate={agg!r} gives each hidden unit to the branch that wins "
+                "its ⊕; that needs a selective semiring (MaxProduct, MaxAbs, TopK)"
+            )
         for sr in use:
             f = _per_token(res, sr, [p[res.semirings.index(sr)] for p in parts], ents, agg,
                            hidden_dim, per_head)  # fmt: skip
@@ -341,19 +344,17 @@ def layer_table(res, semirings=None, aggregate="oplus", tokens=None, roles=None,
             "qkv projection or an nn.MultiheadAttention); name a fan-out point with "
             "res.branches(where, ...) or pass roles={'module regex': 'query', ...}"
         )
+    srs = list(semirings or res.semirings)
+    if isinstance(aggregate, str) and aggregate != "oplus":
+        srs = [sr for sr in srs if getattr(sr, "selective", False)]
+    if not srs or ("oplus" not in _aggregates(aggregate)
+                   and not any(getattr(sr, "selective", False) for sr in srs)):  # fmt: skip
+        raise InputError(f"aggregate={aggregate!r} needs a selective semiring (MaxProduct…)")
     frames = []
     for i, b in enumerate(found):
         for sub in sublayers:
             if sub not in b.points:
                 continue
-            srs = list(semirings or res.semirings)
-            if isinstance(aggregate, str) and aggregate != "oplus":
-                srs = [sr for sr in srs if getattr(sr, "selective", False)]
-            if not srs or ("oplus" not in _aggregates(aggregate)
-                           and not any(getattr(sr, "selective", False) for sr in srs)):  # fmt: skip
-                raise InputError(
-                    f"aggregate={aggregate!r} needs a selective semiring (MaxProduct…)"
-                )
             f = branches(res, b.points[sub], srs, aggregate, roles, by=by, per_head=per_head,
                          heads=heads)  # fmt: skip
             f.insert(0, "sublayer", sub)
