@@ -13,11 +13,16 @@ Examples:
     tensor([[0.0343, 0.0232, 0.0451, 0.0403]], dtype=torch.float64)
 """
 
+import sys
+
 from . import views
 from ._backprop import Backprop, backprop, clear_traces
 from ._threads import threads
+from .ablation import faithfulness as _faithfulness
+from .ablation import patching as _patching
 from .analysis import Path, Step
 from .circuits import Circuit, circuit
+from .circuits import view as _circuit_view
 from .errors import (
     ForwardError,
     InputError,
@@ -47,6 +52,22 @@ from .semirings import (
 )
 from .targets import ClassLabel, EmbeddingDim, Similarity, TokenLabel, WordChoice
 from .tracing.trace import trace
+
+#: old paths of modules that moved, kept for code that imports them: each old name is the
+#: very module at its new path (``sys.modules`` maps it there, so its names are the same
+#: objects). They are set here, above every folder, so that no folder imports from one
+#: that stands above it (``import semiring_backprop.analysis.patching`` imports this
+#: package first, then finds the name here).
+_MOVED = {
+    "analysis.patching": _patching,
+    "analysis.faithfulness": _faithfulness,
+    "views.circuit": _circuit_view,
+}
+for _old, _module in _MOVED.items():
+    _folder, _name = _old.split(".")
+    sys.modules[f"{__name__}.{_old}"] = _module
+    setattr(sys.modules[f"{__name__}.{_folder}"], _name, _module)
+del _old, _module, _folder, _name
 
 __all__ = [
     "Backprop",
