@@ -137,18 +137,41 @@ def _softmax_output(shift, layer):
     raise InputError(f"layer {layer}: the softmax at {shift.name} is not exp / sum")
 
 
-def _logits(p, h: HeadPattern, mix: dict):
-    """Head ``h``'s logits (query, key) with the destinations of ``mix`` (``{d: mu}``)
-    reading their inputs recomputed with ``mu``; the rest as in the clean run."""
+def _logits(p, hs, reads, mu):
+    """The logits of the heads ``hs`` of one block (heads, query, key) with the
+    projections of ``reads`` (:func:`_reads`) computed from their inputs recomputed with
+    ``mu`` (components, positions) on their columns; the rest as in the clean run."""
     local: dict = {}
-    for d, mu in mix.items():
-        for proj, x, cols in p.projection_reads(d):
-            xd = p.read_input(d, x, mu)
-            alt = call(proj, *args_of(proj, {x: xd}, p.base))
-            local[proj] = torch.where(cols, alt, local.get(proj, p.base[proj]))
-    for n in h.order:
+    inputs: dict = {}
+    for d, proj, x, cols in reads:
+        if x not in inputs:
+            inputs[x] = p.read_input(d, x, mu)
+        alt = call(proj, *args_of(proj, {x: inputs[x]}, p.base))
+        local[proj] = torch.where(cols, alt, p.base[proj])
+    h0 = hs[0]
+    for n in h0.order:
         local[n] = call(n, *args_of(n, local, p.base))
-    return local[h.logits][0, h.index]
+    return local[h0.logits][0, [h.index for h in hs]]
+
+
+def _reads(p, dests) -> list:
+    """``[(a destination, projection, the tensor it reads, bool mask of its output
+    columns)]``: where the destinations ``dests`` (queries or keys of one block's heads)
+    are computed, one row per projection, its columns all theirs."""
+    out: dict = {}
+    for d in dests:
+        for proj, x, cols in p.projection_reads(d):
+            _, _, _, before = out.get(proj, (d, proj, x, torch.zeros_like(cols)))
+            out[proj] = (d, proj, x, before | cols)
+    return list(out.values())
+
+
+def _blocks(heads) -> list[list[HeadPattern]]:
+    """The heads grouped by the softmax they share (one attention block each)."""
+    out: dict = {}
+    for h in heads:
+        out.setdefault(h.logits, []).append(h)
+    return list(out.values())
 
 
 def _pattern_gradients(p, heads) -> dict:
@@ -224,21 +247,29 @@ def eap_qk(p):
     sources = _sources(p, out)
     fixed: dict = {}
     ones = p.all_kept()
-    for h in heads:
-        a = p.base[h.pattern][0, h.index]
-        g = grads[h.pattern][0, h.index]
-        s = p.base[h.logits][0, h.index]
-        for d in (h.q, h.k):
-            cs = sources.get(d, [])
+    for hs in _blocks(heads):
+        h0, index = hs[0], [h.index for h in hs]
+        a = p.base[h0.pattern][0, index]
+        g = grads[h0.pattern][0, index]
+        s = p.base[h0.logits][0, index]
+        for role in ("q", "k"):
+            # one source ablated for every head's query (key) of the block at once: each
+            # head's logits read its own query (its own copy of the key) alone, so its
+            # rows are those of that head's destination ablated alone
+            dests = [getattr(h, role) for h in hs]
+            cs = sorted(set().union(*(sources.get(d, []) for d in dests)))
             if not cs:
                 continue
             mus = ones.expand(len(cs), -1, -1).clone()
             for i, c in enumerate(cs):
                 mus[i, c] = 0
-            new = _batched(p, lambda mu, d=d, h=h: _logits(p, h, {d: mu}), mus)
-            got = _query_delta(a, g, new) if d == h.q else _key_delta(s, a, g, new)
-            for i, c in enumerate(cs):
-                fixed[(c, d)] = got[i]
+            reads = _reads(p, dests)
+            new = _batched(p, lambda mu, hs=hs, reads=reads: _logits(p, hs, reads, mu), mus)
+            got = _query_delta(a, g, new) if role == "q" else _key_delta(s, a, g, new)
+            row = {c: i for i, c in enumerate(cs)}
+            for k, d in enumerate(dests):
+                for c in sources.get(d, []):
+                    fixed[(c, d)] = got[row[c], k]
     score = out["score"].tolist()
     for r, (c, d, pos) in enumerate(p.edge_index(out)):
         if (c, d) in fixed:
@@ -267,10 +298,7 @@ def node_scores_qk(p):
     sources = _sources(p, p.edges())
     positions = [q for q in range(lay.positions) if q not in p.padding]
     total = first.clone()
-    layers: dict = {}
-    for h in heads:
-        layers.setdefault(h.logits, []).append(h)
-    for hs in layers.values():
+    for hs in _blocks(heads):
         mine = [set(sources.get(h.q, [])) | set(sources.get(h.k, [])) for h in hs]
         cs = sorted(set().union(*mine))
         if not cs:
@@ -301,7 +329,7 @@ def _site_deltas(p, hs, cs, positions, grad):
     a site's projections are the clean ones with that position's row taken from them.
     The heads' rows are taken at once (each head's logits read its own columns alone, or
     with shared K/V columns the whole role's, as :func:`_logits` takes them)."""
-    reads = _block_reads(p, hs)
+    reads = _reads(p, [d for h in hs for d in (h.q, h.k)])
     positions_t = torch.tensor(positions, device=grad.device)
     mus = p.all_kept().expand(len(cs), -1, -1).clone()
     for i, c in enumerate(cs):
@@ -343,19 +371,6 @@ def _site_deltas(p, hs, cs, positions, grad):
             a2 = torch.where(torch.isnan(a2), a, a2)
             out.append(((a - a2) * g).sum((-1, -2)))
     return torch.cat(out).reshape(len(cs), len(positions), len(hs))
-
-
-def _block_reads(p, hs) -> list:
-    """``[(a destination, projection, the tensor it reads, bool mask of its output
-    columns)]``: where the query and key of the heads ``hs`` are computed, one row per
-    projection, its columns all those the heads' queries and keys read there."""
-    out: dict = {}
-    for h in hs:
-        for d in (h.q, h.k):
-            for proj, x, cols in p.projection_reads(d):
-                _, _, _, before = out.get(proj, (d, proj, x, torch.zeros_like(cols)))
-                out[proj] = (d, proj, x, before | cols)
-    return list(out.values())
 
 
 def _width(p, proj, cols) -> int:
