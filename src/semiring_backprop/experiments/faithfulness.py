@@ -17,8 +17,10 @@ Two benchmarks, each a small model trained here (``seeds`` models, seeds ``seed`
 
 Per pair, the circuit's edges are scored by each method: ``Real`` (the total flow,
 seeded with ``x - x'`` at the token embeddings), ``Real-IG{n}`` (its conductance over
-``n`` integrated-gradients steps), ``MaxProduct`` (the best path through each edge),
-``EAP`` and ``EAP-IG{n}`` (attribution patching), ``patching`` (the exact effect of
+``n`` integrated-gradients steps), ``Real-relevance`` (the total flow with relevance
+weights, ``weights="relevance"``), ``MaxProduct`` (the best path through each edge),
+``EAP`` and ``EAP-IG{n}`` (attribution patching), ``EAP-QK`` (EAP with the attention
+pattern recomputed exactly for queries and keys, AtP*'s QK fix), ``patching`` (the exact effect of
 ablating that edge alone: the ranking that knows the answer) and ``random``. Each
 ranking gives a faithfulness curve (the edges outside its top fraction patched from
 the corrupted input, :class:`~semiring_backprop.ablation.patching.Patching`), CPR, CMD
@@ -132,8 +134,8 @@ class Config:
 
 def methods(config: Config) -> list[str]:
     """The rankings compared, in the tables' order."""
-    return ["Real", *(f"Real-IG{n}" for n in config.ig_steps), "MaxProduct", "EAP",
-            f"EAP-IG{config.eap_ig_steps}", "patching", "random"]  # fmt: skip
+    return ["Real", *(f"Real-IG{n}" for n in config.ig_steps), "Real-relevance", "MaxProduct",
+            "EAP", f"EAP-IG{config.eap_ig_steps}", "EAP-QK", "patching", "random"]  # fmt: skip
 
 
 def patching_class():
@@ -179,10 +181,11 @@ def complete(scores, universe):
     return rows
 
 
-def _scores(c, cm, pt, config: Config, bench: Bench, baseline, pair: int, seconds: dict,
+def _scores(c, cm, cr, pt, config: Config, bench: Bench, baseline, pair: int, seconds: dict,
             setup: tuple) -> dict:  # fmt: skip
     """``{method: (edge scores, node scores or None, graph forwards or None, seconds)}``:
-    ``c``, ``cm``: the Real and the MaxProduct circuits (``seconds``: theirs); ``setup``:
+    ``c``, ``cm``, ``cr``: the Real, the MaxProduct and the relevance-weighted Real
+    circuits (``seconds``: theirs); ``setup``:
     the forwards and seconds of the ablation's clean and corrupted runs, which EAP needs
     too. A circuit's forwards are None: it runs passes of other kinds (a forward, a
     reverse semiring pass, a forward one for alpha and the edge stage's partial reverse
@@ -200,6 +203,8 @@ def _scores(c, cm, pt, config: Config, bench: Bench, baseline, pair: int, second
         ig = Circuit.from_result(c.result, [Real()], "x", baseline, ig_steps=n)
         out[f"Real-IG{n}"] = (edge_scores(ig.edges, "Real"), node_scores(ig.nodes, "Real"), None,
                               seconds["Real"] + time.perf_counter() - t)  # fmt: skip
+    out["Real-relevance"] = (edge_scores(cr.edges, "Real"), node_scores(cr.nodes, "Real"), None,
+                             seconds["Real-relevance"])  # fmt: skip
     mp = cm.column("MaxProduct")
     out["MaxProduct"] = (edge_scores(cm.edges, mp), node_scores(cm.nodes, mp), None,
                          seconds["MaxProduct"])  # fmt: skip
@@ -208,6 +213,12 @@ def _scores(c, cm, pt, config: Config, bench: Bench, baseline, pair: int, second
         before, t = pt.evaluations, time.perf_counter()
         e = call()[[*EDGE_KEY, "score"]]
         out[name] = (e, per_source(e), pt.evaluations - before + setup[0],
+                     time.perf_counter() - t + setup[1])  # fmt: skip
+    # the QK fix: sites by their own score (every later head's pattern exact), not the
+    # sum of their edges' (each edge's pattern change alone)
+    before, t = pt.evaluations, time.perf_counter()
+    e, n = pt.eap_qk()[[*EDGE_KEY, "score"]], pt.node_scores_qk()
+    out["EAP-QK"] = (e, n, pt.evaluations - before + setup[0],
                      time.perf_counter() - t + setup[1])  # fmt: skip
     # every edge and site the ablation knows (a circuit lists only those its paths take)
     rng = np.random.default_rng([config.seed, bench.seed, pair])
@@ -255,6 +266,10 @@ def explain_pair(bench: Bench, pair: int, config: Config) -> dict:
     cm = sbp.circuit(bench.model, kwargs=clean, output=bench.output, baseline=baseline,
                      semirings=[sbp.MaxProduct(), sbp.Entropy()])  # fmt: skip
     seconds["MaxProduct"] = time.perf_counter() - t
+    t = time.perf_counter()
+    cr = sbp.circuit(bench.model, kwargs=clean, output=bench.output, baseline=baseline,
+                     semirings=[sbp.Real()], weights="relevance")  # fmt: skip
+    seconds["Real-relevance"] = time.perf_counter() - t
     res = cm.result
     Patching = patching_class()
     t = time.perf_counter()
@@ -269,7 +284,7 @@ def explain_pair(bench: Bench, pair: int, config: Config) -> dict:
     edge_effects = complete(pt.edge_effects().rename(columns={"effect": "score"}), universe)
     edge_effects = edge_effects.rename(columns={"score": "effect"})
     exact = (pt.evaluations - before + setup[0], time.perf_counter() - t + setup[1])
-    scores = _scores(c, cm, pt, config, bench, baseline, pair, seconds, setup)
+    scores = _scores(c, cm, cr, pt, config, bench, baseline, pair, seconds, setup)
     exact_scores = edge_effects[[*EDGE_KEY, "effect"]].rename(columns={"effect": "score"})
     exact_nodes = node_effects.rename(columns={"effect": "score"})
     scores["patching"] = (exact_scores, exact_nodes, *exact)
