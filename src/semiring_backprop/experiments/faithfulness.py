@@ -20,10 +20,10 @@ seeded with ``x - x'`` at the token embeddings), ``Real-IG{n}`` (its conductance
 ``n`` integrated-gradients steps), ``Real-relevance`` (the total flow with relevance
 weights, ``weights="relevance"``), ``MaxProduct`` (the best path through each edge),
 ``EAP`` and ``EAP-IG{n}`` (attribution patching), ``EAP-QK`` (EAP with the attention
-pattern recomputed exactly for queries and keys, AtP*'s QK fix), ``patching`` (the exact effect of
-ablating that edge alone: the ranking that knows the answer) and ``random``. Each
-ranking gives a faithfulness curve (the edges outside its top fraction patched from
-the corrupted input, :class:`~semiring_backprop.ablation.patching.Patching`), CPR, CMD
+pattern recomputed exactly for queries and keys, AtP*'s QK fix), ``patching`` (the
+exact effect of ablating that edge alone: the ranking that knows the answer) and
+``random``. Each ranking gives a faithfulness curve (the edges outside its top fraction
+patched from the corrupted input, :class:`~semiring_backprop.ablation.patching.Patching`), CPR, CMD
 and the edges needed for ``f >= level``; scores are also compared with the exact node
 and edge effects (:mod:`semiring_backprop.ablation.faithfulness`). ``Entropy`` is
 computed and kept in the circuit but ranks nothing: it measures how spread the paths
@@ -185,11 +185,10 @@ def _scores(c, cm, cr, pt, config: Config, bench: Bench, baseline, pair: int, se
             setup: tuple) -> dict:  # fmt: skip
     """``{method: (edge scores, node scores or None, graph forwards or None, seconds)}``:
     ``c``, ``cm``, ``cr``: the Real, the MaxProduct and the relevance-weighted Real
-    circuits (``seconds``: theirs); ``setup``:
-    the forwards and seconds of the ablation's clean and corrupted runs, which EAP needs
-    too. A circuit's forwards are None: it runs passes of other kinds (a forward, a
-    reverse semiring pass, a forward one for alpha and the edge stage's partial reverse
-    passes); its seconds say what they cost."""
+    circuits (``seconds``: theirs); ``setup``: the forwards and seconds of the
+    ablation's clean and corrupted runs, which EAP needs too. A circuit's forwards are
+    None: it runs passes of other kinds (a forward, a reverse semiring pass, a forward
+    one for alpha and the edge stage's partial reverse passes); its seconds say what they cost."""
     import numpy as np
 
     from ..circuits import Circuit
