@@ -23,8 +23,8 @@ weights, ``weights="relevance"``), ``MaxProduct`` (the best path through each ed
 pattern recomputed exactly for queries and keys, AtP*'s QK fix), ``patching`` (the
 exact effect of ablating that edge alone: the ranking that knows the answer) and
 ``random``. Each ranking gives a faithfulness curve (the edges outside its top fraction
-patched from the corrupted input, :class:`~semiring_backprop.ablation.patching.Patching`), CPR, CMD
-and the edges needed for ``f >= level``; scores are also compared with the exact node
+patched from the corrupted input, :class:`~semiring_backprop.ablation.patching.Patching`),
+CPR, CMD and the edges needed for ``f >= level``; scores are also compared with the exact node
 and edge effects (:mod:`semiring_backprop.ablation.faithfulness`). ``Entropy`` is
 computed and kept in the circuit but ranks nothing: it measures how spread the paths
 through an edge are, not how much they carry.
@@ -188,7 +188,8 @@ def _scores(c, cm, cr, pt, config: Config, bench: Bench, baseline, pair: int, se
     circuits (``seconds``: theirs); ``setup``: the forwards and seconds of the
     ablation's clean and corrupted runs, which EAP needs too. A circuit's forwards are
     None: it runs passes of other kinds (a forward, a reverse semiring pass, a forward
-    one for alpha and the edge stage's partial reverse passes); its seconds say what they cost."""
+    one for alpha and the edge stage's partial reverse passes); its seconds say what they
+    cost."""
     import numpy as np
 
     from ..circuits import Circuit
