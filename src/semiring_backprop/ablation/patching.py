@@ -53,13 +53,10 @@ from ..tracing.trace import input_tensors
 from . import sites
 from .patching_edges import args_of, assignment, call, call_order, destinations, own_pass
 from .remainder import Remainder, tail
-from .sites import BRANCHES, NODE_KEY
+from .sites import BRANCHES, EDGE_KEY, NODE_KEY
 
 __all__ = ["EDGE_KEY", "NODE_KEY", "MODES", "BRANCHES", "Patching"]
 
-#: the columns that name an edge (``Circuit.edges``' columns before ``token``)
-EDGE_KEY = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
-            "dst_head_index", "input", "position")  # fmt: skip
 MODES = ("corrupted", "mean", "zero")
 
 
@@ -433,6 +430,14 @@ class Patching:
         from .qk import node_scores_qk
 
         return node_scores_qk(self)
+
+    def relevance_qk(self, circuit):
+        """``(edges, sites)``: the scores of a relevance-weighted ``circuit`` of this
+        pass with each query and key term computed exactly (the pattern, which the rule
+        holds constant, recomputed, linear after it): :func:`.qk.relevance_qk`."""
+        from .qk import relevance_qk
+
+        return relevance_qk(self, circuit)
 
 
 def _check_mode(mode, corrupted, reference):

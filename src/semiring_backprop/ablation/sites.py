@@ -18,10 +18,13 @@ from ..analysis.branches import blocks
 from ..analysis.fanout import entries
 from ..errors import InputError
 
-__all__ = ["NODE_KEY", "BRANCHES", "node_effects", "branch_effect"]
+__all__ = ["NODE_KEY", "EDGE_KEY", "BRANCHES", "node_effects", "branch_effect"]
 
 #: the columns that name a site (roles embedding / head / mlp)
 NODE_KEY = ("layer", "position", "head_index", "role")
+#: the columns that name an edge (``Circuit.edges``' columns before ``token``)
+EDGE_KEY = ("src_layer", "src_role", "src_head_index", "dst_layer", "dst_role",
+            "dst_head_index", "input", "position")  # fmt: skip
 #: the branches of a block's fan-out points, as ``layer_table`` names them
 BRANCHES = ("skip", "query", "key", "value", "mlp")
 
