@@ -124,10 +124,10 @@ def test_the_pattern_adjoint_of_a_gradient_pass_is_autograds():
 
 def _small_models():
     torch.manual_seed(0)
-    llama = T.LlamaForCausalLM(T.LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=24,
-                                             num_hidden_layers=2, num_attention_heads=4,
-                                             num_key_value_heads=2, max_position_embeddings=16,
-                                             attn_implementation="eager")).to(F64).eval()  # fmt: skip
+    cfg = T.LlamaConfig(vocab_size=20, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                        attn_implementation="eager")  # fmt: skip
+    llama = T.LlamaForCausalLM(cfg).to(F64).eval()
     torch.manual_seed(1)
     gpt2 = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=20, n_embd=16, n_layer=2, n_head=2,
                                           n_positions=16, attn_implementation="eager")
