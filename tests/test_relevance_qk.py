@@ -207,7 +207,8 @@ def test_relevance_qk_fixes_query_and_key_edges_under_the_relevance_adjoint():
     assert float(qk_rows.score.abs().max()) > 1e-3
     # value and target edges keep the circuit's relevance flow (0: no path, not listed)
     rest = edges[~edges.input.isin(["q", "k"])].merge(
-        c.edges[[*qk.EDGE_KEY, "Real"]], on=list(qk.EDGE_KEY), how="left")
+        c.edges[[*qk.EDGE_KEY, "Real"]], on=list(qk.EDGE_KEY), how="left"
+    )
     assert rest.Real.notna().sum() >= 10
     assert rest.score.tolist() == rest.Real.fillna(0.0).tolist()
     # the embeddings' sites: the circuit's (x - x') . r plus the exact pattern changes,

@@ -67,8 +67,8 @@ from .eap import edge_scores, gradients
 from .patching_edges import args_of, call
 from .sites import EDGE_KEY, NODE_KEY
 
-__all__ = ["eap_qk", "node_scores_qk", "relevance_qk", "pattern_adjoints", "attention_heads",
-           "HeadPattern"]
+__all__ = ["eap_qk", "node_scores_qk", "relevance_qk", "relp_sites", "pattern_adjoints",
+           "attention_heads", "HeadPattern"]  # fmt: skip
 
 aten = torch.ops.aten
 _SHIFT = torch.ops.semiring_backprop.softmax_shift.default
