@@ -40,7 +40,7 @@ def test_every_circuit_of_all_edges_is_the_model(tiny_run):
     assert rec["empty"] == pytest.approx(rec["model_corrupted"], abs=1e-9)
     names = [m["method"] for m in rec["methods"]]
     assert names == ["Real", "Real-IG2", "Real-relevance", "MaxProduct", "EAP", "EAP-IG2",
-                     "EAP-QK", "patching", "random"]  # fmt: skip
+                     "EAP-QK", "Real-relevance-QK", "patching", "random"]  # fmt: skip
     for m in rec["methods"]:
         fraction, n, metric = m["curve"][-1]
         assert (fraction, n) == (1.0, rec["edges"])

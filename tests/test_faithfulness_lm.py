@@ -267,7 +267,8 @@ def test_methods_are_one_entry_each():
     cfg = experiments.config("faithfulness-lm", quick=True)
     names = [m.name for m in faithfulness_lm.methods(cfg)]
     assert names == ["Real", "Real-IG2", "MaxProduct", "EAP", "EAP-IG2", "EAP-IG-GL2",
-                     "EAP-QK", "Real-relevance", "random"]  # fmt: skip
+                     "EAP-QK", "Real-relevance", "Real-relevance-QK", "RelP", "RelP-QK",
+                     "random"]  # fmt: skip
     cfg = replace(cfg, methods=("EAP-QK", "Real"))
     assert [m.name for m in faithfulness_lm.methods(cfg)] == ["Real", "EAP-QK"]  # table order
     with pytest.raises(InputError, match="methods=.*give some of Real, Real-IG2"):

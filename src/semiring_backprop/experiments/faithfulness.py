@@ -20,7 +20,8 @@ seeded with ``x - x'`` at the token embeddings), ``Real-IG{n}`` (its conductance
 ``n`` integrated-gradients steps), ``Real-relevance`` (the total flow with relevance
 weights, ``weights="relevance"``), ``MaxProduct`` (the best path through each edge),
 ``EAP`` and ``EAP-IG{n}`` (attribution patching), ``EAP-QK`` (EAP with the attention
-pattern recomputed exactly for queries and keys, AtP*'s QK fix), ``patching`` (the
+pattern recomputed exactly for queries and keys, AtP*'s QK fix), ``Real-relevance-QK``
+(relevance weights, each query and key term exact: ``Patching.relevance_qk``), ``patching`` (the
 exact effect of ablating that edge alone: the ranking that knows the answer) and
 ``random``. Each ranking gives a faithfulness curve (the edges outside its top fraction
 patched from the corrupted input, :class:`~semiring_backprop.ablation.patching.Patching`),
@@ -135,7 +136,8 @@ class Config:
 def methods(config: Config) -> list[str]:
     """The rankings compared, in the tables' order."""
     return ["Real", *(f"Real-IG{n}" for n in config.ig_steps), "Real-relevance", "MaxProduct",
-            "EAP", f"EAP-IG{config.eap_ig_steps}", "EAP-QK", "patching", "random"]  # fmt: skip
+            "EAP", f"EAP-IG{config.eap_ig_steps}", "EAP-QK", "Real-relevance-QK", "patching",
+            "random"]  # fmt: skip
 
 
 def patching_class():
@@ -220,6 +222,11 @@ def _scores(c, cm, cr, pt, config: Config, bench: Bench, baseline, pair: int, se
     e, n = pt.eap_qk()[[*EDGE_KEY, "score"]], pt.node_scores_qk()
     out["EAP-QK"] = (e, n, pt.evaluations - before + setup[0],
                      time.perf_counter() - t + setup[1])  # fmt: skip
+    # relevance weights with the queries' and keys' terms the rule leaves out made exact
+    before, t = pt.evaluations, time.perf_counter()
+    e, n = pt.relevance_qk(cr)
+    secs = seconds["Real-relevance"] + time.perf_counter() - t + setup[1]
+    out["Real-relevance-QK"] = (e, n, pt.evaluations - before + setup[0], secs)
     # every edge and site the ablation knows (a circuit lists only those its paths take)
     rng = np.random.default_rng([config.seed, bench.seed, pair])
     rand = pt.edges()[list(EDGE_KEY)].copy()

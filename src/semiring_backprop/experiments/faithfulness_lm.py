@@ -209,6 +209,36 @@ def _eap_qk(p: Pair) -> Scores:
             time.perf_counter() - t + p.setup[1])  # fmt: skip
 
 
+def _relevance_qk(p: Pair) -> Scores:
+    """Relevance weights with each query and key term exact (:mod:`..ablation.qk`)."""
+    from ..semirings import Real
+
+    c, s = p.circuit("relevance", [Real()], weights="relevance")
+    pt = p.pt
+    before, t = pt.evaluations, time.perf_counter()
+    e, n = pt.relevance_qk(c)
+    return (e, n, pt.evaluations - before + p.setup[0],
+            s + time.perf_counter() - t + p.setup[1])  # fmt: skip
+
+
+def _relp(exact_qk: bool):
+    def score(p: Pair) -> Scores:
+        """RelP's sites (the activation difference times the relevance adjoint); its
+        edges are Real-relevance's (-QK's)."""
+        from ..ablation.qk import relp_sites
+        from ..semirings import Real
+
+        c, s = p.circuit("relevance", [Real()], weights="relevance")
+        pt = p.pt
+        before, t = pt.evaluations, time.perf_counter()
+        n = relp_sites(pt, c.result, exact_qk)
+        e = pt.relevance_qk(c)[0] if exact_qk else edge_scores(c.edges, "Real")
+        return (e, n, pt.evaluations - before + p.setup[0],
+                s + time.perf_counter() - t + p.setup[1])  # fmt: skip
+
+    return score
+
+
 def _random(p: Pair) -> Scores:
     import numpy as np
 
@@ -236,7 +266,9 @@ def all_methods(config: Config) -> list[Method]:
            Method(f"EAP-IG{config.eap_ig_steps}", _eap(config.eap_ig_steps)),
            *(Method(f"EAP-IG-GL{n}", _eap(n, "gausslegendre")) for n in config.eap_ig_gl),
            Method("EAP-QK", _eap_qk)]  # fmt: skip
-    out += [Method("Real-relevance", _relevance), Method("random", _random)]
+    out += [Method("Real-relevance", _relevance), Method("Real-relevance-QK", _relevance_qk),
+            Method("RelP", _relp(False)), Method("RelP-QK", _relp(True)),
+            Method("random", _random)]  # fmt: skip
     return out
 
 
