@@ -1,5 +1,7 @@
 """Fused semiring matmuls: max-times (sign-aware, with argmax) and max-plus (with argmax);
-and max-plus top-k (the k best with their indices), eager.
+and max-plus top-k (the k best with their indices), eager. On a CPU, max-times runs as
+native code blocked like a GEMM where a compiler built it (:mod:`.native`; the formulas
+below otherwise, with the same values).
 
 ``torch.compile`` turns each into one loop nest that never materializes the (n, m, p)
 broadcast (CPU and CUDA alike); shapes are dynamic, so one compilation serves every
@@ -271,7 +273,11 @@ def maxtimes(hi, lo, wt, argmax: bool = True):
     zero weight.
     """
     batch, (hi, lo), wt = _flat((hi, lo), wt)
-    outs = _run("maxtimes" if argmax else "maxtimes_values", (hi, lo), wt, prep=zero_masked)
+    from . import native  # the blocked kernel where it is built and fits, else torch's
+
+    outs = native.maxtimes(hi, lo, wt, argmax)
+    if outs is None:
+        outs = _run("maxtimes" if argmax else "maxtimes_values", (hi, lo), wt, prep=zero_masked)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 

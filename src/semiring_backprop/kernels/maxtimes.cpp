@@ -1,0 +1,231 @@
+// The signed max-times contraction, blocked like a GEMM (semiring_backprop.kernels.native).
+//
+//   out_hi[i, k] = max_j max(hi[i, j] * w[j, k], lo[i, j] * w[j, k])
+//   out_lo[i, k] = min_j min(hi[i, j] * w[j, k], lo[i, j] * w[j, k])
+//
+// (for a path hi >= lo, so max(hi * w, lo * w) is w * (hi if w >= 0 else lo): the sign
+// select without a branch), over the entries j with a path (hi[i, j] != -inf: the
+// semiring's zero never wins, even against a zero weight), with the first arg-max /
+// arg-min j where asked. Two multiplies, two max and two min per (i, j, k): the
+// register tile holds RB rows by NV vectors of output columns; the weights come as
+// (m, p) rows, p padded to a multiple of the tile's width. The caller guarantees that no
+// NaN and no infinity other than the zero's is among the inputs (the vector max and min
+// here do not propagate NaN), and runs disjoint row ranges on its threads.
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <cstdint>
+#include <limits>
+
+namespace {
+
+template <typename T>
+struct V;
+
+#if defined(__AVX512F__)
+template <>
+struct V<float> {
+    using R = __m512;
+    using M = __mmask16;
+    static constexpr int W = 16;
+    static R load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, R x) { _mm512_storeu_ps(p, x); }
+    static R set1(float x) { return _mm512_set1_ps(x); }
+    static R mul(R a, R b) { return _mm512_mul_ps(a, b); }
+    static R max(R a, R b) { return _mm512_max_ps(a, b); }
+    static R min(R a, R b) { return _mm512_min_ps(a, b); }
+    static M gt(R a, R b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+    static R pick(M m, R a, R b) { return _mm512_mask_blend_ps(m, a, b); }  // m ? b : a
+};
+template <>
+struct V<double> {
+    using R = __m512d;
+    using M = __mmask8;
+    static constexpr int W = 8;
+    static R load(const double* p) { return _mm512_loadu_pd(p); }
+    static void store(double* p, R x) { _mm512_storeu_pd(p, x); }
+    static R set1(double x) { return _mm512_set1_pd(x); }
+    static R mul(R a, R b) { return _mm512_mul_pd(a, b); }
+    static R max(R a, R b) { return _mm512_max_pd(a, b); }
+    static R min(R a, R b) { return _mm512_min_pd(a, b); }
+    static M gt(R a, R b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
+    static R pick(M m, R a, R b) { return _mm512_mask_blend_pd(m, a, b); }
+};
+#ifndef SBP_RB
+#define SBP_RB 4
+#endif
+constexpr int RB_VALUES = SBP_RB, RB_ARG = 2;
+#elif defined(__AVX2__)
+template <>
+struct V<float> {
+    using R = __m256;
+    using M = __m256;
+    static constexpr int W = 8;
+    static R load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, R x) { _mm256_storeu_ps(p, x); }
+    static R set1(float x) { return _mm256_set1_ps(x); }
+    static R mul(R a, R b) { return _mm256_mul_ps(a, b); }
+    static R max(R a, R b) { return _mm256_max_ps(a, b); }
+    static R min(R a, R b) { return _mm256_min_ps(a, b); }
+    static M gt(R a, R b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+    static R pick(M m, R a, R b) { return _mm256_blendv_ps(a, b, m); }
+};
+template <>
+struct V<double> {
+    using R = __m256d;
+    using M = __m256d;
+    static constexpr int W = 4;
+    static R load(const double* p) { return _mm256_loadu_pd(p); }
+    static void store(double* p, R x) { _mm256_storeu_pd(p, x); }
+    static R set1(double x) { return _mm256_set1_pd(x); }
+    static R mul(R a, R b) { return _mm256_mul_pd(a, b); }
+    static R max(R a, R b) { return _mm256_max_pd(a, b); }
+    static R min(R a, R b) { return _mm256_min_pd(a, b); }
+    static M gt(R a, R b) { return _mm256_cmp_pd(a, b, _CMP_GT_OQ); }
+    static R pick(M m, R a, R b) { return _mm256_blendv_pd(a, b, m); }
+};
+constexpr int RB_VALUES = 2, RB_ARG = 1;
+#else
+template <typename T>
+struct Scalar {
+    using R = T;
+    using M = bool;
+    static constexpr int W = 1;
+    static R load(const T* p) { return *p; }
+    static void store(T* p, R x) { *p = x; }
+    static R set1(T x) { return x; }
+    static R mul(R a, R b) { return a * b; }
+    static R max(R a, R b) { return a > b ? a : b; }
+    static R min(R a, R b) { return a < b ? a : b; }
+    static M gt(R a, R b) { return a > b; }
+    static R pick(M m, R a, R b) { return m ? b : a; }
+};
+template <>
+struct V<float> : Scalar<float> {};
+template <>
+struct V<double> : Scalar<double> {};
+constexpr int RB_VALUES = 4, RB_ARG = 2;
+#endif
+
+#ifndef SBP_NV
+#define SBP_NV 2
+#endif
+constexpr int NV = SBP_NV;  // vectors of output columns per tile
+
+// One tile: rows i0 .. i0 + rb (rb <= RB) by columns k0 .. k0 + NV * W.
+template <typename T, int RB, bool ARG, bool CHECK>
+inline void tile(const T* hs, const T* ls, const T* w, int64_t m, int64_t ldw, int64_t k0,
+                 T* ohi, T* olo, T* jhi, T* jlo, int64_t ldo) {
+    using X = V<T>;
+    using R = typename X::R;
+    constexpr T NEG = -std::numeric_limits<T>::infinity();
+    const R neg = X::set1(NEG), pos = X::set1(-NEG);
+    R ah[RB][NV], al[RB][NV], ih[RB][NV], il[RB][NV];
+    for (int r = 0; r < RB; ++r)
+        for (int v = 0; v < NV; ++v) {
+            ah[r][v] = neg;
+            al[r][v] = pos;
+            if (ARG) ih[r][v] = il[r][v] = X::set1(0);
+        }
+    for (int64_t j = 0; j < m; ++j) {
+        const T* wj = w + j * ldw + k0;
+        R wv[NV];
+        for (int v = 0; v < NV; ++v) wv[v] = X::load(wj + v * X::W);
+        const R jv = X::set1(static_cast<T>(j));
+        for (int r = 0; r < RB; ++r) {
+            const T h = hs[r * m + j];
+            if (CHECK && h == NEG) continue;  // no path through j: the zero never wins
+            const R hb = X::set1(h), lb = X::set1(ls[r * m + j]);
+            for (int v = 0; v < NV; ++v) {
+                const R a = X::mul(hb, wv[v]), b = X::mul(lb, wv[v]);
+                const R top = X::max(a, b), bottom = X::min(a, b);
+                if (ARG) {  // strictly better: the first j stays
+                    auto up = X::gt(top, ah[r][v]);
+                    ah[r][v] = X::pick(up, ah[r][v], top);
+                    ih[r][v] = X::pick(up, ih[r][v], jv);
+                    auto down = X::gt(al[r][v], bottom);
+                    al[r][v] = X::pick(down, al[r][v], bottom);
+                    il[r][v] = X::pick(down, il[r][v], jv);
+                } else {
+                    ah[r][v] = X::max(ah[r][v], top);
+                    al[r][v] = X::min(al[r][v], bottom);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < RB; ++r) {
+        for (int v = 0; v < NV; ++v) {
+            const int64_t at = r * ldo + k0 + v * X::W;
+            X::store(ohi + at, ah[r][v]);
+            X::store(olo + at, al[r][v]);
+            if (ARG) {
+                X::store(jhi + at, ih[r][v]);
+                X::store(jlo + at, il[r][v]);
+            }
+        }
+    }
+}
+
+// Rows r0 .. r1 of the flattened (batch * n) rows; row i reads the weights of batch
+// i / n (w_batch: the weights' batch stride, 0 for weights shared by every batch).
+template <typename T, bool ARG>
+void rows(const T* hs, const T* ls, const T* w, const uint8_t* live, int64_t n, int64_t m,
+          int64_t pp, int64_t w_batch, int64_t r0, int64_t r1, T* ohi, T* olo, T* jhi,
+          T* jlo) {
+    constexpr int RB = ARG ? RB_ARG : RB_VALUES;
+    constexpr int64_t TW = NV * V<T>::W;
+    for (int64_t i = r0; i < r1;) {
+        const int64_t b = i / n;
+        const int64_t rb = (i + RB <= (b + 1) * n && i + RB <= r1) ? RB : 1;
+        bool all_live = true;  // every entry of the tile's rows has a path: no test per j
+        for (int64_t r = 0; r < rb; ++r) all_live = all_live && live[i + r];
+        const T* wb = w + b * w_batch;
+        const int64_t o = i * pp;
+        T* jh = ARG ? jhi + o : nullptr;
+        T* jl = ARG ? jlo + o : nullptr;
+        for (int64_t k0 = 0; k0 < pp; k0 += TW) {
+            const T *h = hs + i * m, *l = ls + i * m;
+            if (rb == RB && all_live)
+                tile<T, RB, ARG, false>(h, l, wb, m, pp, k0, ohi + o, olo + o, jh, jl, pp);
+            else if (rb == RB)
+                tile<T, RB, ARG, true>(h, l, wb, m, pp, k0, ohi + o, olo + o, jh, jl, pp);
+            else if (all_live)
+                tile<T, 1, ARG, false>(h, l, wb, m, pp, k0, ohi + o, olo + o, jh, jl, pp);
+            else
+                tile<T, 1, ARG, true>(h, l, wb, m, pp, k0, ohi + o, olo + o, jh, jl, pp);
+        }
+        i += rb;
+    }
+}
+
+}  // namespace
+
+extern "C" {
+
+// The tile's width in columns for the element size (4: float, 8: double): the padding
+// of p the caller makes.
+int64_t sbp_tile_width(int64_t itemsize) {
+    return NV * (itemsize == 4 ? V<float>::W : V<double>::W);
+}
+
+void sbp_maxtimes_f32(const float* hs, const float* ls, const float* w, const uint8_t* live,
+                      int64_t n, int64_t m, int64_t pp, int64_t w_batch, int64_t r0,
+                      int64_t r1, float* ohi, float* olo, float* jhi, float* jlo) {
+    if (jhi)
+        rows<float, true>(hs, ls, w, live, n, m, pp, w_batch, r0, r1, ohi, olo, jhi, jlo);
+    else
+        rows<float, false>(hs, ls, w, live, n, m, pp, w_batch, r0, r1, ohi, olo, nullptr,
+                           nullptr);
+}
+
+void sbp_maxtimes_f64(const double* hs, const double* ls, const double* w, const uint8_t* live,
+                      int64_t n, int64_t m, int64_t pp, int64_t w_batch, int64_t r0,
+                      int64_t r1, double* ohi, double* olo, double* jhi, double* jlo) {
+    if (jhi)
+        rows<double, true>(hs, ls, w, live, n, m, pp, w_batch, r0, r1, ohi, olo, jhi, jlo);
+    else
+        rows<double, false>(hs, ls, w, live, n, m, pp, w_batch, r0, r1, ohi, olo, nullptr,
+                            nullptr);
+}
+}

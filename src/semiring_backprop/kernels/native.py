@@ -1,0 +1,194 @@
+"""The signed max-times contraction as native code (``maxtimes.cpp``): a kernel blocked
+like a GEMM (a register tile of rows by vectors of columns; two multiplies, two max and
+two min per multiply-add a real product would make), with AVX-512 or AVX2 where this CPU
+has it.
+
+Built on first use, not at install: the C++ file is compiled with the machine's compiler
+(``$CXX``, else ``c++`` or ``g++``; a second or so) for this CPU's vector width
+(``torch.backends.cpu.get_cpu_capability()``) into a cache directory
+(``$SEMIRING_BACKPROP_CACHE``, else ``~/.cache/semiring_backprop``), once per source,
+flags and compiler; later processes load it. Where no compiler is found, or compiling
+fails, or ``SEMIRING_BACKPROP_NATIVE=0``, :func:`maxtimes` returns None and
+:func:`..kernels.maxtimes` runs its torch kernels (the same values: tests compare them).
+
+It runs only where it computes what the torch kernels compute: CPU tensors with memory
+of their own (not batched by ``torch.vmap``), float32 or float64, every value finite
+but the semiring's zero (``hi = -inf``, ``lo = +inf``); its vector max and min do not
+propagate NaN, so a NaN or an infinity among the values or weights goes to the torch
+kernels, which do. Rows are split over ``torch.get_num_threads()`` threads (the call
+releases the GIL), so the library's thread settings hold for it too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("maxtimes.cpp")
+INF = float("inf")
+#: rows per thread below which one thread runs the whole call
+MIN_ROWS_PER_THREAD = 8
+_FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
+
+
+def enabled() -> bool:
+    return os.environ.get("SEMIRING_BACKPROP_NATIVE", "1").strip().lower() not in ("0", "false")
+
+
+def compiler() -> str | None:
+    """The C++ compiler the kernel is built with (None: none found)."""
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def capability() -> str:
+    """The vector width the kernel is built for: ``AVX512``, ``AVX2`` or ``DEFAULT``."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap.startswith("AVX512") and _x86():
+        return "AVX512"
+    return "AVX2" if cap.startswith("AVX") and _x86() else "DEFAULT"
+
+
+def _x86() -> bool:
+    import platform
+
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SEMIRING_BACKPROP_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "semiring_backprop"
+
+
+@functools.cache
+def library():
+    """The loaded kernel (ctypes), built first if no build of this source, flags and
+    compiler is cached; None where it cannot be built (the reason is logged once)."""
+    if not enabled():
+        return None
+    cxx = compiler()
+    if cxx is None:
+        log.info("no C++ compiler found: the max-times kernel runs in torch")
+        return None
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
+             *_FLAGS.get(capability(), []), *os.environ.get("SBP_KERNEL_FLAGS", "").split()]  # fmt: skip
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, *flags]).encode()).hexdigest()
+    target = _cache_dir() / f"maxtimes-{capability().lower()}-{key[:16]}.so"
+    if not target.exists():
+        try:
+            _build(cxx, flags, target)
+        except (OSError, subprocess.SubprocessError) as e:
+            log.warning("the max-times kernel did not build (%s): it runs in torch", e)
+            return None
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError as e:
+        log.warning("the max-times kernel did not load (%s): it runs in torch", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for name in ("sbp_maxtimes_f32", "sbp_maxtimes_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
+        fn.restype = None
+    lib.sbp_tile_width.argtypes, lib.sbp_tile_width.restype = [i64], i64
+    return lib
+
+
+def _build(cxx: str, flags: list, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        if done.returncode:
+            raise subprocess.SubprocessError(done.stderr.strip()[-2000:] or "no output")
+        os.replace(out, target)  # (another process's build of the same file: the same bytes)
+    log.info("built the max-times kernel: %s", target)
+
+
+@functools.cache
+def _pool(n: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=n, thread_name_prefix="sbp-maxtimes")
+
+
+def _fits(hi, lo, wt) -> bool:
+    """Whether the native kernel computes what the torch kernels compute on these."""
+    if hi.device.type != "cpu" or hi.dtype not in (torch.float32, torch.float64):
+        return False
+    if lo.dtype != hi.dtype or wt.dtype != hi.dtype or wt.device.type != "cpu":
+        return False
+    from . import has_storage
+
+    if not (has_storage(hi) and has_storage(lo) and has_storage(wt)):
+        return False
+    if hi.dtype == torch.float32 and hi.shape[-1] >= 2**24:  # float indices: exact below
+        return False
+    live = hi != -INF
+    if not bool(torch.isfinite(wt).all()):
+        return False
+    return bool((torch.isfinite(hi) & torch.isfinite(lo) | ~live & (lo == INF)).all())
+
+
+def maxtimes(hi, lo, wt, argmax: bool):
+    """:func:`..kernels.maxtimes` on flattened (B, n, m) fields and (B, p, m) transposed
+    weights: ``(out_hi, j_hi, out_lo, j_lo)`` (``argmax``) or ``(out_hi, out_lo)``; None
+    where the native kernel is not built or does not fit these tensors."""
+    lib = library()
+    if lib is None or not _fits(hi, lo, wt):
+        return None
+    b, n, m = hi.shape
+    p = wt.shape[-2]
+    if b == 0 or n == 0 or p == 0:
+        return None
+    item = hi.element_size()
+    width = int(lib.sbp_tile_width(item))
+    pp = -(-p // width) * width
+    w = torch.zeros(wt.shape[0], m, pp, dtype=hi.dtype)
+    w[..., :p] = wt.transpose(-1, -2)
+    hs, ls = hi.contiguous(), lo.contiguous()
+    live = (hs != -INF).all(-1).to(torch.uint8).reshape(-1)  # rows with a path everywhere
+    # (out_hi, out_lo[, j_hi, j_lo]): the C function's order
+    outs = [torch.empty(b * n, pp, dtype=hi.dtype) for _ in range(4 if argmax else 2)]
+    fn = lib.sbp_maxtimes_f32 if item == 4 else lib.sbp_maxtimes_f64
+    w_batch = 0 if wt.shape[0] == 1 else m * pp
+    ptrs = [t.data_ptr() for t in outs] + ([] if argmax else [None, None])
+
+    def run(r0, r1):
+        fn(hs.data_ptr(), ls.data_ptr(), w.data_ptr(), live.data_ptr(), n, m, pp, w_batch, r0, r1, *ptrs)
+
+    rows = b * n
+    threads = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
+    if threads == 1:
+        run(0, rows)
+    else:
+        step = -(-rows // threads)
+        jobs = [_pool(threads).submit(run, r, min(r + step, rows)) for r in range(0, rows, step)]
+        for job in jobs:
+            job.result()
+    got = [t.view(b, n, pp)[..., :p] for t in outs]
+    if not argmax:
+        return tuple(got)
+    return got[0], got[2].long(), got[1], got[3].long()
+
+
+def built() -> str:
+    """What :func:`library` loaded, in words (for benchmarks and bug reports)."""
+    lib = library()
+    if lib is None:
+        return "not built (the torch kernels run)"
+    return f"{capability()} build ({compiler()}), python {sys.version.split()[0]}"

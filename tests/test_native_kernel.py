@@ -1,0 +1,163 @@
+"""The native max-times kernel (``kernels/native.py``, ``kernels/maxtimes.cpp``) against
+the torch kernels it replaces (``kernels._maxtimes``, ``_maxtimes_values``: the formulas
+as broadcasts): the same values and the same first arg-max / arg-min, bit for bit, on
+ties, tails of the register tile, dead entries and whole dead rows, shared and batched
+weights, float32 and float64, one thread and several; and where it must not run (a NaN
+or an infinity, no compiler, a failed build, turned off) the torch kernels' answer.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from semiring_backprop import kernels
+from semiring_backprop.kernels import native
+
+INF = float("inf")
+
+
+@pytest.fixture(scope="module")
+def lib():
+    got = native.library()
+    if got is None:
+        pytest.skip("no C++ compiler here: the native kernel is not built (torch's runs)")
+    return got
+
+
+def _fields(b, n, m, dtype, seed, ties=False, dead=0.2):
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # small integers: many equal products, so the first index must be kept
+        hi = torch.randint(-2, 3, (b, n, m), generator=g).to(dtype)
+        lo = hi - torch.randint(0, 2, (b, n, m), generator=g).to(dtype)
+    else:
+        hi = torch.randn(b, n, m, generator=g, dtype=dtype)
+        lo = hi - torch.rand(b, n, m, generator=g, dtype=dtype)
+    gone = torch.rand(b, n, m, generator=g) < dead
+    if n > 2:
+        gone[:, 1] = True  # a row with no path at all
+    hi[gone], lo[gone] = -INF, INF
+    return hi, lo
+
+
+def _weights(b, p, m, dtype, seed, ties=False):
+    g = torch.Generator().manual_seed(seed + 1)
+    if ties:
+        return torch.randint(-1, 2, (b, p, m), generator=g).to(dtype)
+    wt = torch.randn(b, p, m, generator=g, dtype=dtype)
+    wt[wt.abs() < 0.3] = 0
+    return wt
+
+
+def _torch(hi, lo, wt, argmax):
+    f = kernels._maxtimes if argmax else kernels._maxtimes_values
+    return f(*kernels.zero_masked(hi, lo), wt.expand(hi.shape[0], -1, -1))
+
+
+SHAPES = [(1, 1, 1, 1), (1, 5, 7, 3), (2, 33, 70, 45), (3, 17, 64, 200), (1, 9, 130, 33)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_native_kernel_is_the_torch_kernel_bit_for_bit(lib, dtype, shape, ties):
+    b, n, m, p = shape
+    hi, lo = _fields(b, n, m, dtype, seed=sum(shape), ties=ties)
+    wt = _weights(b, p, m, dtype, seed=sum(shape), ties=ties)
+    for argmax in (False, True):
+        got = native.maxtimes(hi, lo, wt, argmax)
+        want = _torch(hi, lo, wt, argmax)
+        assert got is not None and len(got) == len(want)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert torch.equal(g, w), (argmax, (g != w).sum())
+    if n > 2:  # the dead row: no path, the semiring's zero, index 0
+        out_hi, j_hi, out_lo, _ = native.maxtimes(hi, lo, wt, True)
+        assert bool((out_hi[:, 1] == -INF).all() and (out_lo[:, 1] == INF).all())
+        assert bool((j_hi[:, 1] == 0).all())
+
+
+def test_shared_weights_and_threads(lib):
+    hi, lo = _fields(4, 40, 96, torch.float32, seed=3)
+    wt = _weights(1, 50, 96, torch.float32, seed=3)  # one weight matrix for every batch
+    want = _torch(hi, lo, wt, True)
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            got = native.maxtimes(hi, lo, wt, True)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), n
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_public_kernel_runs_it_with_the_same_answer(lib, monkeypatch):
+    hi, lo = _fields(2, 12, 40, torch.float64, seed=5)
+    wt = _weights(2, 30, 40, torch.float64, seed=5)
+    calls = []
+    real = native.maxtimes
+    monkeypatch.setattr(native, "maxtimes", lambda *a: calls.append(1) or real(*a))
+    got = kernels.maxtimes(hi.view(2, 1, 12, 40), lo.view(2, 1, 12, 40), wt.view(2, 1, 30, 40))
+    assert calls and got[0].shape == (2, 1, 12, 30)
+    want = _torch(hi, lo, wt, True)
+    assert all(torch.equal(g.reshape(w.shape), w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("where", ["weight nan", "weight inf", "field nan", "field inf"])
+def test_a_nan_or_an_infinity_goes_to_the_torch_kernels(lib, where):
+    hi, lo = _fields(1, 6, 20, torch.float32, seed=7)
+    wt = _weights(1, 9, 20, torch.float32, seed=7)
+    bad = float("nan") if "nan" in where else INF
+    if where.startswith("weight"):
+        wt[0, 2, 3] = bad
+    else:
+        hi[0, 0, 0], lo[0, 0, 0] = bad, (bad if "nan" in where else 1.0)
+    assert native.maxtimes(hi, lo, wt, True) is None
+    got = kernels.maxtimes(hi, lo, wt)
+    want = _torch(hi, lo, wt, True)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) or torch.allclose(g, w, equal_nan=True)
+    if "nan" in where:
+        assert bool(got[0].isnan().any())  # the NaN is not hidden
+
+
+def test_no_compiler_or_turned_off_runs_torch(monkeypatch, tmp_path):
+    hi, lo = _fields(1, 6, 20, torch.float32, seed=9)
+    wt = _weights(1, 9, 20, torch.float32, seed=9)
+    want = _torch(hi, lo, wt, True)
+    monkeypatch.setenv("SEMIRING_BACKPROP_CACHE", str(tmp_path))
+    for setup in ("off", "no compiler"):
+        native.library.cache_clear()
+        with monkeypatch.context() as m:
+            if setup == "off":
+                m.setenv("SEMIRING_BACKPROP_NATIVE", "0")
+            else:
+                m.setattr(native, "compiler", lambda: None)
+            assert native.library() is None
+            assert native.maxtimes(hi, lo, wt, True) is None
+            got = kernels.maxtimes(hi, lo, wt)
+            assert all(torch.equal(g, w) for g, w in zip(got, want)), setup
+    native.library.cache_clear()
+    assert not list(tmp_path.iterdir())  # nothing was built
+
+
+def test_a_failed_build_says_so_and_runs_torch(monkeypatch, tmp_path, caplog):
+    if native.compiler() is None:
+        pytest.skip("no C++ compiler here")
+    broken = tmp_path / "maxtimes.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    monkeypatch.setenv("SEMIRING_BACKPROP_CACHE", str(tmp_path / "cache"))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert native.library() is None
+        assert "did not build" in caplog.text
+        hi, lo = _fields(1, 4, 8, torch.float32, seed=11)
+        wt = _weights(1, 5, 8, torch.float32, seed=11)
+        got = kernels.maxtimes(hi, lo, wt)
+        assert all(torch.equal(g, w) for g, w in zip(got, _torch(hi, lo, wt, True)))
+    finally:
+        native.library.cache_clear()
