@@ -7,8 +7,9 @@
 // select without a branch), over the entries j with a path (hi[i, j] != -inf: the
 // semiring's zero never wins, even against a zero weight), with the first arg-max /
 // arg-min j where asked. Two multiplies, two max and two min per (i, j, k): the
-// register tile holds RB rows by NV vectors of output columns; the weights come as
-// (m, p) rows, p padded to a multiple of the tile's width. The caller guarantees that no
+// register tile holds RB rows by NV vectors of output columns; the weights come packed
+// as (p / TW, m, TW) panels of the tile's width TW (p padded to a multiple of it), so
+// that a tile reads them in order. The caller guarantees that no
 // NaN and no infinity other than the zero's is among the inputs (the vector max and min
 // here do not propagate NaN), and runs disjoint row ranges on its threads.
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -52,10 +53,7 @@ struct V<double> {
     static M gt(R a, R b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
     static R pick(M m, R a, R b) { return _mm512_mask_blend_pd(m, a, b); }
 };
-#ifndef SBP_RB
-#define SBP_RB 4
-#endif
-constexpr int RB_VALUES = SBP_RB, RB_ARG = 2;
+constexpr int RB_VALUES = 4, RB_ARG = 2, NV = 3;  // (32 registers)
 #elif defined(__AVX2__)
 template <>
 struct V<float> {
@@ -85,7 +83,7 @@ struct V<double> {
     static M gt(R a, R b) { return _mm256_cmp_pd(a, b, _CMP_GT_OQ); }
     static R pick(M m, R a, R b) { return _mm256_blendv_pd(a, b, m); }
 };
-constexpr int RB_VALUES = 2, RB_ARG = 1;
+constexpr int RB_VALUES = 2, RB_ARG = 1, NV = 2;  // (16 registers)
 #else
 template <typename T>
 struct Scalar {
@@ -105,20 +103,18 @@ template <>
 struct V<float> : Scalar<float> {};
 template <>
 struct V<double> : Scalar<double> {};
-constexpr int RB_VALUES = 4, RB_ARG = 2;
+constexpr int RB_VALUES = 4, RB_ARG = 2, NV = 1;
 #endif
 
-#ifndef SBP_NV
-#define SBP_NV 2
-#endif
-constexpr int NV = SBP_NV;  // vectors of output columns per tile
+// NV: vectors of output columns per tile; RB: rows per tile (values; with arg-max)
 
 // One tile: rows i0 .. i0 + rb (rb <= RB) by columns k0 .. k0 + NV * W.
 template <typename T, int RB, bool ARG, bool CHECK>
-inline void tile(const T* hs, const T* ls, const T* w, int64_t m, int64_t ldw, int64_t k0,
+inline void tile(const T* hs, const T* ls, const T* w, int64_t m, int64_t k0,
                  T* ohi, T* olo, T* jhi, T* jlo, int64_t ldo) {
     using X = V<T>;
     using R = typename X::R;
+    constexpr int64_t TW = NV * X::W;
     constexpr T NEG = -std::numeric_limits<T>::infinity();
     const R neg = X::set1(NEG), pos = X::set1(-NEG);
     R ah[RB][NV], al[RB][NV], ih[RB][NV], il[RB][NV];
@@ -129,7 +125,7 @@ inline void tile(const T* hs, const T* ls, const T* w, int64_t m, int64_t ldw, i
             if (ARG) ih[r][v] = il[r][v] = X::set1(0);
         }
     for (int64_t j = 0; j < m; ++j) {
-        const T* wj = w + j * ldw + k0;
+        const T* wj = w + (k0 / TW) * m * TW + j * TW;  // the packed panel: (tiles, m, TW)
         R wv[NV];
         for (int v = 0; v < NV; ++v) wv[v] = X::load(wj + v * X::W);
         const R jv = X::set1(static_cast<T>(j));
@@ -175,27 +171,34 @@ void rows(const T* hs, const T* ls, const T* w, const uint8_t* live, int64_t n, 
           T* jlo) {
     constexpr int RB = ARG ? RB_ARG : RB_VALUES;
     constexpr int64_t TW = NV * V<T>::W;
-    for (int64_t i = r0; i < r1;) {
-        const int64_t b = i / n;
-        const int64_t rb = (i + RB <= (b + 1) * n && i + RB <= r1) ? RB : 1;
-        bool all_live = true;  // every entry of the tile's rows has a path: no test per j
-        for (int64_t r = 0; r < rb; ++r) all_live = all_live && live[i + r];
-        const T* wb = w + b * w_batch;
-        const int64_t o = i * pp;
-        T* jh = ARG ? jhi + o : nullptr;
-        T* jl = ARG ? jlo + o : nullptr;
-        for (int64_t k0 = 0; k0 < pp; k0 += TW) {
+    // columns in panels whose weights (m x panel) stay in the core's L2 while every row
+    // block of the range reads them; a row block's fields stay in L1 across the panel
+    const int64_t per_tile = m * TW * static_cast<int64_t>(sizeof(T));
+    const int64_t panel = TW * (per_tile >= (1 << 20) ? 1 : (1 << 20) / per_tile);
+    for (int64_t c0 = 0; c0 < pp; c0 += panel) {
+        const int64_t c1 = c0 + panel < pp ? c0 + panel : pp;
+        for (int64_t i = r0; i < r1;) {
+            const int64_t b = i / n;
+            const int64_t rb = (i + RB <= (b + 1) * n && i + RB <= r1) ? RB : 1;
+            bool all_live = true;  // every entry of the tile's rows has a path: no test per j
+            for (int64_t r = 0; r < rb; ++r) all_live = all_live && live[i + r];
+            const T* wb = w + b * w_batch;
+            const int64_t o = i * pp;
+            T* jh = ARG ? jhi + o : nullptr;
+            T* jl = ARG ? jlo + o : nullptr;
             const T *h = hs + i * m, *l = ls + i * m;
-            if (rb == RB && all_live)
-                tile<T, RB, ARG, false>(h, l, wb, m, pp, k0, ohi + o, olo + o, jh, jl, pp);
-            else if (rb == RB)
-                tile<T, RB, ARG, true>(h, l, wb, m, pp, k0, ohi + o, olo + o, jh, jl, pp);
-            else if (all_live)
-                tile<T, 1, ARG, false>(h, l, wb, m, pp, k0, ohi + o, olo + o, jh, jl, pp);
-            else
-                tile<T, 1, ARG, true>(h, l, wb, m, pp, k0, ohi + o, olo + o, jh, jl, pp);
+            for (int64_t k0 = c0; k0 < c1; k0 += TW) {
+                if (rb == RB && all_live)
+                    tile<T, RB, ARG, false>(h, l, wb, m, k0, ohi + o, olo + o, jh, jl, pp);
+                else if (rb == RB)
+                    tile<T, RB, ARG, true>(h, l, wb, m, k0, ohi + o, olo + o, jh, jl, pp);
+                else if (all_live)
+                    tile<T, 1, ARG, false>(h, l, wb, m, k0, ohi + o, olo + o, jh, jl, pp);
+                else
+                    tile<T, 1, ARG, true>(h, l, wb, m, k0, ohi + o, olo + o, jh, jl, pp);
+            }
+            i += rb;
         }
-        i += rb;
     }
 }
 

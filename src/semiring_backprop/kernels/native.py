@@ -7,7 +7,8 @@ Built on first use, not at install: the C++ file is compiled with the machine's 
 (``$CXX``, else ``c++`` or ``g++``; a second or so) for this CPU's vector width
 (``torch.backends.cpu.get_cpu_capability()``) into a cache directory
 (``$SEMIRING_BACKPROP_CACHE``, else ``~/.cache/semiring_backprop``), once per source,
-flags and compiler; later processes load it. Where no compiler is found, or compiling
+flags and compiler; later processes load it (``SEMIRING_BACKPROP_KERNEL_FLAGS``: more
+flags, e.g. ``-mno-avx512f`` to build and test the AVX2 kernel on an AVX-512 machine). Where no compiler is found, or compiling
 fails, or ``SEMIRING_BACKPROP_NATIVE=0``, :func:`maxtimes` returns None and
 :func:`..kernels.maxtimes` runs its torch kernels (the same values: tests compare them).
 
@@ -86,7 +87,7 @@ def library():
         log.info("no C++ compiler found: the max-times kernel runs in torch")
         return None
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
-             *_FLAGS.get(capability(), []), *os.environ.get("SBP_KERNEL_FLAGS", "").split()]  # fmt: skip
+             *_FLAGS.get(capability(), []), *os.environ.get("SEMIRING_BACKPROP_KERNEL_FLAGS", "").split()]  # fmt: skip
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, *flags]).encode()).hexdigest()
     target = _cache_dir() / f"maxtimes-{capability().lower()}-{key[:16]}.so"
     if not target.exists():
@@ -158,8 +159,10 @@ def maxtimes(hi, lo, wt, argmax: bool):
     item = hi.element_size()
     width = int(lib.sbp_tile_width(item))
     pp = -(-p // width) * width
-    w = torch.zeros(wt.shape[0], m, pp, dtype=hi.dtype)
-    w[..., :p] = wt.transpose(-1, -2)
+    padded = torch.zeros(wt.shape[0], pp, m, dtype=hi.dtype)  # (columns, inner), 0 past p
+    padded[:, :p] = wt
+    # packed panels, (tiles, inner, width): a tile reads its weights in order
+    w = padded.view(wt.shape[0], pp // width, width, m).transpose(-1, -2).contiguous()
     hs, ls = hi.contiguous(), lo.contiguous()
     live = (hs != -INF).all(-1).to(torch.uint8).reshape(-1)  # rows with a path everywhere
     # (out_hi, out_lo[, j_hi, j_lo]): the C function's order
