@@ -8,8 +8,8 @@ Built on first use, not at install: the C++ file is compiled with the machine's 
 (``torch.backends.cpu.get_cpu_capability()``) into a cache directory
 (``$SEMIRING_BACKPROP_CACHE``, else ``~/.cache/semiring_backprop``), once per source,
 flags and compiler; later processes load it (``SEMIRING_BACKPROP_KERNEL_FLAGS``: more
-flags, e.g. ``-mno-avx512f`` to build and test the AVX2 kernel on an AVX-512 machine). Where no compiler is found, or compiling
-fails, or ``SEMIRING_BACKPROP_NATIVE=0``, :func:`maxtimes` returns None and
+flags, e.g. ``-mno-avx512f`` to build and test the AVX2 kernel on an AVX-512 machine).
+Where no compiler is found, or compiling fails, or ``SEMIRING_BACKPROP_NATIVE=0``, :func:`maxtimes` returns None and
 :func:`..kernels.maxtimes` runs its torch kernels (the same values: tests compare them).
 
 It runs only where it computes what the torch kernels compute: CPU tensors with memory
@@ -86,8 +86,9 @@ def library():
     if cxx is None:
         log.info("no C++ compiler found: the max-times kernel runs in torch")
         return None
+    extra = os.environ.get("SEMIRING_BACKPROP_KERNEL_FLAGS", "").split()
     flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
-             *_FLAGS.get(capability(), []), *os.environ.get("SEMIRING_BACKPROP_KERNEL_FLAGS", "").split()]  # fmt: skip
+             *_FLAGS.get(capability(), []), *extra]  # fmt: skip
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([cxx, *flags]).encode()).hexdigest()
     target = _cache_dir() / f"maxtimes-{capability().lower()}-{key[:16]}.so"
     if not target.exists():
@@ -172,7 +173,8 @@ def maxtimes(hi, lo, wt, argmax: bool):
     ptrs = [t.data_ptr() for t in outs] + ([] if argmax else [None, None])
 
     def run(r0, r1):
-        fn(hs.data_ptr(), ls.data_ptr(), w.data_ptr(), live.data_ptr(), n, m, pp, w_batch, r0, r1, *ptrs)
+        data = (hs.data_ptr(), ls.data_ptr(), w.data_ptr(), live.data_ptr())
+        fn(*data, n, m, pp, w_batch, r0, r1, *ptrs)
 
     rows = b * n
     threads = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
