@@ -9,8 +9,9 @@ Built on first use, not at install: the C++ file is compiled with the machine's 
 (``$SEMIRING_BACKPROP_CACHE``, else ``~/.cache/semiring_backprop``), once per source,
 flags and compiler; later processes load it (``SEMIRING_BACKPROP_KERNEL_FLAGS``: more
 flags, e.g. ``-mno-avx512f`` to build and test the AVX2 kernel on an AVX-512 machine).
-Where no compiler is found, or compiling fails, or ``SEMIRING_BACKPROP_NATIVE=0``, :func:`maxtimes` returns None and
-:func:`..kernels.maxtimes` runs its torch kernels (the same values: tests compare them).
+Where no compiler is found, or compiling fails, or ``SEMIRING_BACKPROP_NATIVE=0``,
+:func:`maxtimes` returns None and :func:`..kernels.maxtimes` runs its torch kernels (the
+same values: tests compare them).
 
 It runs only where it computes what the torch kernels compute: CPU tensors with memory
 of their own (not batched by ``torch.vmap``), float32 or float64, every value finite
