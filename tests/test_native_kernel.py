@@ -1,4 +1,4 @@
-"""The native max-times kernel (``kernels/native.py``, ``kernels/maxtimes.cpp``) against
+"""The native max-times kernel (``kernels/native.py``, ``kernels/native.cpp``) against
 the torch kernels it replaces (``kernels._maxtimes``, ``_maxtimes_values``: the formulas
 as broadcasts): the same values and the same first arg-max / arg-min, bit for bit, on
 ties, tails of the register tile, dead entries and whole dead rows, shared and batched
@@ -19,12 +19,27 @@ from semiring_backprop.kernels import native
 INF = float("inf")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(autouse=True)
+def turned_on(monkeypatch):
+    """The kernel is opt-in (``SEMIRING_BACKPROP_NATIVE=1``); these tests turn it on."""
+    monkeypatch.setenv("SEMIRING_BACKPROP_NATIVE", "1")
+    native.library.cache_clear()
+    yield
+    native.library.cache_clear()
+
+
+@pytest.fixture
 def lib():
     got = native.library()
     if got is None:
         pytest.skip("no C++ compiler here: the native kernel is not built (torch's runs)")
     return got
+
+
+def test_it_is_off_unless_asked(monkeypatch):
+    monkeypatch.delenv("SEMIRING_BACKPROP_NATIVE")
+    native.library.cache_clear()
+    assert not native.enabled() and native.library() is None
 
 
 def _fields(b, n, m, dtype, seed, ties=False, dead=0.2):
@@ -146,7 +161,7 @@ def test_no_compiler_or_turned_off_runs_torch(monkeypatch, tmp_path):
 def test_a_failed_build_says_so_and_runs_torch(monkeypatch, tmp_path, caplog):
     if native.compiler() is None:
         pytest.skip("no C++ compiler here")
-    broken = tmp_path / "maxtimes.cpp"
+    broken = tmp_path / "native.cpp"
     broken.write_text("this is not C++\n")
     monkeypatch.setattr(native, "SOURCE", broken)
     monkeypatch.setenv("SEMIRING_BACKPROP_CACHE", str(tmp_path / "cache"))

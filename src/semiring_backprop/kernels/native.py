@@ -1,4 +1,4 @@
-"""The signed max-times contraction as native code (``maxtimes.cpp``): a kernel blocked
+"""The signed max-times contraction as native code (``native.cpp``): a kernel blocked
 like a GEMM (a register tile of rows by vectors of columns; two multiplies, two max and
 two min per multiply-add a real product would make), with AVX-512 or AVX2 where this CPU
 has it.
@@ -9,8 +9,8 @@ Built on first use, not at install: the C++ file is compiled with the machine's 
 (``$SEMIRING_BACKPROP_CACHE``, else ``~/.cache/semiring_backprop``), once per source,
 flags and compiler; later processes load it (``SEMIRING_BACKPROP_KERNEL_FLAGS``: more
 flags, e.g. ``-mno-avx512f`` to build and test the AVX2 kernel on an AVX-512 machine).
-Where no compiler is found, or compiling fails, or ``SEMIRING_BACKPROP_NATIVE=0``,
-:func:`maxtimes` returns None and :func:`..kernels.maxtimes` runs its torch kernels (the
+It runs only with ``SEMIRING_BACKPROP_NATIVE=1`` (off by default: see :func:`enabled`).
+Where no compiler is found, or compiling fails, or it is off, :func:`maxtimes` returns None and :func:`..kernels.maxtimes` runs its torch kernels (the
 same values: tests compare them).
 
 It runs only where it computes what the torch kernels compute: CPU tensors with memory
@@ -39,7 +39,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("maxtimes.cpp")
+SOURCE = Path(__file__).with_name("native.cpp")
 INF = float("inf")
 #: rows per thread below which one thread runs the whole call
 MIN_ROWS_PER_THREAD = 8
@@ -47,7 +47,10 @@ _FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 
 
 def enabled() -> bool:
-    return os.environ.get("SEMIRING_BACKPROP_NATIVE", "1").strip().lower() not in ("0", "false")
+    """Opt-in for now (``SEMIRING_BACKPROP_NATIVE=1``): faster than torch's kernels alone,
+    but in a whole pass it packs the weights on every call (time and memory: see
+    docs/performance.md), which the weights' preparation should do once."""
+    return os.environ.get("SEMIRING_BACKPROP_NATIVE", "0").strip().lower() in ("1", "true")
 
 
 def compiler() -> str | None:
