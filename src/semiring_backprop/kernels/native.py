@@ -10,8 +10,9 @@ Built on first use, not at install: the C++ file is compiled with the machine's 
 flags and compiler; later processes load it (``SEMIRING_BACKPROP_KERNEL_FLAGS``: more
 flags, e.g. ``-mno-avx512f`` to build and test the AVX2 kernel on an AVX-512 machine).
 It runs only with ``SEMIRING_BACKPROP_NATIVE=1`` (off by default: see :func:`enabled`).
-Where no compiler is found, or compiling fails, or it is off, :func:`maxtimes` returns None and :func:`..kernels.maxtimes` runs its torch kernels (the
-same values: tests compare them).
+Where no compiler is found, or compiling fails, or it is off, :func:`maxtimes` returns
+None and :func:`..kernels.maxtimes` runs its torch kernels (the same values: tests
+compare them).
 
 It runs only where it computes what the torch kernels compute: CPU tensors with memory
 of their own (not batched by ``torch.vmap``), float32 or float64, every value finite
