@@ -1,5 +1,6 @@
-"""Relevance weights with exact queries and keys (``ablation/qk.py``: ``pattern_adjoints``,
-``relp_sites``, ``Patching.relevance_qk``); float64, fixed seeds, a saturated pattern.
+"""Relevance weights with exact queries and keys (``ablation/relevance_qk.py``:
+``pattern_adjoints``, ``relp_sites``, ``Patching.relevance_qk``); float64, fixed seeds, a
+saturated pattern.
 
 Oracles:
 - under gradient weights a pattern's adjoint is torch.autograd's ``∂m/∂A`` (small Llama
@@ -23,6 +24,7 @@ from torch import nn
 
 import semiring_backprop as sbp
 from semiring_backprop.ablation import Patching, qk
+from semiring_backprop.ablation import relevance_qk as rq
 from semiring_backprop.experiments.models import attention_only
 
 T = pytest.importorskip("transformers")
@@ -112,7 +114,7 @@ def test_the_pattern_adjoint_of_a_gradient_pass_is_autograds():
                            - o.logits[0, -1, 4], semirings=[sbp.Real()])  # fmt: skip
         p = Patching(res, {"input_ids": cor})
         heads = qk.attention_heads(p)
-        got, want = qk.pattern_adjoints(p, heads), qk._pattern_gradients(p, heads)
+        got, want = rq.pattern_adjoints(p, heads), qk._pattern_gradients(p, heads)
         assert len(got) == len({h.pattern for h in heads}) >= 2
         for node, g in got.items():
             assert float(want[node].abs().max()) > 1e-6
@@ -139,7 +141,7 @@ def _small_models():
 def test_the_relevance_adjoint_holds_the_norms_scale():
     p, c = runs()
     heads = qk.attention_heads(p)
-    (got,) = qk.pattern_adjoints(p, heads, c.result).values()
+    (got,) = rq.pattern_adjoints(p, heads, c.result).values()
     a, want = relevance_adjoint()
     assert float(a.amax(-1).max()) > 1 - 1e-9  # saturated rows
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
@@ -160,8 +162,8 @@ def test_relp_sites_are_the_relevance_of_the_activation_difference():
     p, c = runs()
     x, x_cor = embeddings(IDS).detach(), embeddings(COR).detach()
     _, g = relevance_adjoint()
-    sites = qk.relp_sites(p, c.result)
-    plain = qk.relp_sites(p, c.result, exact_qk=False)
+    sites = rq.relp_sites(p, c.result)
+    plain = rq.relp_sites(p, c.result, exact_qk=False)
     # the embeddings: (x - x') . r, r through the value path with the pattern held, plus
     # each head's exact pattern change (query and key at the site's position from x')
     xl = x.clone().requires_grad_()
@@ -207,13 +209,13 @@ def test_relevance_qk_fixes_query_and_key_edges_under_the_relevance_adjoint():
     assert float(qk_rows.score.abs().max()) > 1e-3
     # value and target edges keep the circuit's relevance flow (0: no path, not listed)
     rest = edges[~edges.input.isin(["q", "k"])].merge(
-        c.edges[[*qk.EDGE_KEY, "Real"]], on=list(qk.EDGE_KEY), how="left"
+        c.edges[[*rq.EDGE_KEY, "Real"]], on=list(rq.EDGE_KEY), how="left"
     )
     assert rest.Real.notna().sum() >= 10
     assert rest.score.tolist() == rest.Real.fillna(0.0).tolist()
     # the embeddings' sites: the circuit's (x - x') . r plus the exact pattern changes,
     # as relp_sites (whose activation difference there is x - x' too)
-    relp = qk.relp_sites(p, c.result)
+    relp = rq.relp_sites(p, c.result)
     mine = sites[sites.role == "embedding"].score.to_numpy()
     theirs = relp[relp.role == "embedding"].score.to_numpy()
     assert abs(mine - theirs).max() < 1e-9
@@ -231,4 +233,4 @@ def test_relevance_qk_says_what_it_needs():
     with pytest.raises(sbp.InputError, match="Real semiring"):
         mp = sbp.backprop(model(), kwargs={"input_ids": IDS}, output=metric,
                           semirings=[sbp.MaxProduct()])  # fmt: skip
-        qk.pattern_adjoints(p, qk.attention_heads(p), mp)
+        rq.pattern_adjoints(p, qk.attention_heads(p), mp)

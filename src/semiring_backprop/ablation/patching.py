@@ -434,8 +434,8 @@ class Patching:
     def relevance_qk(self, circuit):
         """``(edges, sites)``: the scores of a relevance-weighted ``circuit`` of this
         pass with each query and key term computed exactly (the pattern, which the rule
-        holds constant, recomputed, linear after it): :func:`.qk.relevance_qk`."""
-        from .qk import relevance_qk
+        holds constant, recomputed, linear after it): :func:`.relevance_qk.relevance_qk`."""
+        from .relevance_qk import relevance_qk
 
         return relevance_qk(self, circuit)
 

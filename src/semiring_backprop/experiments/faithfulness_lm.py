@@ -225,7 +225,7 @@ def _relp(exact_qk: bool):
     def score(p: Pair) -> Scores:
         """RelP's sites (the activation difference times the relevance adjoint); its
         edges are Real-relevance's (-QK's)."""
-        from ..ablation.qk import relp_sites
+        from ..ablation.relevance_qk import relp_sites
         from ..semirings import Real
 
         c, s = p.circuit("relevance", [Real()], weights="relevance")

@@ -133,15 +133,22 @@ def _pool(n: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=n, thread_name_prefix="sbp-maxtimes")
 
 
+def _has_storage(t) -> bool:
+    """Memory of its own (not batched by ``torch.vmap``): what a pointer can be read of."""
+    try:
+        t.untyped_storage()
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _fits(hi, lo, wt) -> bool:
     """Whether the native kernel computes what the torch kernels compute on these."""
     if hi.device.type != "cpu" or hi.dtype not in (torch.float32, torch.float64):
         return False
     if lo.dtype != hi.dtype or wt.dtype != hi.dtype or wt.device.type != "cpu":
         return False
-    from . import has_storage
-
-    if not (has_storage(hi) and has_storage(lo) and has_storage(wt)):
+    if not (_has_storage(hi) and _has_storage(lo) and _has_storage(wt)):
         return False
     if hi.dtype == torch.float32 and hi.shape[-1] >= 2**24:  # float indices: exact below
         return False
