@@ -5,11 +5,13 @@ real causal LM, per pair: Pearson and Kendall over the sites and over the heads
 one method against another on a few pairs.
 
     python benchmarks/bench_site_agreement.py [--model smol] [--task ioi] [--pairs 1]
-        [--methods Real,MaxProduct,EAP,EAP-QK,Real-relevance] [--ig-steps 10]
-        [--threads 1]
+        [--methods Real,MaxProduct,EAP,EAP-QK,Real-relevance] [--ig-steps 10[,2,...]]
+        [--threads 1] [--out rows.csv]
 
 Methods are the entries of ``semiring_backprop.experiments.faithfulness_lm.methods``
-(``Real-IG{n}`` with ``--ig-steps n``). The ground truth is
+(``Real-IG{n}`` for each ``n`` of ``--ig-steps``). ``--out`` writes the rows (one per
+pair and method) as CSV, appending to a file that exists, so runs of several tasks
+collect in one table. The ground truth is
 ``Patching.node_effects()`` (one patched forward per site).
 """
 
@@ -26,8 +28,9 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--methods", default="Real,MaxProduct,EAP,EAP-QK,Real-relevance")
-    p.add_argument("--ig-steps", type=int, default=10)
+    p.add_argument("--ig-steps", default="10")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     import pandas as pd
@@ -42,7 +45,7 @@ def main(argv=None) -> None:
     from semiring_backprop.semirings import MaxProduct
 
     cfg = make_config("faithfulness-lm", model=args.model, task=(args.task,),
-                      pairs=args.pairs, seed=args.seed, ig_steps=(args.ig_steps,))  # fmt: skip
+                      pairs=args.pairs, seed=args.seed, ig_steps=tuple(int(n) for n in args.ig_steps.split(",")))  # fmt: skip
     wanted = args.methods.split(",")
     chosen = [m for m in flm.methods(cfg) if m.name in wanted]
     missing = set(wanted) - {m.name for m in chosen}
@@ -70,13 +73,17 @@ def main(argv=None) -> None:
                 nodes = complete(nodes, effects)
                 heads = flm.head_totals(nodes, "score", m.name)
                 a, h = agreement(nodes, effects), agreement(heads, exact_heads)
-                rows.append({"pair": i, "method": m.name, "sites_pearson": a["pearson"],
+                rows.append({"task": args.task, "pair": i, "method": m.name, "sites_pearson": a["pearson"],
                              "sites_kendall": a["kendall"], "heads_pearson": h["pearson"],
                              "heads_kendall": h["kendall"], "top10": a["top_n_overlap"],
                              "seconds": secs})  # fmt: skip
                 print(pd.DataFrame(rows[-1:]).to_string(index=False, header=not i and
                       m is chosen[0], float_format="%.3f"), flush=True)  # fmt: skip
     frame = pd.DataFrame(rows)
+    if args.out:
+        import os
+
+        frame.to_csv(args.out, mode="a", header=not os.path.exists(args.out), index=False)
     print("\nmeans over the pairs:")
     print(frame.groupby("method", sort=False).mean(numeric_only=True).drop(columns="pair")
           .to_string(float_format="%.3f"))  # fmt: skip

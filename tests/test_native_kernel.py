@@ -176,3 +176,60 @@ def test_a_failed_build_says_so_and_runs_torch(monkeypatch, tmp_path, caplog):
         assert all(torch.equal(g, w) for g, w in zip(got, _torch(hi, lo, wt, True)))
     finally:
         native.library.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batched", [False, True])
+def test_weights_packed_once_give_the_same_answer(lib, dtype, batched):
+    """``MaxProduct.prepare``'s packed weights (made once, kept across calls): the
+    answer of the weights packed on the call, and of the torch kernels, bit for bit;
+    one matrix for every batch of fields, or one per batch."""
+    hi, lo = _fields(3, 21, 70, dtype, seed=11, ties=True)
+    wt = _weights(3 if batched else 1, 50, 70, dtype, seed=11, ties=True)
+    packed = native.pack(wt if batched else wt[0])
+    assert packed is not None and packed.panels.shape[0] == (3 if batched else 1)
+    for argmax in (False, True):
+        want = _torch(hi, lo, wt, argmax)
+        got = kernels.maxtimes(hi, lo, packed, argmax)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), argmax
+
+
+def test_weights_that_do_not_fit_are_not_packed(lib):
+    wt = _weights(1, 9, 20, torch.float32, seed=7)
+    wt[0, 2, 3] = float("nan")
+    assert native.pack(wt) is None  # (the torch kernels read it, NaN and all)
+    assert native.pack(wt.to(torch.float16)) is None
+    assert native.pack(torch.ones(3)) is None
+
+
+def test_a_pass_with_packed_weights_kept_across_calls_is_the_torch_kernels_pass(lib):
+    """A neuron MaxProduct pass of a ``Backprop`` (weights prepared on the first call
+    and kept: the second call reads them packed) equals, bit for bit, the same pass with
+    the kernel off (the torch kernels on the transposed weights)."""
+    import semiring_backprop as sbp
+    from semiring_backprop.semirings.maxproduct import MaxProduct
+
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(30, 64), torch.nn.ReLU(),
+                                torch.nn.Linear(64, 50), torch.nn.Tanh(),
+                                torch.nn.Linear(50, 7)).eval()  # fmt: skip
+    x = torch.randn(5, 30)
+    output = lambda y: y[1, 2] - y[3, 4]  # noqa: E731
+    sr = MaxProduct()
+    bp = sbp.Backprop(model, output, [sr], keep=None)
+    first, second = bp((x,)), bp((x,))
+    kept = [v for _, v in bp._prepared.items.values() if isinstance(v, native.Packed)]
+    assert len(kept) == 3  # the three Linear weights, packed once
+    native.library.cache_clear()
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("SEMIRING_BACKPROP_NATIVE", "0")
+        native.library.cache_clear()
+        assert isinstance(sr.prepare(torch.ones(2, 3)), torch.Tensor)  # (not packed)
+        off = sbp.Backprop(model, output, [sr], keep=None, weight_cache=0)((x,))
+    native.library.cache_clear()
+    for got in (first, second):
+        for node in (0, "1", "3"):
+            a, b = got.value(node, sr), off.value(node, sr)
+            assert len(a) == len(b) == 2
+            for fa, fb in zip(a, b, strict=True):
+                assert torch.equal(fa, fb), node

@@ -269,13 +269,17 @@ def maxtimes(hi, lo, wt, argmax: bool = True):
     (``(out_hi, j_hi, out_lo, j_lo)``), or without them (``(out_hi, out_lo)``).
 
     The weights come transposed, ``wt[..., k, j] = w[..., j, k]`` (the reduced dim
-    contiguous). ``(hi, lo) = (-inf, +inf)`` is "no path": it never wins, even against a
-    zero weight.
+    contiguous), or packed for the native kernel (:class:`.native.Packed`, from
+    ``MaxProduct.prepare``). ``(hi, lo) = (-inf, +inf)`` is "no path": it never wins,
+    even against a zero weight.
     """
-    batch, (hi, lo), wt = _flat((hi, lo), wt)
     from . import native  # the blocked kernel where it is built and fits, else torch's
 
-    outs = native.maxtimes(hi, lo, wt, argmax)
+    panels = None
+    if isinstance(wt, native.Packed):
+        wt, panels = wt
+    batch, (hi, lo), wt = _flat((hi, lo), wt)
+    outs = native.maxtimes(hi, lo, wt, argmax, panels)
     if outs is None:
         outs = _run("maxtimes" if argmax else "maxtimes_values", (hi, lo), wt, prep=zero_masked)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)

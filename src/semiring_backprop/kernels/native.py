@@ -35,6 +35,7 @@ import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -142,50 +143,95 @@ def _has_storage(t) -> bool:
     return True
 
 
-def _fits(hi, lo, wt) -> bool:
-    """Whether the native kernel computes what the torch kernels compute on these."""
-    if hi.device.type != "cpu" or hi.dtype not in (torch.float32, torch.float64):
+class Packed(NamedTuple):
+    """Contraction weights as the native kernel reads them, made once per weight
+    (``MaxProduct.prepare``, kept across calls with the prepared weights): ``wt`` the
+    transposed weights (..., p, m) the torch kernels read, ``panels`` their packed copy
+    (B, p / width, m, width) with the leading dims flattened into B."""
+
+    wt: torch.Tensor
+    panels: torch.Tensor
+
+
+def _panels(wt, width: int) -> torch.Tensor:
+    """(B, p, m) transposed weights as packed panels, (B, tiles, m, width): a tile reads
+    its weights in order; columns past p are 0."""
+    b, p, m = wt.shape
+    pp = -(-p // width) * width
+    padded = wt.new_zeros(b, pp, m)  # (columns, inner), 0 past p
+    padded[:, :p] = wt
+    return padded.view(b, pp // width, width, m).transpose(-1, -2).contiguous()
+
+
+def pack(wt: torch.Tensor) -> Packed | None:
+    """``wt`` (..., p, m) with its panels, where the native kernel is built and takes
+    these weights (CPU, float32 / float64, every weight finite); None otherwise (the
+    caller keeps ``wt``: the torch kernels read it as it is)."""
+    lib = library()
+    if lib is None or wt.dim() < 2 or not _weights_fit(wt) or 0 in wt.shape:
+        return None
+    wt = wt.detach()
+    width = int(lib.sbp_tile_width(wt.element_size()))
+    return Packed(wt, _panels(wt.reshape(-1, *wt.shape[-2:]), width))
+
+
+def _weights_fit(wt) -> bool:
+    if wt.device.type != "cpu" or wt.dtype not in (torch.float32, torch.float64):
         return False
-    if lo.dtype != hi.dtype or wt.dtype != hi.dtype or wt.device.type != "cpu":
+    return _has_storage(wt) and bool(torch.isfinite(wt).all())
+
+
+def _values_fit(hi, lo, wt) -> bool:
+    """Whether the native kernel computes what the torch kernels compute on these
+    values (the weights checked already)."""
+    if hi.device.type != "cpu" or lo.dtype != hi.dtype or wt.dtype != hi.dtype:
         return False
-    if not (_has_storage(hi) and _has_storage(lo) and _has_storage(wt)):
+    if not (_has_storage(hi) and _has_storage(lo)):
         return False
     if hi.dtype == torch.float32 and hi.shape[-1] >= 2**24:  # float indices: exact below
         return False
     live = hi != -INF
-    if not bool(torch.isfinite(wt).all()):
-        return False
     return bool((torch.isfinite(hi) & torch.isfinite(lo) | ~live & (lo == INF)).all())
 
 
-def maxtimes(hi, lo, wt, argmax: bool):
+def _shared(wt) -> bool:
+    """Whether the (B, p, m) weights are one matrix for every batch (a broadcast)."""
+    return wt.shape[0] == 1 or wt.stride(0) == 0
+
+
+def maxtimes(hi, lo, wt, argmax: bool, panels: torch.Tensor | None = None):
     """:func:`..kernels.maxtimes` on flattened (B, n, m) fields and (B, p, m) transposed
     weights: ``(out_hi, j_hi, out_lo, j_lo)`` (``argmax``) or ``(out_hi, out_lo)``; None
-    where the native kernel is not built or does not fit these tensors."""
+    where the native kernel is not built or does not fit these tensors. ``panels``: the
+    weights packed already (:func:`pack`; one matrix, or one per batch)."""
     lib = library()
-    if lib is None or not _fits(hi, lo, wt):
+    if lib is None:
         return None
     b, n, m = hi.shape
     p = wt.shape[-2]
     if b == 0 or n == 0 or p == 0:
         return None
+    if panels is not None and panels.shape[0] not in (1, b):  # (broadcast otherwise)
+        panels = None
+    if panels is None and not _weights_fit(wt):
+        return None
+    if not _values_fit(hi, lo, wt):
+        return None
     item = hi.element_size()
     width = int(lib.sbp_tile_width(item))
     pp = -(-p // width) * width
-    padded = torch.zeros(wt.shape[0], pp, m, dtype=hi.dtype)  # (columns, inner), 0 past p
-    padded[:, :p] = wt
-    # packed panels, (tiles, inner, width): a tile reads its weights in order
-    w = padded.view(wt.shape[0], pp // width, width, m).transpose(-1, -2).contiguous()
+    if panels is None:  # one matrix packed where every batch reads the same
+        panels = _panels(wt[:1] if _shared(wt) else wt, width)
     hs, ls = hi.contiguous(), lo.contiguous()
     live = (hs != -INF).all(-1).to(torch.uint8).reshape(-1)  # rows with a path everywhere
     # (out_hi, out_lo[, j_hi, j_lo]): the C function's order
     outs = [torch.empty(b * n, pp, dtype=hi.dtype) for _ in range(4 if argmax else 2)]
     fn = lib.sbp_maxtimes_f32 if item == 4 else lib.sbp_maxtimes_f64
-    w_batch = 0 if wt.shape[0] == 1 else m * pp
+    w_batch = 0 if panels.shape[0] == 1 else m * pp
     ptrs = [t.data_ptr() for t in outs] + ([] if argmax else [None, None])
 
     def run(r0, r1):
-        data = (hs.data_ptr(), ls.data_ptr(), w.data_ptr(), live.data_ptr())
+        data = (hs.data_ptr(), ls.data_ptr(), panels.data_ptr(), live.data_ptr())
         fn(*data, n, m, pp, w_batch, r0, r1, *ptrs)
 
     rows = b * n

@@ -8,6 +8,7 @@ import torch
 
 from .. import kernels
 from ..errors import InputError
+from ..kernels import native
 from ..kernels.pairs import maxtimes_pairs
 from .base import (
     INF,
@@ -303,8 +304,12 @@ class MaxProduct(Semiring):
         return retype(a, tuple(f.reshape(out_shape) for f in (hi, lo, *ph, *pl)))
 
     def prepare(self, w: torch.Tensor):
-        # the kernels read the weights transposed (the reduced dim contiguous)
-        return w.transpose(-2, -1).contiguous() if self.neuron else None
+        """The weights transposed (the reduced dim contiguous), as the kernels read them;
+        packed for the native kernel too where it runs (:func:`..kernels.native.pack`)."""
+        if not self.neuron:
+            return None
+        wt = w.transpose(-2, -1).contiguous()
+        return native.pack(wt) or wt
 
     def contract(self, a: Value, b: Value) -> Value:
         """One max-times kernel over the four products of ``a``'s and ``b``'s hi and lo
