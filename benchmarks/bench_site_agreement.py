@@ -44,8 +44,9 @@ def main(argv=None) -> None:
     from semiring_backprop.experiments.faithfulness import complete
     from semiring_backprop.semirings import MaxProduct
 
+    steps = tuple(int(n) for n in args.ig_steps.split(","))
     cfg = make_config("faithfulness-lm", model=args.model, task=(args.task,),
-                      pairs=args.pairs, seed=args.seed, ig_steps=tuple(int(n) for n in args.ig_steps.split(",")))  # fmt: skip
+                      pairs=args.pairs, seed=args.seed, ig_steps=steps)  # fmt: skip
     wanted = args.methods.split(",")
     chosen = [m for m in flm.methods(cfg) if m.name in wanted]
     missing = set(wanted) - {m.name for m in chosen}
@@ -73,7 +74,8 @@ def main(argv=None) -> None:
                 nodes = complete(nodes, effects)
                 heads = flm.head_totals(nodes, "score", m.name)
                 a, h = agreement(nodes, effects), agreement(heads, exact_heads)
-                rows.append({"task": args.task, "pair": i, "method": m.name, "sites_pearson": a["pearson"],
+                rows.append({"task": args.task, "pair": i, "method": m.name,
+                             "sites_pearson": a["pearson"],
                              "sites_kendall": a["kendall"], "heads_pearson": h["pearson"],
                              "heads_kendall": h["kendall"], "top10": a["top_n_overlap"],
                              "seconds": secs})  # fmt: skip
