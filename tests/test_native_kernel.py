@@ -21,7 +21,7 @@ INF = float("inf")
 
 @pytest.fixture(autouse=True)
 def turned_on(monkeypatch):
-    """The kernel is opt-in (``SEMIRING_BACKPROP_NATIVE=1``); these tests turn it on."""
+    """The kernel is on unless ``SEMIRING_BACKPROP_NATIVE=0``; these tests make sure."""
     monkeypatch.setenv("SEMIRING_BACKPROP_NATIVE", "1")
     native.library.cache_clear()
     yield
@@ -36,10 +36,13 @@ def lib():
     return got
 
 
-def test_it_is_off_unless_asked(monkeypatch):
+def test_it_is_on_unless_turned_off(monkeypatch):
     monkeypatch.delenv("SEMIRING_BACKPROP_NATIVE")
-    native.library.cache_clear()
-    assert not native.enabled() and native.library() is None
+    assert native.enabled()
+    for off in ("0", "false", " False "):
+        monkeypatch.setenv("SEMIRING_BACKPROP_NATIVE", off)
+        native.library.cache_clear()
+        assert not native.enabled() and native.library() is None
 
 
 def _fields(b, n, m, dtype, seed, ties=False, dead=0.2):
@@ -192,6 +195,26 @@ def test_weights_packed_once_give_the_same_answer(lib, dtype, batched):
         want = _torch(hi, lo, wt, argmax)
         got = kernels.maxtimes(hi, lo, packed, argmax)
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), argmax
+
+
+def test_packed_weights_unpack_for_values_the_kernel_does_not_take(lib):
+    """The panels alone are kept: they give back the transposed weights exactly, and
+    values the native kernel does not take (a NaN; fields broadcast against a batch the
+    panels do not hold) get the torch kernels' answer on those weights."""
+    wt = _weights(2, 13, 20, torch.float64, seed=5, ties=True).reshape(2, 1, 13, 20)
+    packed = native.pack(wt)
+    assert torch.equal(packed.unpack(), wt)
+    hi, lo = _fields(1, 4, 20, torch.float64, seed=5)
+    hi[0, 1, 2] = float("nan")
+    got = kernels.maxtimes(hi, lo, packed)
+    want = _torch(hi.expand(2, 4, 20), lo.expand(2, 4, 20), wt.reshape(2, 13, 20), True)
+    for g, w in zip(got, want, strict=True):  # (NaN where the NaN reaches)
+        torch.testing.assert_close(g.reshape(w.shape), w, rtol=0, atol=0, equal_nan=True)
+    hi, lo = _fields(3, 4, 20, torch.float64, seed=6)  # batch (2, 3): not the panels' (2, 1)
+    got = kernels.maxtimes(hi, lo, packed)
+    want = kernels.maxtimes(hi, lo, wt)
+    assert got[0].shape == (2, 3, 4, 13)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
 
 
 def test_weights_that_do_not_fit_are_not_packed(lib):

@@ -275,11 +275,13 @@ def maxtimes(hi, lo, wt, argmax: bool = True):
     """
     from . import native  # the blocked kernel where it is built and fits, else torch's
 
-    panels = None
     if isinstance(wt, native.Packed):
-        wt, panels = wt
+        outs = native.maxtimes_packed(hi, lo, wt, argmax)
+        if outs is not None:
+            return outs
+        wt = wt.unpack()  # values the native kernel does not take: torch's read them
     batch, (hi, lo), wt = _flat((hi, lo), wt)
-    outs = native.maxtimes(hi, lo, wt, argmax, panels)
+    outs = native.maxtimes(hi, lo, wt, argmax)
     if outs is None:
         outs = _run("maxtimes" if argmax else "maxtimes_values", (hi, lo), wt, prep=zero_masked)
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)

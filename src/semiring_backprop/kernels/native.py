@@ -9,10 +9,12 @@ Built on first use, not at install: the C++ file is compiled with the machine's 
 (``$SEMIRING_BACKPROP_CACHE``, else ``~/.cache/semiring_backprop``), once per source,
 flags and compiler; later processes load it (``SEMIRING_BACKPROP_KERNEL_FLAGS``: more
 flags, e.g. ``-mno-avx512f`` to build and test the AVX2 kernel on an AVX-512 machine).
-It runs only with ``SEMIRING_BACKPROP_NATIVE=1`` (off by default: see :func:`enabled`).
-Where no compiler is found, or compiling fails, or it is off, :func:`maxtimes` returns
-None and :func:`..kernels.maxtimes` runs its torch kernels (the same values: tests
-compare them).
+It is on unless ``SEMIRING_BACKPROP_NATIVE=0`` (:func:`enabled`). Where no compiler is
+found, or compiling fails, or it is off, :func:`maxtimes` returns None and
+:func:`..kernels.maxtimes` runs its torch kernels (the same values: tests compare
+them). The weights are packed into the kernel's panels once, with the prepared weights
+of a pass (:func:`pack`, from ``MaxProduct.prepare``, kept across calls), and on every
+call only where they were not prepared.
 
 It runs only where it computes what the torch kernels compute: CPU tensors with memory
 of their own (not batched by ``torch.vmap``), float32 or float64, every value finite
@@ -28,6 +30,7 @@ import ctypes
 import functools
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -49,10 +52,10 @@ _FLAGS = {"AVX512": ["-mavx512f", "-mfma"], "AVX2": ["-mavx2", "-mfma"]}
 
 
 def enabled() -> bool:
-    """Opt-in for now (``SEMIRING_BACKPROP_NATIVE=1``): faster than torch's kernels alone,
-    but in a whole pass it packs the weights on every call (time and memory: see
-    docs/performance.md), which the weights' preparation should do once."""
-    return os.environ.get("SEMIRING_BACKPROP_NATIVE", "0").strip().lower() in ("1", "true")
+    """On unless ``SEMIRING_BACKPROP_NATIVE=0`` (or ``false``): the same values as the
+    torch kernels, in a third to a half of their time in a whole pass
+    (docs/performance.md, "The max-times kernel")."""
+    return os.environ.get("SEMIRING_BACKPROP_NATIVE", "1").strip().lower() not in ("0", "false")
 
 
 def compiler() -> str | None:
@@ -145,12 +148,24 @@ def _has_storage(t) -> bool:
 
 class Packed(NamedTuple):
     """Contraction weights as the native kernel reads them, made once per weight
-    (``MaxProduct.prepare``, kept across calls with the prepared weights): ``wt`` the
-    transposed weights (..., p, m) the torch kernels read, ``panels`` their packed copy
-    (B, p / width, m, width) with the leading dims flattened into B."""
+    (``MaxProduct.prepare``, kept across calls with the prepared weights): the packed
+    panels (B, p / width, m, width) of the transposed weights (..., p, m), the leading
+    dims flattened into B; ``shape`` the transposed weights' shape. The panels alone
+    are kept (no second copy): :meth:`unpack` remakes the transposed weights for the
+    torch kernels where the native one does not take the values."""
 
-    wt: torch.Tensor
     panels: torch.Tensor
+    shape: torch.Size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.panels.dtype
+
+    def unpack(self) -> torch.Tensor:
+        """The transposed weights (..., p, m) the panels were made from."""
+        b, tiles, m, width = self.panels.shape
+        wt = self.panels.transpose(-1, -2).reshape(b, tiles * width, m)
+        return wt[:, : self.shape[-2]].reshape(self.shape).contiguous()
 
 
 def _panels(wt, width: int) -> torch.Tensor:
@@ -164,15 +179,15 @@ def _panels(wt, width: int) -> torch.Tensor:
 
 
 def pack(wt: torch.Tensor) -> Packed | None:
-    """``wt`` (..., p, m) with its panels, where the native kernel is built and takes
-    these weights (CPU, float32 / float64, every weight finite); None otherwise (the
-    caller keeps ``wt``: the torch kernels read it as it is)."""
+    """``wt`` (..., p, m) packed, where the native kernel is built and takes these
+    weights (CPU, float32 / float64, every weight finite); None otherwise (the caller
+    keeps ``wt``: the torch kernels read it as it is)."""
     lib = library()
     if lib is None or wt.dim() < 2 or not _weights_fit(wt) or 0 in wt.shape:
         return None
     wt = wt.detach()
     width = int(lib.sbp_tile_width(wt.element_size()))
-    return Packed(wt, _panels(wt.reshape(-1, *wt.shape[-2:]), width))
+    return Packed(_panels(wt.reshape(-1, *wt.shape[-2:]), width), wt.shape)
 
 
 def _weights_fit(wt) -> bool:
@@ -181,10 +196,10 @@ def _weights_fit(wt) -> bool:
     return _has_storage(wt) and bool(torch.isfinite(wt).all())
 
 
-def _values_fit(hi, lo, wt) -> bool:
+def _values_fit(hi, lo, dtype) -> bool:
     """Whether the native kernel computes what the torch kernels compute on these
-    values (the weights checked already)."""
-    if hi.device.type != "cpu" or lo.dtype != hi.dtype or wt.dtype != hi.dtype:
+    values, against weights of ``dtype`` (checked already)."""
+    if hi.device.type != "cpu" or lo.dtype != hi.dtype or dtype != hi.dtype:
         return False
     if not (_has_storage(hi) and _has_storage(lo)):
         return False
@@ -199,29 +214,43 @@ def _shared(wt) -> bool:
     return wt.shape[0] == 1 or wt.stride(0) == 0
 
 
-def maxtimes(hi, lo, wt, argmax: bool, panels: torch.Tensor | None = None):
+def maxtimes(hi, lo, wt, argmax: bool):
     """:func:`..kernels.maxtimes` on flattened (B, n, m) fields and (B, p, m) transposed
     weights: ``(out_hi, j_hi, out_lo, j_lo)`` (``argmax``) or ``(out_hi, out_lo)``; None
-    where the native kernel is not built or does not fit these tensors. ``panels``: the
-    weights packed already (:func:`pack`; one matrix, or one per batch)."""
+    where the native kernel is not built or does not fit these tensors. The weights are
+    packed on every call (one matrix where every batch reads the same)."""
     lib = library()
-    if lib is None:
+    if lib is None or 0 in hi.shape or wt.shape[-2] == 0 or not _weights_fit(wt):
         return None
+    if not _values_fit(hi, lo, wt.dtype):
+        return None
+    width = int(lib.sbp_tile_width(hi.element_size()))
+    return _run(lib, hi, lo, _panels(wt[:1] if _shared(wt) else wt, width), wt.shape[-2], argmax)
+
+
+def maxtimes_packed(hi, lo, packed: Packed, argmax: bool):
+    """:func:`..kernels.maxtimes` on fields (..., n, m) and :func:`pack`'s weights, the
+    batch dims broadcast; None where the native kernel does not fit these values or this
+    broadcast (the caller runs the torch kernels on ``packed.unpack()``)."""
+    lib = library()
+    lead = tuple(packed.shape[:-2])
+    batch = torch.broadcast_shapes(hi.shape[:-2], lo.shape[:-2], lead)
+    if lib is None or (math.prod(lead) != 1 and tuple(batch) != lead):
+        return None
+    b = math.prod(batch)
+    hi, lo = (f.expand(*batch, *f.shape[-2:]).reshape(b, *f.shape[-2:]) for f in (hi, lo))
+    if 0 in hi.shape or not _values_fit(hi, lo, packed.dtype):
+        return None
+    outs = _run(lib, hi, lo, packed.panels, packed.shape[-2], argmax)
+    return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
+
+
+def _run(lib, hi, lo, panels, p: int, argmax: bool):
+    """The C kernel on (B, n, m) fields and (1 or B, tiles, m, width) panels of p
+    columns."""
     b, n, m = hi.shape
-    p = wt.shape[-2]
-    if b == 0 or n == 0 or p == 0:
-        return None
-    if panels is not None and panels.shape[0] not in (1, b):  # (broadcast otherwise)
-        panels = None
-    if panels is None and not _weights_fit(wt):
-        return None
-    if not _values_fit(hi, lo, wt):
-        return None
     item = hi.element_size()
-    width = int(lib.sbp_tile_width(item))
-    pp = -(-p // width) * width
-    if panels is None:  # one matrix packed where every batch reads the same
-        panels = _panels(wt[:1] if _shared(wt) else wt, width)
+    pp = panels.shape[1] * panels.shape[3]
     hs, ls = hi.contiguous(), lo.contiguous()
     live = (hs != -INF).all(-1).to(torch.uint8).reshape(-1)  # rows with a path everywhere
     # (out_hi, out_lo[, j_hi, j_lo]): the C function's order
