@@ -256,3 +256,104 @@ def test_a_pass_with_packed_weights_kept_across_calls_is_the_torch_kernels_pass(
             assert len(a) == len(b) == 2
             for fa, fb in zip(a, b, strict=True):
                 assert torch.equal(fa, fb), node
+
+
+def _eager_topk(m, lwt, k):
+    """The eager kernel's answer: ``topk`` over the broadcast sums (padded as the
+    kernels pad them)."""
+    pad = lwt.shape[-1] - m.shape[-1]
+    if pad:
+        m = torch.nn.functional.pad(m, (0, pad), value=-INF)
+    return (m[:, :, None, :] + lwt[:, None, :, :]).topk(k, -1)
+
+
+def _log_fields(b, n, L, p, dtype, seed, ties):
+    g = torch.Generator().manual_seed(seed)
+    if ties:  # small integers: ties everywhere, so most (row, column)s are undecided
+        m = torch.randint(-3, 2, (b, n, L), generator=g).to(dtype)
+        lwt = torch.randint(-3, 2, (b, p, L), generator=g).to(dtype)
+    else:
+        m = torch.randn(b, n, L, generator=g, dtype=dtype)
+        lwt = torch.randn(b, p, L, generator=g, dtype=dtype)
+    m[torch.rand(b, n, L, generator=g) < 0.3] = -INF  # no path
+    lwt[torch.rand(b, p, L, generator=g) < 0.1] = -INF  # a zero weight
+    if n > 1:
+        m[:, 1] = -INF  # a row with no path at all
+    return m, lwt
+
+
+KBEST = [(1, 5, 64, 7, 3), (2, 33, 128, 45, 3), (1, 9, 256, 33, 1), (3, 4, 64, 17, 8),
+         (1, 20, 512, 70, 2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", KBEST)
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_k_best_kernel_is_the_eager_topk_bit_for_bit(lib, dtype, shape, ties):
+    """Where the kernel says its k best are decided they are eager ``topk``'s, values
+    and indices; ``kernels.maxplus_topk`` (the kernel, the undecided ranked again) is
+    eager ``topk`` everywhere, ties and rows without a path included."""
+    b, n, L, p, k = shape
+    m, lwt = _log_fields(b, n, L, p, dtype, seed=sum(shape), ties=ties)
+    want = _eager_topk(m, lwt, k)
+    best, idx, ok = native.maxplus_kbest(m, lwt, k)
+    assert best.shape == idx.shape == (b, n, p, k) and ok.shape == (b, n, p)
+    assert not bool(ok[:, 1].any())  # no path in row 1: fewer than k finite sums
+    if not ties:
+        assert float(ok.float().mean()) > 0.5  # (most are decided: the test means something)
+    assert torch.equal(best[ok], want[0][ok]) and torch.equal(idx[ok], want[1][ok])
+    got = kernels.maxplus_topk(m, lwt, k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_k_best_kernel_with_weights_shared_by_every_batch(lib):
+    m, lwt = _log_fields(3, 6, 64, 20, torch.float32, seed=3, ties=False)
+    shared = lwt[:1].expand(3, -1, -1)
+    want = _eager_topk(m, shared, 3)
+    got = kernels.maxplus_topk(m, shared, 3)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_k_best_kernel_leaves_nan_and_infinity_to_torch(lib):
+    m, lwt = _log_fields(1, 4, 64, 9, torch.float64, seed=8, ties=False)
+    for bad in (float("nan"), INF):
+        m2 = m.clone()
+        m2[0, 2, 5] = bad
+        assert native.maxplus_kbest(m2, lwt, 3) is None
+        assert native.maxplus_kbest(m, lwt, 9) is None  # k past 8: torch's kernels
+        want = _eager_topk(m2, lwt, 3)
+        got = kernels.maxplus_topk(m2, lwt, 3)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_topk_pass_is_the_torch_kernels_pass(lib):
+    """A TopK(3) pass through a small attention block with the kernel on equals, bit for
+    bit (values, signs and back-pointers), the same pass with it off."""
+    import semiring_backprop as sbp
+
+    torch.manual_seed(5)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    x = torch.randn(1, 6, 16)
+    output = lambda y: y[0, 2, 3] - y[0, 4, 1]  # noqa: E731
+    sr = sbp.TopK(3)
+    ran, kbest = [], native.maxplus_kbest
+
+    def counted(*args):
+        out = kbest(*args)
+        ran.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "maxplus_kbest", counted)
+        on = sbp.Backprop(layer, output, [sr], keep=None)((x,))
+    assert sum(ran) >= 2  # (the kernel ran: the linear layers' contractions at least)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SEMIRING_BACKPROP_NATIVE", "0")
+        native.library.cache_clear()
+        off = sbp.Backprop(layer, output, [sr], keep=None)((x,))
+    native.library.cache_clear()
+    a, b = on.value(0, sr), off.value(0, sr)
+    assert len(a) == len(b) > 3
+    for fa, fb in zip(a, b, strict=True):
+        assert torch.equal(fa, fb)

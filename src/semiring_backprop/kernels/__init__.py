@@ -416,7 +416,11 @@ def maxplus_topk(m, lwt, k: int):
     than ``k`` sums are finite, the rest are -inf with indices that mean nothing (past
     ``j``'s size, where ``lwt`` is padded with -inf beyond ``m``'s size).
 
-    Compiled (:func:`set_compile`): ``k + 1`` max reductions per (row, column) instead
+    Native (:func:`.native.maxplus_kbest`, on a CPU where it is built: k up to 8, no
+    NaN or +inf): the k best kept per output as it goes, then, where a tie or too few
+    finite sums leave them undecided, those ranked again by eager ``topk`` (so the
+    answer is the eager one, ties included). Else compiled (:func:`set_compile`):
+    ``k + 1`` max reductions per (row, column) instead
     of a sort (at ``BLOCKED_MIN`` inner elements or more, over the best blocks first,
     then the best of their elements: BERT's (20, 2048) x (2048, 512), k = 3: 8 ms,
     against 37 ms for one ``topk`` over the broadcast); where a tie or a NaN decides the
@@ -428,6 +432,12 @@ def maxplus_topk(m, lwt, k: int):
         m = torch.nn.functional.pad(m, (0, pad), value=-INF)
     batch, (m,), lwt = _flat((m,), lwt)
     b, n, inner, p = m.shape[0], m.shape[-2], m.shape[-1], lwt.shape[-2]
+    from . import native  # the k-best kernel where it is built and fits
+
+    out = native.maxplus_kbest(m, lwt, k)
+    if out is not None:  # (undecided ones ranked as the eager kernel ranks them)
+        out = _undecided_again(*out, m, lwt, lambda x: _whole_ranked(x, k))
+        return tuple(o.reshape(*batch, n, p, k) for o in out)
     blocked = inner >= BLOCKED_MIN and inner % PAD == 0
     # two keys: the whole rows' kernel gives the eager bits, ties included, so that its
     # compiling (or failing to) never changes when the blocked one compiles

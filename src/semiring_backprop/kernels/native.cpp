@@ -38,6 +38,8 @@ struct V<float> {
     static R min(R a, R b) { return _mm512_min_ps(a, b); }
     static M gt(R a, R b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
     static R pick(M m, R a, R b) { return _mm512_mask_blend_ps(m, a, b); }  // m ? b : a
+    static R add(R a, R b) { return _mm512_add_ps(a, b); }
+    static bool any(M m) { return m != 0; }
 };
 template <>
 struct V<double> {
@@ -52,6 +54,8 @@ struct V<double> {
     static R min(R a, R b) { return _mm512_min_pd(a, b); }
     static M gt(R a, R b) { return _mm512_cmp_pd_mask(a, b, _CMP_GT_OQ); }
     static R pick(M m, R a, R b) { return _mm512_mask_blend_pd(m, a, b); }
+    static R add(R a, R b) { return _mm512_add_pd(a, b); }
+    static bool any(M m) { return m != 0; }
 };
 constexpr int RB_VALUES = 4, RB_ARG = 2, NV = 3;  // (32 registers)
 #elif defined(__AVX2__)
@@ -68,6 +72,8 @@ struct V<float> {
     static R min(R a, R b) { return _mm256_min_ps(a, b); }
     static M gt(R a, R b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
     static R pick(M m, R a, R b) { return _mm256_blendv_ps(a, b, m); }
+    static R add(R a, R b) { return _mm256_add_ps(a, b); }
+    static bool any(M m) { return _mm256_movemask_ps(m) != 0; }
 };
 template <>
 struct V<double> {
@@ -82,6 +88,8 @@ struct V<double> {
     static R min(R a, R b) { return _mm256_min_pd(a, b); }
     static M gt(R a, R b) { return _mm256_cmp_pd(a, b, _CMP_GT_OQ); }
     static R pick(M m, R a, R b) { return _mm256_blendv_pd(a, b, m); }
+    static R add(R a, R b) { return _mm256_add_pd(a, b); }
+    static bool any(M m) { return _mm256_movemask_pd(m) != 0; }
 };
 constexpr int RB_VALUES = 2, RB_ARG = 1, NV = 2;  // (16 registers)
 #else
@@ -98,6 +106,8 @@ struct Scalar {
     static R min(R a, R b) { return a < b ? a : b; }
     static M gt(R a, R b) { return a > b; }
     static R pick(M m, R a, R b) { return m ? b : a; }
+    static R add(R a, R b) { return a + b; }
+    static bool any(M m) { return m; }
 };
 template <>
 struct V<float> : Scalar<float> {};
@@ -202,6 +212,92 @@ void rows(const T* hs, const T* ls, const T* w, const uint8_t* live, int64_t n, 
     }
 }
 
+// The k best sums of a max-plus contraction (TopK's): for row i and column c,
+//
+//   the K largest of m[i, j] + lw[c, j] over j, descending, with their first j,
+//
+// and whether they are decided: the K + 1 largest (with repeats) strictly decreasing,
+// so that the K best are K distinct values, each at one j, whatever breaks ties further
+// down. The weights come packed as for max-times, (p / TW, L, TW); one row at a time,
+// K + 1 values and K indices per lane; a candidate that beats none of a vector's K + 1
+// kept values (nearly all, once the first few are in) costs an add, a compare and a
+// test. The caller guarantees no NaN and no +inf among the inputs (so no sum is NaN).
+template <typename T, int K>
+inline void kbest_tile(const T* mi, const T* w, int64_t L, int64_t k0, T* best, T* idx,
+                       uint8_t* ok) {
+    using X = V<T>;
+    using R = typename X::R;
+    constexpr int64_t TW = NV * X::W;
+    const R neg = X::set1(-std::numeric_limits<T>::infinity());
+    R v[K + 1][NV], ix[K][NV];
+    for (int v_ = 0; v_ < NV; ++v_) {
+        for (int t = 0; t <= K; ++t) v[t][v_] = neg;
+        for (int t = 0; t < K; ++t) ix[t][v_] = X::set1(0);
+    }
+    const T* panel = w + (k0 / TW) * L * TW;
+    for (int64_t j = 0; j < L; ++j) {
+        const R mj = X::set1(mi[j]);
+        const R jv = X::set1(static_cast<T>(j));
+        for (int u = 0; u < NV; ++u) {
+            const R s = X::add(mj, X::load(panel + j * TW + u * X::W));
+            if (!X::any(X::gt(s, v[K][u]))) continue;  // beats none kept: the usual case
+            typename X::M c[K + 1];
+            for (int t = 0; t <= K; ++t) c[t] = X::gt(s, v[t][u]);  // (before any moves)
+            for (int t = K; t >= 1; --t) {  // strictly greater: the first j stays first
+                v[t][u] = X::pick(c[t - 1], X::pick(c[t], v[t][u], s), v[t - 1][u]);
+                if (t < K) ix[t][u] = X::pick(c[t - 1], X::pick(c[t], ix[t][u], jv), ix[t - 1][u]);
+            }
+            v[0][u] = X::pick(c[0], v[0][u], s);
+            ix[0][u] = X::pick(c[0], ix[0][u], jv);
+        }
+    }
+    alignas(64) T vals[K + 1][TW], ids[K][TW];
+    for (int u = 0; u < NV; ++u) {
+        for (int t = 0; t <= K; ++t) X::store(vals[t] + u * X::W, v[t][u]);
+        for (int t = 0; t < K; ++t) X::store(ids[t] + u * X::W, ix[t][u]);
+    }
+    for (int64_t c = 0; c < TW; ++c) {
+        bool decided = true;
+        for (int t = 0; t < K; ++t) {
+            best[c * K + t] = vals[t][c];
+            idx[c * K + t] = ids[t][c];
+            decided = decided && vals[t][c] > vals[t + 1][c];
+        }
+        ok[c] = decided;
+    }
+}
+
+// Rows r0 .. r1 of the flattened (batch * n) rows; best and idx (rows, pp, K), ok
+// (rows, pp); row i reads the weights of batch i / n (w_batch 0: shared).
+template <typename T, int K>
+void kbest_rows(const T* ms, const T* w, int64_t n, int64_t L, int64_t pp, int64_t w_batch,
+                int64_t r0, int64_t r1, T* best, T* idx, uint8_t* ok) {
+    constexpr int64_t TW = NV * V<T>::W;
+    const int64_t per_tile = L * TW * static_cast<int64_t>(sizeof(T));
+    const int64_t panel = TW * (per_tile >= (1 << 20) ? 1 : (1 << 20) / per_tile);
+    for (int64_t c0 = 0; c0 < pp; c0 += panel) {
+        const int64_t c1 = c0 + panel < pp ? c0 + panel : pp;
+        for (int64_t i = r0; i < r1; ++i) {
+            const T* wb = w + (i / n) * w_batch;
+            for (int64_t k0 = c0; k0 < c1; k0 += TW)
+                kbest_tile<T, K>(ms + i * L, wb, L, k0, best + (i * pp + k0) * K,
+                                 idx + (i * pp + k0) * K, ok + i * pp + k0);
+        }
+    }
+}
+
+template <typename T>
+void kbest(const T* ms, const T* w, int64_t n, int64_t L, int64_t pp, int64_t w_batch,
+           int64_t r0, int64_t r1, int64_t k, T* best, T* idx, uint8_t* ok) {
+    switch (k) {
+#define SBP_K(K) \
+    case K:      \
+        return kbest_rows<T, K>(ms, w, n, L, pp, w_batch, r0, r1, best, idx, ok);
+        SBP_K(1) SBP_K(2) SBP_K(3) SBP_K(4) SBP_K(5) SBP_K(6) SBP_K(7) SBP_K(8)
+#undef SBP_K
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -230,5 +326,20 @@ void sbp_maxtimes_f64(const double* hs, const double* ls, const double* w, const
     else
         rows<double, false>(hs, ls, w, live, n, m, pp, w_batch, r0, r1, ohi, olo, nullptr,
                             nullptr);
+}
+
+// The k best (k = 1 .. 8) of a max-plus contraction: kbest above.
+int64_t sbp_kbest_max(void) { return 8; }
+
+void sbp_maxplus_kbest_f32(const float* ms, const float* w, int64_t n, int64_t L, int64_t pp,
+                           int64_t w_batch, int64_t r0, int64_t r1, int64_t k, float* best,
+                           float* idx, uint8_t* ok) {
+    kbest<float>(ms, w, n, L, pp, w_batch, r0, r1, k, best, idx, ok);
+}
+
+void sbp_maxplus_kbest_f64(const double* ms, const double* w, int64_t n, int64_t L,
+                           int64_t pp, int64_t w_batch, int64_t r0, int64_t r1, int64_t k,
+                           double* best, double* idx, uint8_t* ok) {
+    kbest<double>(ms, w, n, L, pp, w_batch, r0, r1, k, best, idx, ok);
 }
 }

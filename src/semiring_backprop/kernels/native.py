@@ -1,7 +1,8 @@
 """The signed max-times contraction as native code (``native.cpp``): a kernel blocked
 like a GEMM (a register tile of rows by vectors of columns; two multiplies, two max and
 two min per multiply-add a real product would make), with AVX-512 or AVX2 where this CPU
-has it.
+has it; and TopK's k-best max-plus contraction (:func:`maxplus_kbest`: the k largest
+sums per output kept as it goes, most candidates rejected by one compare).
 
 Built on first use, not at install: the C++ file is compiled with the machine's compiler
 (``$CXX``, else ``c++`` or ``g++``; a second or so) for this CPU's vector width
@@ -117,6 +118,11 @@ def library():
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr]
         fn.restype = None
     lib.sbp_tile_width.argtypes, lib.sbp_tile_width.restype = [i64], i64
+    for name in ("sbp_maxplus_kbest_f32", "sbp_maxplus_kbest_f64"):
+        fn = getattr(lib, name)
+        fn.argtypes = [ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr]
+        fn.restype = None
+    lib.sbp_kbest_max.argtypes, lib.sbp_kbest_max.restype = [], i64
     return lib
 
 
@@ -276,6 +282,56 @@ def _run(lib, hi, lo, panels, p: int, argmax: bool):
     if not argmax:
         return tuple(got)
     return got[0], got[2].long(), got[1], got[3].long()
+
+
+def maxplus_kbest(m, lwt, k: int):
+    """The ``k`` largest of ``m[b, i, j] + lwt[b, l, j]`` over ``j`` for (B, n, L) log
+    magnitudes and (B or 1, p, L) transposed log weights: ``(values, indices, decided)``,
+    (B, n, p, k) each and (B, n, p) (:func:`..kernels.maxplus_topk`'s compiled kernels'
+    contract: where ``decided`` is False, a tie or too few finite sums leaves the k best
+    to be ranked again); None where the kernel is not built or does not take these (a
+    NaN or +inf among them, k past 8, not float32 / float64 on a CPU)."""
+    lib = library()
+    if lib is None or not 1 <= k <= int(lib.sbp_kbest_max()):
+        return None
+    b, n, L = m.shape
+    p = lwt.shape[-2]
+    if 0 in (b, n, L, p) or m.device.type != "cpu" or lwt.device.type != "cpu":
+        return None
+    if m.dtype not in (torch.float32, torch.float64) or lwt.dtype != m.dtype:
+        return None
+    if m.dtype == torch.float32 and L >= 2**24:  # float indices: exact below
+        return None
+    if not (_has_storage(m) and _has_storage(lwt)):
+        return None
+    if bool((m.isnan() | (m == INF)).any() or (lwt.isnan() | (lwt == INF)).any()):
+        return None
+    width = int(lib.sbp_tile_width(m.element_size()))
+    pp = -(-p // width) * width
+    panels = _panels(lwt[:1] if _shared(lwt) else lwt, width)
+    ms = m.contiguous()
+    best = torch.empty(b * n, pp, k, dtype=m.dtype)
+    idx = torch.empty(b * n, pp, k, dtype=m.dtype)
+    ok = torch.empty(b * n, pp, dtype=torch.uint8)
+    fn = lib.sbp_maxplus_kbest_f32 if m.element_size() == 4 else lib.sbp_maxplus_kbest_f64
+    w_batch = 0 if panels.shape[0] == 1 else L * pp
+
+    def run(r0, r1):
+        fn(ms.data_ptr(), panels.data_ptr(), n, L, pp, w_batch, r0, r1, k,
+           best.data_ptr(), idx.data_ptr(), ok.data_ptr())  # fmt: skip
+
+    rows = b * n
+    threads = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
+    if threads == 1:
+        run(0, rows)
+    else:
+        step = -(-rows // threads)
+        jobs = [_pool(threads).submit(run, r, min(r + step, rows)) for r in range(0, rows, step)]
+        for job in jobs:
+            job.result()
+    cut = (b, n, pp)
+    return (best.view(*cut, k)[:, :, :p], idx.view(*cut, k)[:, :, :p].long(),
+            ok.view(cut)[:, :, :p].bool())  # fmt: skip
 
 
 def built() -> str:
