@@ -41,6 +41,19 @@ def caller_threads():
 
 
 @pytest.fixture
+def torch_kernels(monkeypatch):
+    """The native kernels off (``SEMIRING_BACKPROP_NATIVE=0``): the torch kernels, eager
+    and compiled, run, for tests of those; back on after."""
+    from semiring_backprop.kernels import native
+
+    monkeypatch.setenv("SEMIRING_BACKPROP_NATIVE", "0")
+    native.library.cache_clear()
+    yield
+    monkeypatch.undo()
+    native.library.cache_clear()
+
+
+@pytest.fixture
 def no_thread_setting(monkeypatch):
     """``SEMIRING_BACKPROP_THREADS`` unset (the library's default thread count)."""
     monkeypatch.delenv("SEMIRING_BACKPROP_THREADS", raising=False)

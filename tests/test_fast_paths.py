@@ -47,8 +47,8 @@ def _weights(m, p, batch=(), dtype=F64):
 
 
 @pytest.fixture
-def compiled(monkeypatch):
-    """Force the compiled kernels even on small problems."""
+def compiled(monkeypatch, torch_kernels):
+    """Force the compiled kernels even on small problems (the native ones off)."""
     monkeypatch.setattr(kernels, "MIN_WORK", 0)
     mode = kernels._state["compile"]
     kernels.set_compile(True)
@@ -141,7 +141,7 @@ def test_compiled_topk_semiring_equals_path_enumeration(compiled):
     assert ("maxplus_topk", F64, "cpu") in kernels._COMPILED_KEYS
 
 
-def test_auto_compiles_once_eager_work_would_have_paid_for_it(monkeypatch):
+def test_auto_compiles_once_eager_work_would_have_paid_for_it(monkeypatch, torch_kernels):
     """``auto``: eager while the eager work done so far costs less than one compilation
     (estimated from the problem sizes, not timed), compiled from then on; the values
     are the same either way."""

@@ -171,7 +171,9 @@ def test_every_experiments_defaults_pass_the_check():
         experiments.config(name, quick=True)
 
 
-def test_an_allocation_failure_is_a_clear_error_and_keeps_the_compiled_kernel(monkeypatch):
+def test_an_allocation_failure_is_a_clear_error_and_keeps_the_compiled_kernel(
+    monkeypatch, torch_kernels
+):
     """A pass that cannot allocate says what uses less, and the compiled kernel it ran
     out of memory in is not switched off for the rest of the process."""
     import semiring_backprop as sbp
@@ -323,7 +325,7 @@ def test_a_pass_that_cannot_fit_is_refused_before_it_runs(monkeypatch):
 
 
 def test_sizes_past_the_recompile_limit_run_eagerly_and_keep_the_compiled_kernel(
-    monkeypatch,
+    monkeypatch, torch_kernels
 ):
     """A kernel compiled for too many mixes of sizes (dims of size 1 are specialized)
     runs those sizes eagerly, the same values, and stays compiled for the sizes it was

@@ -32,12 +32,14 @@ class TopKReadout:
 
 def _stack(fields) -> torch.Tensor:
     """``torch.stack(fields, -1)``; a view, not a copy, where the fields are equally
-    spaced views of one tensor (as ``_unpack`` makes them, and as moves keep them)."""
+    spaced views of one tensor (as ``_unpack`` makes them, and as moves keep them), or
+    one view k times (a group broadcast along the k entries, as ``tag``'s element
+    indices are: stride 0)."""
     f0 = fields[0]
     if len(fields) > 1 and has_storage(f0):
         step = fields[1].storage_offset() - f0.storage_offset()
         shape, stride, storage = f0.shape, f0.stride(), f0.untyped_storage().data_ptr()
-        if step != 0 and all(
+        if all(
             f.shape == shape
             and f.stride() == stride
             and f.dtype == f0.dtype
