@@ -276,6 +276,25 @@ def _captum_ig(where, text, base, label, steps, method="gausslegendre") -> float
     return float(attr.sum())
 
 
+def test_a_baseline_reads_the_relevance_graph_unless_told(saved, tmp_path):
+    """With --baseline-text and no --ig-steps the CLI uses the recommended weights
+    (relevance: docs/faithfulness.md) and says so in the caption and the export;
+    --weights gradient gives attribution patching, the API's default."""
+    for flags, weights in (([], "relevance"), (["--weights", "gradient"], "gradient")):
+        out = tmp_path / weights
+        text, d, np_file = _classification_cli(saved, out, "--baseline-text", BASE, *flags)
+        want = _api(saved, baseline_text=BASE, weights=weights)
+        assert want.weights == weights and d["cfg"]["weights"] == weights
+        got = _sites(np_file)
+        assert set(got) == set(_api_sites(want))
+        for key, value in _api_sites(want).items():
+            assert math.isclose(got[key], value, rel_tol=1e-9, abs_tol=1e-12), key
+        assert ("relevance weights" in text.splitlines()[0]) == (weights == "relevance")
+    other = _api(saved, baseline_text=BASE)  # (the API's default: the gradient)
+    assert other.weights == "gradient"
+    assert _api_sites(other) != _api_sites(_api(saved, baseline_text=BASE, weights="relevance"))
+
+
 def test_ig_steps_give_the_apis_real_column_and_captums_total(saved, tmp_path):
     text, d, np_file = _classification_cli(saved, tmp_path, "--baseline-text", BASE,
                                            "--ig-steps", "4")  # fmt: skip

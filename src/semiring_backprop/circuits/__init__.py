@@ -196,12 +196,21 @@ class Circuit:
         return self.source if self.source is not None else self
 
     @property
+    def weights(self) -> str:
+        """The edge weights of the pass it was read from (DESIGN §3c): ``"gradient"`` or
+        ``"relevance"``."""
+        return getattr(getattr(self.full.result, "graph", None), "weights", "gradient")
+
+    @property
     def seeding(self) -> str:
         """How the paths were seeded, in words (``""`` for the default, the seed ``x``
         at the input), e.g. ``"seed x - x' (baseline), 8 IG steps (gausslegendre; Real
         only)"``."""
         said = [] if self.seed == "x" else [f"seed {self.seed}" + (
             " (baseline)" if self.seed == "x - x'" else "")]  # fmt: skip
+        if self.weights == "relevance":
+            said.append("relevance weights (norms' scale and the attention pattern held: "
+                        "nothing reaches a query or a key)")  # fmt: skip
         if self.ig_steps:
             only = "; Real only" if self.names != ["Real"] else ""
             said.append(f"{self.ig_steps} IG steps ({self.ig_method}{only})")

@@ -2,7 +2,8 @@
 
 * EAP-IG / MIB graph JSON (``Graph.from_json`` of the EAP-IG package): ``cfg``
   (``n_layers``, ``n_heads``, ``parallel_attn_mlp``, ``d_model``; and what EAP-IG does
-  not read: ``semiring``, the circuit's ``seed``, ``ig_steps`` and ``ig_method``), ``nodes``
+  not read: ``semiring``, the circuit's ``seed``, ``ig_steps``, ``ig_method`` and
+  ``weights``), ``nodes``
   ``{name: {in_graph, score}}`` and ``edges`` ``{"src->dst<q>": {score, in_graph}}``, with
   the node names ``input``, ``a{l}.h{h}``, ``m{l}`` and ``logits``. That graph has no
   positions: a node's or an edge's score is the ⊕ of its sites' values over positions
@@ -226,7 +227,8 @@ def eap_graph(circuit, semiring=None) -> dict:
     n_layers, n_heads = circuit.n_layers, circuit.n_heads
     cfg = {"n_layers": n_layers, "n_heads": n_heads, "parallel_attn_mlp": False,
            "d_model": int(circuit.d_model or 0), "semiring": col, "seed": circuit.seed,
-           "ig_steps": int(circuit.ig_steps), "ig_method": circuit.ig_method}  # fmt: skip
+           "ig_steps": int(circuit.ig_steps), "ig_method": circuit.ig_method,
+           "weights": circuit.weights}  # fmt: skip
     import pandas as pd
 
     rows = full.nodes[full.nodes.role != "residual"]

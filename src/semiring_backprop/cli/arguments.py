@@ -55,15 +55,16 @@ def task_arguments(p, pair: str, target: str) -> None:
     )
 
 
-def weights_argument(p) -> None:
-    """--weights: what each edge of the pass weighs (DESIGN §3c), for explain and circuit."""
+def weights_argument(p, default: str | None = "gradient", said: str = "default") -> None:
+    """--weights: what each edge of the pass weighs (DESIGN §3c), for explain and circuit
+    (``default`` None: the command chooses, as ``said`` tells)."""
     from ..engine.relevance import WEIGHTS
 
     p.add_argument(
         "--weights",
         choices=WEIGHTS,
-        default="gradient",
-        help="edge weights: gradient (the local derivatives, default) or relevance (the "
+        default=default,
+        help=f"edge weights: gradient (the local derivatives; {said}) or relevance (the "
         "local rules of relevance propagation as RelP applies them: norms' scale and the "
         "attention pattern held constant, activations as f(x)/x, the half rule for products)",
     )
