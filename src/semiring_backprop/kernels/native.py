@@ -5,7 +5,7 @@ has it; and TopK's k-best max-plus contraction (:func:`maxplus_kbest`: the k lar
 sums per output kept as it goes, most candidates rejected by one compare).
 
 Built on first use, not at install: the C++ file is compiled with the machine's compiler
-(``$CXX``, else ``c++`` or ``g++``; a second or so) for this CPU's vector width
+(``$CXX``, else ``c++`` or ``g++``; a few seconds) for this CPU's vector width
 (``torch.backends.cpu.get_cpu_capability()``) into a cache directory
 (``$SEMIRING_BACKPROP_CACHE``, else ``~/.cache/semiring_backprop``), once per source,
 flags and compiler; later processes load it (``SEMIRING_BACKPROP_KERNEL_FLAGS``: more
@@ -188,8 +188,10 @@ def pack(wt: torch.Tensor) -> Packed | None:
     """``wt`` (..., p, m) packed, where the native kernel is built and takes these
     weights (CPU, float32 / float64, every weight finite); None otherwise (the caller
     keeps ``wt``: the torch kernels read it as it is)."""
+    if wt.device.type != "cpu" or wt.dim() < 2 or 0 in wt.shape:  # (no build for these)
+        return None
     lib = library()
-    if lib is None or wt.dim() < 2 or not _weights_fit(wt) or 0 in wt.shape:
+    if lib is None or not _weights_fit(wt):
         return None
     wt = wt.detach()
     width = int(lib.sbp_tile_width(wt.element_size()))
@@ -225,10 +227,10 @@ def maxtimes(hi, lo, wt, argmax: bool):
     weights: ``(out_hi, j_hi, out_lo, j_lo)`` (``argmax``) or ``(out_hi, out_lo)``; None
     where the native kernel is not built or does not fit these tensors. The weights are
     packed on every call (one matrix where every batch reads the same)."""
-    lib = library()
-    if lib is None or 0 in hi.shape or wt.shape[-2] == 0 or not _weights_fit(wt):
+    if hi.device.type != "cpu" or 0 in hi.shape or wt.shape[-2] == 0:  # (no build for these)
         return None
-    if not _values_fit(hi, lo, wt.dtype):
+    lib = library()
+    if lib is None or not _weights_fit(wt) or not _values_fit(hi, lo, wt.dtype):
         return None
     width = int(lib.sbp_tile_width(hi.element_size()))
     return _run(lib, hi, lo, _panels(wt[:1] if _shared(wt) else wt, width), wt.shape[-2], argmax)
@@ -291,12 +293,12 @@ def maxplus_kbest(m, lwt, k: int):
     contract: where ``decided`` is False, a tie or too few finite sums leaves the k best
     to be ranked again); None where the kernel is not built or does not take these (a
     NaN or +inf among them, k past 8, not float32 / float64 on a CPU)."""
-    lib = library()
-    if lib is None or not 1 <= k <= int(lib.sbp_kbest_max()):
-        return None
     b, n, L = m.shape
     p = lwt.shape[-2]
     if 0 in (b, n, L, p) or m.device.type != "cpu" or lwt.device.type != "cpu":
+        return None
+    lib = library()
+    if lib is None or not 1 <= k <= int(lib.sbp_kbest_max()):
         return None
     if m.dtype not in (torch.float32, torch.float64) or lwt.dtype != m.dtype:
         return None
