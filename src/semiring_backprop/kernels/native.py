@@ -253,6 +253,19 @@ def maxtimes_packed(hi, lo, packed: Packed, argmax: bool):
     return tuple(o.reshape(*batch, *o.shape[-2:]) for o in outs)
 
 
+def _over_rows(run, rows: int) -> None:
+    """``run(r0, r1)`` over disjoint ranges of ``rows`` on ``torch.get_num_threads()``
+    threads (the C calls release the GIL), at least ``MIN_ROWS_PER_THREAD`` rows each."""
+    threads = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
+    if threads == 1:
+        run(0, rows)
+        return
+    step = -(-rows // threads)
+    jobs = [_pool(threads).submit(run, r, min(r + step, rows)) for r in range(0, rows, step)]
+    for job in jobs:
+        job.result()
+
+
 def _run(lib, hi, lo, panels, p: int, argmax: bool):
     """The C kernel on (B, n, m) fields and (1 or B, tiles, m, width) panels of p
     columns."""
@@ -271,15 +284,7 @@ def _run(lib, hi, lo, panels, p: int, argmax: bool):
         data = (hs.data_ptr(), ls.data_ptr(), panels.data_ptr(), live.data_ptr())
         fn(*data, n, m, pp, w_batch, r0, r1, *ptrs)
 
-    rows = b * n
-    threads = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
-    if threads == 1:
-        run(0, rows)
-    else:
-        step = -(-rows // threads)
-        jobs = [_pool(threads).submit(run, r, min(r + step, rows)) for r in range(0, rows, step)]
-        for job in jobs:
-            job.result()
+    _over_rows(run, b * n)
     got = [t.view(b, n, pp)[..., :p] for t in outs]
     if not argmax:
         return tuple(got)
@@ -322,15 +327,7 @@ def maxplus_kbest(m, lwt, k: int):
         fn(ms.data_ptr(), panels.data_ptr(), n, L, pp, w_batch, r0, r1, k,
            best.data_ptr(), idx.data_ptr(), ok.data_ptr())  # fmt: skip
 
-    rows = b * n
-    threads = max(1, min(torch.get_num_threads(), rows // MIN_ROWS_PER_THREAD))
-    if threads == 1:
-        run(0, rows)
-    else:
-        step = -(-rows // threads)
-        jobs = [_pool(threads).submit(run, r, min(r + step, rows)) for r in range(0, rows, step)]
-        for job in jobs:
-            job.result()
+    _over_rows(run, b * n)
     cut = (b, n, pp)
     return (best.view(*cut, k)[:, :, :p], idx.view(*cut, k)[:, :, :p].long(),
             ok.view(cut)[:, :, :p].bool())  # fmt: skip
