@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -55,8 +56,39 @@ def _slot_derivative(op, d_fn, i, args, kwargs):
     return op.cached(("d", i), lambda: _derivative(d_fn(op, *args, **kwargs), op.out))
 
 
+@dataclass(frozen=True)
+class Factored:
+    """A slot's derivative as the product ``outer * inner``: ``outer`` at the output's
+    elements, ``inner`` at the slot's own (a broadcast denominator's ``-out / b`` is
+    ``out`` times ``-1 / b``). The rule ⊗ ``outer``, ⊕-reduces over the broadcast dims,
+    then ⊗ ``inner``: the same paths with the same products (⊗ distributes over ⊕, and
+    lifting a product is the ⊗ of the lifts), without making the product at the
+    output's shape. A float factor is a constant (``sr.scale``)."""
+
+    outer: torch.Tensor | float
+    inner: torch.Tensor | float
+
+
 def _times(sr, value, d):
     return sr.scale(value, d) if isinstance(d, float) else sr.times(value, d)
+
+
+def _backward(sr, op, i, g, d, shape):
+    """Slot ``i``'s part of the rule: ``g`` ⊗ its derivative ``d``, ⊕-reduced to the
+    slot's ``shape``."""
+    if isinstance(d, Factored):
+        reduced = unbroadcast(sr, _edges(sr, op, i, _times(sr, g, d.outer)), shape)
+        return _times(sr, reduced, d.inner)
+    return unbroadcast(sr, _edges(sr, op, i, _times(sr, g, d)), shape)
+
+
+def _forward(sr, op, i, alpha, d):
+    """The transpose of :func:`_backward`: slot ``i``'s value copied along the broadcast
+    dims, ⊗ its derivative."""
+    if isinstance(d, Factored):
+        spread = broadcast(_times(sr, alpha, d.inner), op.out.shape, op.rows)
+        return _edges(sr, op, i, _times(sr, spread, d.outer))
+    return _edges(sr, op, i, _times(sr, broadcast(alpha, op.out.shape, op.rows), d))
 
 
 def _edges(sr, op, i, value):
@@ -77,7 +109,7 @@ def _pointwise_rule(derivs):
                 out.append(None)
                 continue
             d = _slot_derivative(op, d_fn, i, args, kwargs)
-            out.append(unbroadcast(sr, _edges(sr, op, i, _times(sr, g, d)), a.shape))
+            out.append(_backward(sr, op, i, g, d, a.shape))
         return out
 
     return rule
@@ -95,8 +127,7 @@ def _pointwise_forward(derivs):
             if d_fn is None or alpha is None or not _float_tensor(a):
                 continue
             d = _slot_derivative(op, d_fn, i, args, kwargs)
-            spread = broadcast(alpha, op.out.shape, op.rows)
-            parts.append(_edges(sr, op, i, _times(sr, spread, d)))
+            parts.append(_forward(sr, op, i, alpha, d))
         return oplus(sr, parts)
 
     return rows(forward)
@@ -104,6 +135,8 @@ def _pointwise_forward(derivs):
 
 def _derivative(d, like):
     """A tensor in ``like``'s dtype, or a Python float for a constant (``sr.scale``)."""
+    if isinstance(d, Factored):
+        return Factored(_derivative(d.outer, like), _derivative(d.inner, like))
     if isinstance(d, torch.Tensor):
         return d.to(like.dtype)
     return float(d)
@@ -166,7 +199,8 @@ pointwise(aten.sub.Scalar, lambda op, a, b, alpha=1: 1.0, reads=NONE)
 pointwise(aten.rsub.Scalar, lambda op, a, b, alpha=1: -alpha, reads=NONE)
 pointwise(aten.mul.Tensor, lambda op, a, b: b, lambda op, a, b: a, reads=_READS_MUL)
 pointwise(aten.mul.Scalar, lambda op, a, b: b, reads=NONE)
-pointwise(aten.div.Tensor, lambda op, a, b: 1.0 / b, lambda op, a, b: -op.out / b, reads=_reads_div)
+pointwise(aten.div.Tensor, lambda op, a, b: 1.0 / b, lambda op, a, b: Factored(op.out, -1.0 / b),
+          reads=_reads_div)
 pointwise(aten.div.Scalar, lambda op, a, b: 1.0 / b, reads=NONE)
 pointwise(aten.neg.default, lambda op, a: -1.0, reads=NONE)
 pointwise(aten.exp.default, lambda op, a: op.out, reads=OUT)
