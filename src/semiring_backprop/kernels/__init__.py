@@ -398,7 +398,16 @@ def _whole_ranked(x, k: int):
 
 def _undecided_again(best, idx, ok, m, lwt, rank):
     """Where a tie (or a NaN) decides the k best, ``rank`` them as before, from their sums
-    (the same bits, tie-breaks included: ``topk`` ranks each row by its own values)."""
+    (the same bits, tie-breaks included: ``topk`` ranks each row by its own values).
+    Where no sum is finite (a row of ``m`` without a path: most rows of D past the
+    explained positions), every such output ranks the same row of -inf sums: it is
+    ranked once and copied."""
+    dead = (best[..., 0] == -INF) & ~ok
+    if dead.any():
+        row = torch.full((1, m.shape[-1]), -INF, dtype=m.dtype, device=m.device)
+        v, ix = rank(row)
+        best[dead], idx[dead] = v[0], ix[0]
+        ok = ok | dead
     bad = (~ok).nonzero()
     step = chunk_rows(len(bad), 2 * m.shape[-1])
     for r in range(0, len(bad), step):
