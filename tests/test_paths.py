@@ -800,3 +800,34 @@ def test_reader_refuses_edge_weights_that_disagree_with_the_pass(reader, monkeyp
     with pytest.raises(sbp.errors.PathMismatchError, match="the path from") as info:
         read(res)
     assert sr.name in str(info.value)
+
+
+def test_topk_back_pointers_read_back_as_stamped():
+    """A TopK value's back-pointers are packed into one int64 per entry: what ``tag``
+    stamps (node, each element's flat index, each rank) is what ``pointers`` reads,
+    the largest node and element it takes included, and "no pointer" reads as node -1."""
+    from semiring_backprop.semirings import topk
+
+    sr = sbp.TopK(3)
+    like = torch.zeros(())
+    fresh = sr.one((2, 5), like)
+    _, _, node, element, rank = sr.pointers(fresh)
+    assert bool((node == -1).all())
+    for node_id in (0, 7, (1 << topk._NODE_BITS) - 1):
+        v, s, node, element, rank = sr.pointers(sr.tag(fresh, node_id))
+        assert bool((node == node_id).all())
+        assert torch.equal(element, torch.arange(10).view(2, 5, 1).expand(2, 5, 3))
+        assert torch.equal(rank, torch.arange(3).expand(2, 5, 3))
+        assert torch.equal(v, sr.pointers(fresh)[0]) and bool((s == 1).all())
+    big = torch.tensor([(1 << topk._ELEMENT_BITS) - 1]) << topk._ELEMENT_SHIFT
+    assert int(topk.unpack_pointers(big | 254)[1]) == (1 << topk._ELEMENT_BITS) - 1
+    assert int(topk.unpack_pointers(big | 254)[2]) == 254
+
+
+def test_topk_refuses_what_its_pointers_cannot_name():
+    sr = sbp.TopK(2)
+    one = sr.one((3,), torch.zeros(()))
+    with pytest.raises(sbp.InputError, match="node 524288"):
+        sr.tag(one, 1 << 19)
+    with pytest.raises(sbp.InputError, match="at most 255"):
+        sbp.TopK(256)

@@ -264,7 +264,7 @@ def _follow_topk(res, sr, s_idx, edges, node, e, r) -> Path:
     steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
     running, log_running = 1.0, 0.0
     while node is not out_node:
-        v, _, pn, pi, pr = (g.reshape(-1, sr.k)[e] for g in sr._pack(_raw(res, node, s_idx)))
+        v, _, pn, pi, pr = (g.reshape(-1, sr.k)[e] for g in sr.pointers(_raw(res, node, s_idx)))
         c_id, c_idx, c_rank = int(pn[r]), int(pi[r]), int(pr[r])
         if c_id < 0:
             raise _broken(node)

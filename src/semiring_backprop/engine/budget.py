@@ -163,6 +163,6 @@ def what_uses_less(suggest_keep: bool) -> str:
         " (paths and tables need keep=None);" if suggest_keep else ""
     )  # fmt: skip
     return (
-        f"What uses less:{keep} fewer semirings per pass (TopK holds 5k fields per "
+        f"What uses less:{keep} fewer semirings per pass (TopK holds 3k fields per "
         "element); float32 instead of float64; a shorter input or a smaller batch."
     )

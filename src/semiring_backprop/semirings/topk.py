@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,38 @@ from .base import (
     reduced_shape,
 )
 
-_GROUPS = ("v", "s", "node", "idx", "rank")
+_GROUPS = ("v", "s", "ptr")
+
+# a back-pointer (consumer node, flat element there, rank there) as one int64:
+# node << 44 | element << 8 | rank; -1 (every bit set) is "no pointer", and its node
+# reads back as -1 (an arithmetic shift)
+_RANK_BITS, _ELEMENT_BITS, _NODE_BITS = 8, 36, 19
+_ELEMENT_SHIFT = _RANK_BITS
+_NODE_SHIFT = _RANK_BITS + _ELEMENT_BITS
+
+
+def _pointers(node_id: int, shape, k: int, like: torch.Tensor) -> torch.Tensor:
+    """The back-pointers of a node's entries: ``(..., k)``, entry ``r`` of element ``i``
+    pointing at (``node_id``, ``i``, ``r``)."""
+    if node_id >= 1 << _NODE_BITS:
+        raise InputError(
+            f"TopK's back-pointers name graph nodes below {1 << _NODE_BITS}; this graph has "
+            f"node {node_id}: use MaxProduct for its top path, or explain a smaller model"
+        )
+    if math.prod(shape) >= 1 << _ELEMENT_BITS:
+        raise InputError(
+            f"TopK's back-pointers name elements below 2^{_ELEMENT_BITS}; node {node_id} has "
+            f"{math.prod(shape)} (shape {tuple(shape)}): explain fewer examples at once"
+        )
+    base = node_index(shape, like).mul_(1 << _ELEMENT_SHIFT).add_(node_id << _NODE_SHIFT)
+    return base[..., None] + torch.arange(k, device=like.device)
+
+
+def unpack_pointers(ptr: torch.Tensor):
+    """``(node, element, rank)`` of packed back-pointers; node -1 where there is none."""
+    node = ptr >> _NODE_SHIFT
+    element = (ptr >> _ELEMENT_SHIFT) & ((1 << _ELEMENT_BITS) - 1)
+    return node, element, ptr & ((1 << _RANK_BITS) - 1)
 
 
 @dataclass(frozen=True)
@@ -58,7 +90,8 @@ def _sign(w: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class TopK(Semiring):
     """The ``k`` heaviest paths by |product|. Fields: k log-magnitudes ``v``, k signs
-    ``s`` and, per entry, the back-pointer (consumer node, element, rank there).
+    ``s`` and, per entry, the back-pointer (consumer node, element, rank there) packed
+    into one int64 (:func:`unpack_pointers`; :meth:`pointers` reads them).
 
     The readout has ``values`` (signed products, heaviest first, in a last dimension of
     size ``k``) and ``log_abs``.
@@ -74,8 +107,10 @@ class TopK(Semiring):
     zero_weight_is_no_edge = True  # (log |0| = -inf)
 
     def __post_init__(self):
-        if not isinstance(self.k, int) or self.k < 1:
-            raise InputError(f"TopK(k={self.k!r}): k must be a positive integer")
+        if not isinstance(self.k, int) or not 1 <= self.k < 1 << _RANK_BITS:
+            raise InputError(
+                f"TopK(k={self.k!r}): k must be a positive integer, at most {(1 << _RANK_BITS) - 1}"
+            )
 
     @property
     def fields(self):
@@ -85,7 +120,7 @@ class TopK(Semiring):
     def name(self) -> str:
         return f"TopK({self.k})"
 
-    # values are tuples of 5k fields; inside the operations we stack them to (..., k)
+    # values are tuples of 3k fields; inside the operations we stack them to (..., k)
     def _pack(self, a: Value) -> list[torch.Tensor]:
         k = self.k
         return [_stack(a[i * k : (i + 1) * k]) for i in range(len(_GROUPS))]
@@ -93,10 +128,17 @@ class TopK(Semiring):
     def _unpack(self, groups) -> Value:
         return tuple(t for g in groups for t in g.unbind(-1))
 
+    def pointers(self, a: Value):
+        """``(log |value|, sign, node, element, rank)`` of a value, each ``(..., k)``:
+        entry ``r``'s path goes on to entry ``rank`` of ``element`` (flat) of graph node
+        ``node`` (-1: none)."""
+        v, s, ptr = self._pack(a)
+        return (v, s, *unpack_pointers(ptr))
+
     def _make(self, v):
         s = torch.ones_like(v)
         ptr = full_int(v.shape, -1, v)
-        return self._unpack([v, s, ptr, ptr, ptr])
+        return self._unpack([v, s, ptr])
 
     def zero(self, shape, like):
         v = torch.full((*shape, self.k), -INF, dtype=like.dtype, device=like.device)
@@ -108,12 +150,8 @@ class TopK(Semiring):
         return self._make(v)
 
     def tag(self, a, node_id):
-        v, s, _, _, _ = self._pack(a)
-        shape = v.shape[:-1]
-        node = full_int(v.shape, node_id, v)
-        idx = node_index(shape, v)[..., None].expand(v.shape)
-        rank = torch.arange(self.k, device=v.device).expand(v.shape)
-        return self._unpack([v, s, node, idx, rank])
+        v, s, _ = self._pack(a)
+        return self._unpack([v, s, _pointers(node_id, v.shape[:-1], self.k, v)])
 
     def _select(self, groups, cand_v, order_src=None):
         """Keep the k best of the trailing candidate dim; gather every group along."""
@@ -208,7 +246,7 @@ class TopK(Semiring):
         return self._pack(a)[0][..., 0]
 
     def finalize(self, a) -> TopKReadout:
-        v, s, *_ = self._pack(a)
+        v, s, _ = self._pack(a)
         return TopKReadout(
             values=torch.where(v > -INF, s * torch.exp(v), 0.0).to(v.dtype), log_abs=v
         )
