@@ -343,6 +343,37 @@ def test_reverse_pass_overflow_names_the_first_node(semirings, keep):
     torch.testing.assert_close(res.at(0, sbp.MaxAbs()).log, want.log().float())
 
 
+class _MovedScales(nn.Module):
+    """:class:`_Scales` with moves between the products (a view, a transpose, a slice):
+    nodes whose readers only move their elements, which the pass does not check."""
+
+    def forward(self, x):
+        x = (x * 1e15).relu()
+        x = (x.view(3, 2).t() * 1e15)[:, :3]
+        return x.reshape(6)[None] * 1e15 * 1e15
+
+
+def test_an_overflow_is_named_where_it_first_appears_past_moves():
+    from semiring_backprop.engine import forward
+    from semiring_backprop.engine.reverse import reverse
+
+    x = torch.full((2, 3), 1e-30)
+    g = sbp.trace(_MovedScales().eval(), (x,), output=total)
+    moved = {str(n.target).split(".")[1] for n in g.only_moved}
+    products = [n for n in g.nodes if str(n.target) == "aten.mul.Tensor"]
+    assert {"view", "slice", "clone"} <= moved  # (t is a permute in the trace)
+    assert not {p.args[0] for p in products} & g.only_moved  # a product's input: checked
+    assert next(n for n in g.nodes if str(n.target) == "aten.relu.default") in g.only_moved
+    for sr in (sbp.MaxProduct(), sbp.MaxProduct("tensor")):  # (checked at every node)
+        # D first overflows at the second product's input (1e45 past float32's range),
+        # as a pass that checks every node finds too
+        with raises(sbp.NonFiniteError, "overflowed", "node `permute`"):
+            sbp.backprop(_MovedScales().eval(), args=(x,), output=total, semirings=[sr])
+        with raises(sbp.NonFiniteError, "overflowed", "node `permute`"):
+            values = forward.run(g, (x,), {})
+            reverse(g, values, [sr], g.output_node, set(), check="every")
+
+
 class _NarrowInside(nn.Module):
     """A float64 input computed in float32 inside (as LlamaRMSNorm casts), then widened:
     the overflow is in float32 nodes, which float64 weights would not widen."""

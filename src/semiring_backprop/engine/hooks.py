@@ -83,7 +83,10 @@ class Lean(Hook):
 class Checks(Hook):
     """D checked for values no finite path product gives (see :func:`.reverse.reverse`):
     the statistics go to ``flags`` (node, semiring, 0-dim tensor), read at the end with
-    one host sync, or, where the caller gives ``flags``, left to it to read."""
+    one host sync, or, where the caller gives ``flags``, left to it to read. A node whose
+    readers only move its elements (``Graph.only_moved``) is not checked but with
+    ``check="every"`` or where paths end: an overflow there was in a reader's D, which
+    comes first in the pass."""
 
     def __init__(self, graph, semirings, check: str, flags: list | None = None):
         self.graph, self.semirings, self.check = graph, semirings, check
@@ -91,7 +94,10 @@ class Checks(Hook):
         self.flags = [] if flags is None else flags
 
     def done(self, node, d, ends):
-        at = ("node", "end") if self.check == "every" or ends else ("node",)
+        every = self.check == "every"
+        at = ("node", "end") if every or ends else ("node",)
+        if not (every or ends) and node in self.graph.only_moved:
+            return  # its D holds only elements of its readers' D, each checked there
         for s, sr in enumerate(self.semirings):
             if sr.overflow in at:
                 self.flags += [(node, sr, t) for t in sr.overflow_stats(d[s])]
