@@ -84,8 +84,9 @@ def reverse(
 
     D is checked for values no finite path product gives (float overflow: the forward
     values are checked finite), with one host sync at the end: at every node for
-    semirings whose ops can hide one (``Semiring.overflow == "node"``), where paths end
-    for the others. A :class:`NonFiniteError` names the first node (from the output)
+    semirings whose ops can hide one (``Semiring.overflow == "node"``; but nodes whose
+    readers only move their elements, ``Graph.only_moved``: a reader's D had it first),
+    where paths end for the others. A :class:`NonFiniteError` names the first node (from the output)
     where one appears; an :class:`~.hooks.Overflow` seen only where paths end asks the
     caller to run the pass again with ``check="every"`` to find that node. With ``flags``
     (a list), the statistics are appended to it instead, and not read: the caller reads
