@@ -617,3 +617,18 @@ def test_an_op_that_fails_on_the_given_inputs_names_the_node_and_module():
     graph = sbp.trace(Net(nn.Identity()), (x34(),), output=total)
     with raises(sbp.ForwardError, "`addmm`", "`lin`", "aten.addmm", "same dtype"):
         forward.run(graph, (x34().float(),), {})  # traced for float64
+
+
+def test_overflow_checks_read_a_graph_with_symbolic_sizes():
+    """A second length traces with symbolic sizes: nodes there hold SymInts (read by
+    ``expand``), which the overflow checks' reading of the graph takes as no tensor."""
+    from transformers import BertConfig, BertModel
+
+    cfg = BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=32, vocab_size=50)  # fmt: skip
+    model = BertModel(cfg, add_pooling_layer=False).eval()
+    bp = sbp.Backprop(model, lambda o: o.last_hidden_state[0, -1].sum(), [sbp.MaxProduct()])
+    for n in (5, 9):
+        x = torch.randn(1, n, 16)
+        res = bp(kwargs={"inputs_embeds": x})
+        assert res.at("inputs_embeds", sbp.MaxProduct()).hi.shape == (1, n, 16)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.export.graph_signature import OutputKind
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.utils import _pytree as pytree
 
 
@@ -189,6 +190,13 @@ def _moves(reader, node) -> bool:
     if reader.target in _MOVES or str(reader.target) == "semiring_backprop.mark.default":
         return True
     if reader.target in _MOVES_SAME_SHAPE:
-        a, b = node.meta.get("val"), reader.meta.get("val")
-        return a is not None and b is not None and tuple(a.shape) == tuple(b.shape)
+        return _same_shape(node.meta.get("val"), reader.meta.get("val"))
     return False
+
+
+def _same_shape(a, b) -> bool:
+    """Whether two traced values are tensors of one shape (symbolic sizes: where that is
+    known without a guard)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
+        return False
+    return all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True))
