@@ -8,8 +8,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.export.graph_signature import OutputKind
-from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.utils import _pytree as pytree
 
 
 @dataclass
@@ -71,14 +69,6 @@ class Graph:
             ):
                 out.add(node)
         return frozenset(out)
-
-    @functools.cached_property
-    def only_moved(self) -> frozenset:
-        """Nodes every reader of which moves the node's elements and nothing else (a
-        view, a permute, a module mark, a slice, ``where``'s branch of the output's
-        shape, ...; each reading it once): a D there holds only elements of its
-        readers' D, or ⊕s of them across readers, or the zero."""
-        return frozenset(n for n in self.nodes if n.users and all(_moves(u, n) for u in n.users))
 
     @functools.cached_property
     def input_shapes(self) -> dict:
@@ -166,37 +156,3 @@ class Graph:
 def is_random(node) -> bool:
     tags = getattr(node.target, "tags", ())
     return torch.Tag.nondeterministic_seeded in tags
-
-
-_aten = torch.ops.aten
-#: ops whose every output element is one input element (or none): a D moves back as it is
-_MOVES = frozenset({
-    _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default,
-    _aten.permute.default, _aten.transpose.int, _aten.t.default, _aten.unsqueeze.default,
-    _aten.squeeze.default, _aten.squeeze.dim, _aten.squeeze.dims, _aten.clone.default,
-    _aten.alias.default, _aten.slice.Tensor, _aten.select.int, _aten.contiguous.default,
-})  # fmt: skip
-#: and those that move it where the input has the output's shape (no broadcast to sum)
-_MOVES_SAME_SHAPE = frozenset({_aten.where.self, _aten.expand.default})
-
-
-def _moves(reader, node) -> bool:
-    """Whether ``reader`` only moves ``node``'s elements (read once, no sum over a
-    broadcast)."""
-    if reader.op != "call_function":
-        return False
-    if sum(a is node for a in pytree.tree_leaves((reader.args, reader.kwargs))) != 1:
-        return False
-    if reader.target in _MOVES or str(reader.target) == "semiring_backprop.mark.default":
-        return True
-    if reader.target in _MOVES_SAME_SHAPE:
-        return _same_shape(node.meta.get("val"), reader.meta.get("val"))
-    return False
-
-
-def _same_shape(a, b) -> bool:
-    """Whether two traced values are tensors of one shape (symbolic sizes: where that is
-    known without a guard)."""
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
-        return False
-    return all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True))

@@ -25,6 +25,7 @@ import torch
 
 from ..errors import InputError, NotFoundError, PathMismatchError
 from ..semirings import MaxAbs, MaxProduct, TopK
+from ..semirings.topk import unpack_pointers
 from ..tracing.trace import mark_module
 from ._pointers import _STALE, _broken, _Edges, _Pointers, _raw, _tol, _unravel
 from .steps import Path, Step
@@ -264,7 +265,8 @@ def _follow_topk(res, sr, s_idx, edges, node, e, r) -> Path:
     steps = [_step(res, node, _unravel(e, shape(node)), None, 1.0)]
     running, log_running = 1.0, 0.0
     while node is not out_node:
-        v, _, pn, pi, pr = (g.reshape(-1, sr.k)[e] for g in sr.pointers(_raw(res, node, s_idx)))
+        v, _, ptr = (g.reshape(-1, sr.k)[e] for g in sr._pack(_raw(res, node, s_idx)))
+        pn, pi, pr = unpack_pointers(ptr)  # (this element's alone)
         c_id, c_idx, c_rank = int(pn[r]), int(pi[r]), int(pr[r])
         if c_id < 0:
             raise _broken(node)

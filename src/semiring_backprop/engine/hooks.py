@@ -14,9 +14,12 @@ run. The node sets a pass follows and stores are sets, or :data:`EVERY`.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..errors import NonFiniteError, where
+from ..rules.routing import only_moves
 from ..semirings.base import overflowed
 from . import liveness
 
@@ -84,7 +87,7 @@ class Checks(Hook):
     """D checked for values no finite path product gives (see :func:`.reverse.reverse`):
     the statistics go to ``flags`` (node, semiring, 0-dim tensor), read at the end with
     one host sync, or, where the caller gives ``flags``, left to it to read. A node whose
-    readers only move its elements (``Graph.only_moved``) is not checked but with
+    readers only move its elements (:func:`only_moved`) is not checked but with
     ``check="every"`` or where paths end: an overflow there was in a reader's D, which
     comes first in the pass."""
 
@@ -94,10 +97,10 @@ class Checks(Hook):
         self.flags = [] if flags is None else flags
 
     def done(self, node, d, ends):
-        every = self.check == "every"
-        at = ("node", "end") if every or ends else ("node",)
-        if not (every or ends) and node in self.graph.only_moved:
+        whole = self.check == "every" or ends
+        if not whole and node in only_moved(self.graph):
             return  # its D holds only elements of its readers' D, each checked there
+        at = ("node", "end") if whole else ("node",)
         for s, sr in enumerate(self.semirings):
             if sr.overflow in at:
                 self.flags += [(node, sr, t) for t in sr.overflow_stats(d[s])]
@@ -155,6 +158,22 @@ def _overflow(graph, node, sr, cls=NonFiniteError) -> NonFiniteError:
         f"the float range). {fix}: MaxAbs for the top path's |product|, LogAbs for the "
         "total gradient flow."
     )
+
+
+_ONLY_MOVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fx graph -> nodes
+
+
+def only_moved(graph) -> frozenset:
+    """Nodes of ``graph`` every reader of which moves the node's elements and nothing
+    else (:func:`..rules.routing.only_moves`: a view, a permute, a module mark, a slice,
+    ``where``'s branch of the output's shape, ...): a D there holds only elements of its
+    readers' D, or ⊕s of them across readers, or the zero. Found once per graph."""
+    found = _ONLY_MOVED.get(graph.graph)
+    if found is None:
+        found = _ONLY_MOVED[graph.graph] = frozenset(
+            n for n in graph.nodes if n.users and all(only_moves(u, n) for u in n.users)
+        )
+    return found
 
 
 def check_flags(graph, flags: list, check) -> None:

@@ -85,17 +85,18 @@ def reverse(
     D is checked for values no finite path product gives (float overflow: the forward
     values are checked finite), with one host sync at the end: at every node for
     semirings whose ops can hide one (``Semiring.overflow == "node"``; but nodes whose
-    readers only move their elements, ``Graph.only_moved``: a reader's D had it first),
-    where paths end for the others. A :class:`NonFiniteError` names the first node (from the output)
-    where one appears; an :class:`~.hooks.Overflow` seen only where paths end asks the
-    caller to run the pass again with ``check="every"`` to find that node. With ``flags``
-    (a list), the statistics are appended to it instead, and not read: the caller reads
-    them with :func:`~.hooks.check_flags` (a pass captured as a CUDA graph reads them
-    after each replay). ``store_at`` (a set of nodes): D is stored for those only, while
-    every forward value stays (unlike ``keep``). ``snapshots`` (``{node id: None}``): at
-    each of these ids, before its node's rule runs, the partial sums are copied there
-    (the state to run the pass on from, see :mod:`checkpoints`); ``reached`` (a set)
-    collects every node that gets a D. Each option is a hook of :mod:`.hooks`.
+    readers only move their elements, ``hooks.only_moved``: a reader's D had it first),
+    where paths end for the others. A :class:`NonFiniteError` names the first node
+    (from the output) where one appears; an :class:`~.hooks.Overflow` seen only where
+    paths end asks the caller to run the pass again with ``check="every"`` to find that
+    node. With ``flags`` (a list), the statistics are appended to it instead, and not
+    read: the caller reads them with :func:`~.hooks.check_flags` (a pass captured as a
+    CUDA graph reads them after each replay). ``store_at`` (a set of nodes): D is stored
+    for those only, while every forward value stays (unlike ``keep``). ``snapshots``
+    (``{node id: None}``): at each of these ids, before its node's rule runs, the
+    partial sums are copied there (the state to run the pass on from, see
+    :mod:`checkpoints`); ``reached`` (a set) collects every node that gets a D. Each
+    option is a hook of :mod:`.hooks`.
     """
     needed = needed_nodes(graph, seed_node)
     if seed_node not in needed:

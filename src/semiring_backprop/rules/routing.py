@@ -13,6 +13,8 @@ element has at most one source, so they gather (the zero where there is none).
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.utils import _pytree as pytree
 
 from ..semirings.base import fmap, fmap2, has_storage
 from ..tracing import ops as _ops  # noqa: F401  (defines the mark op)
@@ -42,6 +44,36 @@ RESHAPES = [
     torch.ops.semiring_backprop.mark.default,
 ]
 register(RESHAPES, "routing", reads=reads_nothing)(reshape_back)
+
+
+#: ops whose every output element is one input element (or none): a D moves back as it
+#: is, no arithmetic (``engine.hooks.only_moved``)
+MOVES = frozenset([*RESHAPES, aten.permute.default, aten.transpose.int, aten.t.default,
+                   aten.slice.Tensor, aten.select.int])  # fmt: skip
+#: and those that do so where the input has the output's shape (no broadcast to sum)
+MOVES_SAME_SHAPE = frozenset([aten.where.self, aten.expand.default])
+
+
+def only_moves(reader, node) -> bool:
+    """Whether graph node ``reader`` only moves ``node``'s elements (reads it once, sums
+    over no broadcast)."""
+    if reader.op != "call_function":
+        return False
+    if sum(a is node for a in pytree.tree_leaves((reader.args, reader.kwargs))) != 1:
+        return False
+    if reader.target in MOVES:
+        return True
+    return reader.target in MOVES_SAME_SHAPE and _same_shape(
+        node.meta.get("val"), reader.meta.get("val")
+    )
+
+
+def _same_shape(a, b) -> bool:
+    """Whether two traced values are tensors of one shape (symbolic sizes: where that is
+    known without a guard)."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dim() != b.dim():
+        return False
+    return all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True))
 
 
 @register_forward(RESHAPES)
